@@ -1,0 +1,304 @@
+"""Every message that crosses the Switchyard bus, in one module.
+
+Each message is a msgspec Struct tagged with its `kind`, so one decoder reads any frame and a
+receiver can tell at once what it got. Bulk numeric data (token ids, logprobs, offsets) does not
+travel inside the msgpack body: a message lists those fields in `FRAMES`, and the codec
+(`libs.protocol.codec`) sends each as a raw little-endian array in an extra frame.
+
+Field comments say who fills a field and what it means; the flow of a request is in DESIGN.md §3.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+# Bumped when a message changes incompatibly; a receiver drops frames of another version.
+WIRE_VERSION = 1
+
+
+class Message(msgspec.Struct, tag_field="kind", kw_only=True):
+    """Base of every bus message. `FRAMES` names the fields carried as raw arrays, with dtypes."""
+
+    FRAMES: ClassVar[tuple[tuple[str, str], ...]] = ()
+    v: int = WIRE_VERSION
+
+
+# --------------------------------------------------------------------------------------------
+# Requests: http → intake → tokenizer → admit → router → scheduler
+
+
+class Parameters(msgspec.Struct, kw_only=True):
+    """TGI's generation parameters as the client sent them (None = not given); checked by the tokenizer."""
+
+    max_new_tokens: int | None = None
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = []
+    details: bool = False
+    return_full_text: bool | None = None
+    truncate: int | None = None
+
+
+class GenerateRequest(Message, tag="generate", kw_only=True):
+    """A new request from an http process, before validation (http → intake → a tokenizer)."""
+
+    request_id: str  # 32 hex chars, chosen by http; the key of the request everywhere
+    ingress: int  # index of the http process that owns the client connection
+    inputs: str  # the prompt text
+    parameters: Parameters
+    add_special_tokens: bool = True
+    received_at: float = 0.0  # unix time the http process read the request
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, array_like=True):
+    """What the shard needs to pick a token, resolved from Parameters by the tokenizer."""
+
+    do_sample: bool = False  # False = greedy (argmax)
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int = 0  # seeds the request's own generator when sampling
+
+
+class TokenizedRequest(Message, tag="tokenized", kw_only=True):
+    """A validated, tokenized request (tokenizer → admit → router → replica in).
+
+    The router forwards the same message to the chosen scheduler with `replica` and
+    `detokenizer` filled in.
+    """
+
+    FRAMES = (("input_ids", "<i4"),)
+
+    def check(self) -> None:
+        if len(self.input_ids) == 0 or self.max_new_tokens < 1:
+            raise ValueError("a tokenized request needs input ids and max_new_tokens >= 1")
+
+    request_id: str
+    ingress: int
+    input_ids: Any = None  # np.ndarray[int32], the prompt after truncation (raw frame)
+    sampling: SamplingParams
+    max_new_tokens: int  # resolved: never None here
+    stop: list[str] = []  # stop sequences, matched by the detokenizer
+    seed: int | None = None  # seed to report in details (None when greedy)
+    received_at: float = 0.0
+    replica: int = -1  # set by the router
+    detokenizer: int = -1  # set by the router: the detokenizer shard that streams this request
+
+
+# --------------------------------------------------------------------------------------------
+# Scheduler ↔ shards (replica plan PUB / results PULL)
+
+
+class NewSequence(msgspec.Struct, array_like=True):
+    """A sequence the shard has not seen: its key in the plan and how to sample it."""
+
+    seq: int  # the scheduler's small integer handle for the request
+    sampling: SamplingParams
+
+
+class StepPlan(Message, tag="plan", kw_only=True):
+    """One model step (scheduler → every shard of a replica).
+
+    A plan is a diff: `new` introduces sequences, `blocks` appends KV blocks to a sequence's block
+    table, `finished` lets the shard drop per-sequence state. The rows then say, per sequence,
+    which tokens to feed at which position. Step 0 with no rows is the subscription probe.
+    """
+
+    FRAMES = (
+        ("seqs", "<i4"),  # per row: sequence handle
+        ("num_tokens", "<i4"),  # per row: tokens fed this step (prompt length, or 1 for a decode)
+        ("context_lens", "<i4"),  # per row: tokens already in the KV cache before this step
+        ("token_ids", "<i4"),  # the fed tokens of all rows, concatenated
+        ("sample", "u1"),  # per row: 1 if the row's last position yields a token this step
+    )
+
+    step: int
+    new: list[NewSequence] = []
+    blocks: dict[int, list[int]] = {}  # seq → block ids appended to its table, in order
+    finished: list[int] = []  # seqs whose state the shard can drop
+    seqs: Any = None
+    num_tokens: Any = None
+    context_lens: Any = None
+    token_ids: Any = None
+    sample: Any = None
+
+    def check(self) -> None:
+        n = len(self.seqs)
+        if not len(self.num_tokens) == len(self.context_lens) == len(self.sample) == n:
+            raise ValueError("plan rows of unequal length")
+        if int(self.num_tokens.sum()) != len(self.token_ids):
+            raise ValueError("plan token ids do not match num_tokens")
+
+
+class StepResult(Message, tag="result", kw_only=True):
+    """The tokens sampled in one step (shard rank 0 → scheduler)."""
+
+    FRAMES = (("seqs", "<i4"), ("token_ids", "<i4"), ("logprobs", "<f4"))
+
+    step: int
+    rank: int = 0
+    forward_s: float = 0.0  # seconds the shard spent in the forward pass and sampling
+    error: str | None = None  # set when the step failed; the scheduler fails its requests
+    seqs: Any = None
+    token_ids: Any = None
+    logprobs: Any = None
+
+    def check(self) -> None:
+        if not len(self.seqs) == len(self.token_ids) == len(self.logprobs):
+            raise ValueError("result rows of unequal length")
+
+
+class ShardReady(Message, tag="shard_ready", kw_only=True):
+    """A shard has loaded its model and wants plans (shard → scheduler, repeated until a plan comes)."""
+
+    rank: int
+    pid: int
+    num_blocks: int
+
+
+# --------------------------------------------------------------------------------------------
+# Event bus (router XSUB/XPUB proxy), by topic; see libs.protocol.topics
+
+
+class Hello(Message, tag="hello", kw_only=True):
+    """Published by a subscriber on its own topic: hearing it back proves the subscription is live."""
+
+    nonce: str
+
+
+class Accepted(Message, tag="accepted", kw_only=True):
+    """The router placed a request (router → out.<ingress>)."""
+
+    request_id: str
+    replica: int
+    input_length: int
+
+
+class RequestError(Message, tag="error", kw_only=True):
+    """A request failed; this ends it (any service → out.<ingress>). TGI's error shape."""
+
+    request_id: str
+    message: str  # TGI's `error`, e.g. "Input validation error: `inputs` cannot be empty"
+    error_type: str  # TGI's `error_type`: validation, overloaded, generation, …
+
+
+class StreamOpen(msgspec.Struct, kw_only=True, array_like=True):
+    """What a detokenizer must know about a request before its first token row."""
+
+    request_id: str
+    ingress: int
+    replica: int
+    input_length: int
+    prompt_tail: list[int]  # the last ≤5 prompt ids: left context for clean incremental decoding
+    stop: list[str] = []
+    seed: int | None = None
+
+
+# finish codes in TokenBatch.finish
+FINISH_NONE, FINISH_LENGTH, FINISH_EOS, FINISH_ABORTED, FINISH_ERROR = 0, 1, 2, 3, 4
+FINISH_NAMES = {FINISH_LENGTH: "length", FINISH_EOS: "eos_token", FINISH_ABORTED: "aborted"}
+
+
+class TokenBatch(Message, tag="tokens", kw_only=True):
+    """Sampled tokens for one detokenizer shard, one row per request and step (scheduler → tok.<k>).
+
+    `opens` introduces requests whose first row is in this batch. A row's offset is the token's
+    index in the request's output (0-based), so a receiver sees duplicates and gaps.
+    """
+
+    FRAMES = (
+        ("offsets", "<u4"),
+        ("token_ids", "<i4"),
+        ("logprobs", "<f4"),
+        ("finish", "u1"),  # FINISH_* per row
+    )
+
+    replica: int
+    request_ids: list[str]
+    opens: list[StreamOpen] = []
+    offsets: Any = None
+    token_ids: Any = None
+    logprobs: Any = None
+    finish: Any = None
+
+    def check(self) -> None:
+        n = len(self.request_ids)
+        if not len(self.offsets) == len(self.token_ids) == len(self.logprobs) == len(self.finish) == n:
+            raise ValueError("token batch rows of unequal length")
+
+
+class FinalInfo(msgspec.Struct, kw_only=True, array_like=True):
+    """The end of a request's stream, as TGI reports it."""
+
+    generated_text: str
+    finish_reason: str  # length | eos_token | stop_sequence | aborted
+    generated_tokens: int
+    input_length: int
+    seed: int | None = None
+
+
+class TextRow(msgspec.Struct, kw_only=True, array_like=True):
+    """One generated token with its text (TGI's `Token`), and the final info on the last row."""
+
+    request_id: str
+    index: int  # 1-based, as TGI's stream `index`
+    token_id: int
+    text: str  # incremental text of this token (may be "" while bytes are held back)
+    logprob: float
+    special: bool
+    final: FinalInfo | None = None
+
+
+class TextBatch(Message, tag="text", kw_only=True):
+    """Detokenized rows for the requests of one http process (detokenizer → out.<ingress>)."""
+
+    rows: list[TextRow]
+
+
+class Abort(Message, tag="abort", kw_only=True):
+    """Stop a request: its client went away (http → ctl.<replica>). Idempotent."""
+
+    request_id: str
+
+
+class StopHit(Message, tag="stop_hit", kw_only=True):
+    """A stop sequence matched; the scheduler should finish the request (detokenizer → ctl.<replica>)."""
+
+    request_id: str
+    generated_tokens: int
+
+
+class Heartbeat(Message, tag="hb", kw_only=True):
+    """Liveness and load of one process, once a second (every process → hb.<role>.<n>)."""
+
+    role: str
+    index: int
+    pid: int
+    ready: bool = True  # False while starting (e.g. a scheduler whose shards are not ready)
+    queue: int = 0  # requests waiting
+    running: int = 0  # requests in the running batch
+    free_blocks: int = 0
+    total_blocks: int = 0
+    counters: dict[str, int] = {}  # monotonic counters of the process (steps, tokens, …)
+
+
+ANY_MESSAGE = (
+    GenerateRequest
+    | TokenizedRequest
+    | StepPlan
+    | StepResult
+    | ShardReady
+    | Hello
+    | Accepted
+    | RequestError
+    | TokenBatch
+    | TextBatch
+    | Abort
+    | StopHit
+    | Heartbeat
+)
