@@ -1,0 +1,1 @@
+"""Scheduler: continuous batching over a paged KV cache, one per model replica."""

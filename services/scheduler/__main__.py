@@ -1,0 +1,201 @@
+"""`python -m services.scheduler`: one replica's batching loop.
+
+The loop plans a step, publishes it to the replica's shards, and while the shard computes it
+takes in new requests and control messages, so the next plan is ready when the tokens come back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+import numpy as np
+import zmq
+
+from libs.protocol import Addresses, topics
+from libs.protocol.messages import (
+    FINISH_ERROR,
+    Abort,
+    RequestError,
+    ShardReady,
+    StepPlan,
+    StepResult,
+    StopHit,
+    StreamOpen,
+    TokenBatch,
+    TokenizedRequest,
+)
+from libs.runtime import bus, logs
+from libs.runtime.settings import Settings
+from services.scheduler.batcher import Batcher, Emitted
+
+ROLE = "scheduler"
+
+
+def eos_token_ids(model_path: str) -> set[int]:
+    """EOS ids as generate() uses them: generation_config.json, else config.json."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_path, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                return set(eos) if isinstance(eos, list) else {eos}
+    return set()
+
+
+class SchedulerService:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.replica = r = settings.index
+        addresses = Addresses.parse(settings.bus)
+        self.inbox = bus.socket(zmq.PULL, bind=addresses.replica(r, "in"))
+        self.plans = bus.socket(zmq.PUB, bind=addresses.replica(r, "plan"))
+        self.results = bus.socket(zmq.PULL, bind=addresses.replica(r, "results"))
+        self.events = bus.EventBus(addresses, ROLE, r, subscribe=[topics.ctl(r)])
+        self.batcher = Batcher(
+            settings.num_blocks,
+            max_batch_size=settings.max_batch_size,
+            max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
+            eos_ids=eos_token_ids(settings.model_path),
+        )
+        self.ready = False  # shards answered the probe plan
+        self.step = 0
+        self.pending_ctl: list[Abort | StopHit] = []
+        self.poller = zmq.Poller()
+        for sock in (self.inbox, self.results, self.events.sub):
+            self.poller.register(sock, zmq.POLLIN)
+
+    # ---- input handling -------------------------------------------------------------------
+    def _take(self, sock: zmq.Socket) -> StepResult | None:
+        """Handle one message from `sock`; a StepResult is returned to the caller."""
+        if sock is self.events.sub:
+            got = self.events.recv()
+            if got and isinstance(got[1], (Abort, StopHit)):
+                self.pending_ctl.append(got[1])
+            return None
+        msg = bus.recv(sock)
+        if isinstance(msg, TokenizedRequest):
+            self.batcher.add(msg)
+        elif isinstance(msg, ShardReady):
+            self.log.info("shard %d ready (pid %d); probing", msg.rank, msg.pid)
+            bus.send(self.plans, StepPlan(step=0))
+        elif isinstance(msg, StepResult):
+            if msg.step == 0 and not self.ready:
+                self.ready = True
+                self.log.info("shards ready")
+            return msg
+        return None
+
+    def _apply_ctl(self) -> None:
+        for msg in self.pending_ctl:
+            ended = self.batcher.finish(msg.request_id)
+            if ended is not None and isinstance(msg, Abort):
+                self._publish([ended])
+        self.pending_ctl.clear()
+
+    # ---- output ---------------------------------------------------------------------------
+    def _publish(self, rows: list[Emitted]) -> None:
+        """One columnar token batch per detokenizer shard."""
+        by_detok: dict[int, list[Emitted]] = defaultdict(list)
+        for row in rows:
+            by_detok[row.seq.req.detokenizer].append(row)
+        for k, group in by_detok.items():
+            opens = []
+            for row in group:
+                if not row.seq.opened:
+                    row.seq.opened = True
+                    req = row.seq.req
+                    opens.append(
+                        StreamOpen(
+                            request_id=req.request_id,
+                            ingress=req.ingress,
+                            replica=self.replica,
+                            input_length=len(req.input_ids),
+                            prompt_tail=req.input_ids[-5:].tolist(),
+                            stop=req.stop,
+                            seed=req.seed,
+                        )
+                    )
+            batch = TokenBatch(
+                replica=self.replica,
+                request_ids=[row.seq.req.request_id for row in group],
+                opens=opens,
+                offsets=np.fromiter((row.offset for row in group), np.uint32, len(group)),
+                token_ids=np.fromiter((row.token_id for row in group), np.int32, len(group)),
+                logprobs=np.fromiter((row.logprob for row in group), np.float32, len(group)),
+                finish=np.fromiter((row.finish for row in group), np.uint8, len(group)),
+            )
+            self.events.publish(topics.tok(k), batch)
+
+    def _fail_running(self, error: str) -> None:
+        self.log.error("step failed: %s", error)
+        rows = []
+        for s in list(self.batcher.running.values()):
+            req = s.req
+            message = f"Request failed during generation: Server error: {error}"
+            err = RequestError(request_id=req.request_id, message=message, error_type="generation")
+            self.events.publish(topics.out(req.ingress), err)
+            rows.append(self.batcher.finish(req.request_id, FINISH_ERROR))
+        self._publish([r for r in rows if r is not None])
+
+    # ---- the loop -------------------------------------------------------------------------
+    def run_step(self) -> bool:
+        plan = self.batcher.plan(self.step + 1)
+        if plan is None:
+            return False
+        self.step = plan.step
+        bus.send(self.plans, plan)
+        result = None
+        while result is None or result.step != self.step:
+            for sock, _ in self.poller.poll(1000):
+                got = self._take(sock)
+                if got is not None:
+                    result = got
+            self.events.heartbeat(**self.load())
+        if result.error:
+            self._fail_running(result.error)
+        else:
+            self._publish(self.batcher.apply(result))
+        self._apply_ctl()
+        return True
+
+    def load(self) -> dict:
+        b = self.batcher
+        return {
+            "ready": self.ready,
+            "queue": len(b.waiting),
+            "running": len(b.running),
+            "free_blocks": b.allocator.free,
+            "total_blocks": b.allocator.num_blocks,
+            "counters": b.counters,
+        }
+
+    def run(self) -> None:
+        self.log = logs.setup(ROLE, self.replica)
+        self.events.start()
+        while True:
+            busy = self.ready and self.batcher.has_work() and self.run_step()
+            for sock, _ in self.poller.poll(0 if busy else 500):
+                self._take(sock)
+            self._apply_ctl()
+            self.events.heartbeat(**self.load())
+
+
+def main() -> None:
+    settings = Settings.from_env()
+    log = logs.setup(ROLE, settings.index)
+    bus.exit_on_sigterm()
+    try:
+        service = SchedulerService(settings)
+        log.info("scheduler for replica %d: %d KV blocks", settings.index, settings.num_blocks)
+        service.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        bus.context().destroy(linger=0)
+
+
+if __name__ == "__main__":
+    main()
