@@ -1,0 +1,145 @@
+"""`python -m services.detokenizer`: token rows in (tok.<k>), text rows out (out.<ingress>)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAYON_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from libs.protocol import Addresses, topics
+from libs.protocol.messages import (
+    FINISH_NAMES,
+    FINISH_NONE,
+    FinalInfo,
+    StopHit,
+    StreamOpen,
+    TextBatch,
+    TextRow,
+    TokenBatch,
+)
+from libs.runtime import bus, logs
+from libs.runtime.settings import Settings
+from services.detokenizer.incremental import IncrementalDecoder
+from services.detokenizer.stops import StopMatcher
+
+ROLE = "detokenizer"
+FORGET_AFTER = 10_000  # ended request ids remembered, so late rows are dropped quietly
+
+
+@dataclass
+class Stream:
+    open: StreamOpen
+    decoder: IncrementalDecoder
+    stops: StopMatcher
+    next_offset: int = 0
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.streams: dict[str, Stream] = {}
+        self.ended: OrderedDict[str, None] = OrderedDict()
+        self.tokens = 0
+
+    def handle(self, batch: TokenBatch) -> tuple[dict[int, list[TextRow]], list[StopHit]]:
+        """Text rows per ingress, and the stop-sequence hits to tell the scheduler."""
+        for o in batch.opens:
+            if o.request_id not in self.streams and o.request_id not in self.ended:
+                decoder = IncrementalDecoder(self.tokenizer, o.prompt_tail)
+                self.streams[o.request_id] = Stream(o, decoder, StopMatcher(o.stop))
+        out: dict[int, list[TextRow]] = defaultdict(list)
+        hits = []
+        rows = zip(batch.request_ids, batch.offsets.tolist(), batch.token_ids.tolist(), batch.logprobs.tolist())
+        for (rid, offset, token, logprob), finish in zip(rows, batch.finish.tolist()):
+            st = self.streams.get(rid)
+            if st is None or offset < st.next_offset:
+                continue  # ended already, or a duplicate
+            if token < 0:  # an end without a token (abort, failure)
+                self._end(rid)
+                if finish in FINISH_NAMES:
+                    out[st.open.ingress].append(self._final_row(st, offset, FINISH_NAMES[finish], token, "", 0.0))
+                continue
+            st.next_offset = offset + 1
+            self.tokens += 1
+            text = st.decoder.push(token)
+            reason = FINISH_NAMES.get(finish) if finish != FINISH_NONE else None
+            if reason is None and st.stops.push(text):
+                reason = "stop_sequence"
+                hits.append(StopHit(request_id=rid, generated_tokens=offset + 1))
+            if reason is None:
+                row = TextRow(
+                    request_id=rid,
+                    index=offset + 1,
+                    token_id=token,
+                    text=text,
+                    logprob=logprob,
+                    special=st.decoder.special(token),
+                )
+            else:
+                row = self._final_row(st, offset + 1, reason, token, text, logprob)
+                self._end(rid)
+            out[st.open.ingress].append(row)
+        return out, hits
+
+    def _final_row(self, st: Stream, generated: int, reason: str, token: int, text: str, logprob: float) -> TextRow:
+        o = st.open
+        final = FinalInfo(
+            generated_text=st.decoder.final_text(),
+            finish_reason=reason,
+            generated_tokens=generated,
+            input_length=o.input_length,
+            seed=o.seed,
+        )
+        special = token >= 0 and st.decoder.special(token)
+        return TextRow(
+            request_id=o.request_id,
+            index=generated,
+            token_id=token,
+            text=text,
+            logprob=logprob,
+            special=special,
+            final=final,
+        )
+
+    def _end(self, rid: str) -> None:
+        self.streams.pop(rid, None)
+        self.ended[rid] = None
+        if len(self.ended) > FORGET_AFTER:
+            self.ended.popitem(last=False)
+
+
+def main() -> None:
+    settings = Settings.from_env()
+    log = logs.setup(ROLE, settings.index)
+    bus.exit_on_sigterm()
+    try:
+        detok = Detokenizer(Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json")))
+        events = bus.EventBus(
+            Addresses.parse(settings.bus), ROLE, settings.index, subscribe=[topics.tok(settings.index)]
+        )
+        events.start()
+        log.info("detokenizer %d ready", settings.index)
+        while True:
+            if events.sub.poll(500):
+                got = events.recv()
+                if got and isinstance(got[1], TokenBatch):
+                    out, hits = detok.handle(got[1])
+                    for ingress, rows in out.items():
+                        events.publish(topics.out(ingress), TextBatch(rows=rows))
+                    for hit in hits:
+                        events.publish(topics.ctl(got[1].replica), hit)
+            events.heartbeat(running=len(detok.streams), counters={"tokens": detok.tokens})
+    except KeyboardInterrupt:
+        pass
+    finally:
+        bus.context().destroy(linger=0)
+
+
+if __name__ == "__main__":
+    main()
