@@ -81,8 +81,8 @@ class Detokenizer:
                     logprob=logprob,
                     special=st.decoder.special(token),
                 )
-            else:
-                row = self._final_row(st, offset + 1, reason, token, text, logprob)
+            else:  # the end: bytes still held back go out now, so the deltas add up to the text
+                row = self._final_row(st, offset + 1, reason, token, text + st.decoder.flush(), logprob)
                 self._end(rid)
             out[st.open.ingress].append(row)
         return out, hits

@@ -1,0 +1,25 @@
+# Switchyard on a CUDA machine. Not buildable on the CPU-only development machines; kept simple.
+FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential git \
+ && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /app
+RUN python3 -m venv /app/.venv
+ENV PATH=/app/.venv/bin:$PATH
+# torch first (the CUDA 12.8 build), then flash-attn against it
+RUN pip install --upgrade pip && pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
+COPY pyproject.toml README.md ./
+COPY libs ./libs
+COPY services ./services
+COPY launcher ./launcher
+COPY supervisord.conf ./
+RUN pip install -e ".[gpu]" --no-build-isolation
+
+# TGI's port and flags: `docker run --gpus all -p 8080:80 switchyard --model-id org/name`
+ENV PORT=80 HOSTNAME=0.0.0.0 DTYPE=bfloat16 HUGGINGFACE_HUB_CACHE=/data
+VOLUME /data
+EXPOSE 80
+ENTRYPOINT ["switchyard", "serve"]

@@ -1,0 +1,1 @@
+"""The `switchyard` command line: serve (flags → settings → supervisord), and later tap and bench."""

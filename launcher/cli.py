@@ -1,0 +1,142 @@
+"""`switchyard serve`: TGI's launcher flags → Settings → supervisord in the foreground.
+
+Every flag also reads its environment variable as TGI's launcher does (`--model-id` ← MODEL_ID,
+`--port` ← PORT, …). The launcher resolves the model once (Hub download or the embedded default),
+makes a private run directory for the bus sockets, and runs supervisord with the six programs of
+`supervisord.conf`. Ctrl-C (or SIGTERM) stops supervisord, which stops every program; the run
+directory is removed on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from libs.protocol import Addresses
+from libs.runtime import model_store
+from libs.runtime.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+log = logging.getLogger("switchyard.launcher")
+
+
+def _env(flag: str, default=None):
+    return os.environ.get(flag.upper().replace("-", "_"), default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="switchyard", description="A TGI-compatible text-generation server.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run every service under supervisord, in the foreground")
+
+    def flag(name: str, type=str, default=None, help=None):
+        s.add_argument(f"--{name}", type=type, default=_env(name, default), help=help)
+
+    flag("model-id", help="Hub id or local folder (default: the embedded Gemma-3-270M)")
+    flag("revision", help="Hub revision (branch, tag or commit)")
+    flag("dtype", default="float32", help="float32 | bfloat16 | float16")
+    flag("hostname", default="0.0.0.0")
+    flag("port", type=int, default=3000)
+    flag("max-concurrent-requests", type=int, default=128)
+    flag("max-best-of", type=int, default=2)
+    flag("max-stop-sequences", type=int, default=4)
+    flag("max-input-tokens", type=int, help="default: max-total-tokens − 1")
+    flag("max-input-length", type=int, help="legacy alias of --max-input-tokens")
+    flag("max-total-tokens", type=int, help="default: min(4096, the model's max_position_embeddings)")
+    flag("max-batch-prefill-tokens", type=int, help="default: max(4096, max-input-tokens)")
+    flag("max-batch-total-tokens", type=int, help="KV cache size in tokens (default: max(65536, max-total-tokens))")
+    flag("max-batch-size", type=int, default=256)
+    flag("num-shard", type=int, default=1, help="only 1 for now")
+    flag("max-client-batch-size", type=int, default=4)
+    return p
+
+
+def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
+    """Derive TGI's limits the way its launcher does, checking they are consistent."""
+    if args.max_input_tokens is not None and args.max_input_length is not None:
+        raise SystemExit("error: --max-input-tokens and --max-input-length are the same flag: give one")
+    info = model_store.model_info(model_path)
+    max_total = args.max_total_tokens or min(4096, info.get("max_position_embeddings") or 4096)
+    max_input = args.max_input_tokens or args.max_input_length or max_total - 1
+    prefill = args.max_batch_prefill_tokens or max(4096, max_input)
+    total = args.max_batch_total_tokens or max(65536, max_total)
+    if max_input >= max_total:
+        raise SystemExit(f"error: max_input_tokens ({max_input}) must be < max_total_tokens ({max_total})")
+    if prefill < max_input:
+        raise SystemExit(f"error: max_batch_prefill_tokens ({prefill}) must be >= max_input_tokens ({max_input})")
+    if total < max_total:
+        raise SystemExit(f"error: max_batch_total_tokens ({total}) must be >= max_total_tokens ({max_total})")
+    hostname = args.hostname
+    try:
+        ipaddress.ip_address(hostname)
+    except ValueError:  # as TGI: HOSTNAME is often a machine name (Docker sets it), not an address
+        log.warning("hostname %r is not an IP address; listening on 0.0.0.0", hostname)
+        hostname = "0.0.0.0"
+    if args.num_shard != 1:
+        raise SystemExit("error: --num-shard > 1 (tensor parallel) is not implemented yet")
+    return Settings(
+        model_path=str(model_path),
+        model_id=args.model_id or model_store.DEFAULT_MODEL_NAME,
+        dtype=args.dtype,
+        hostname=hostname,
+        port=args.port,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_best_of=args.max_best_of,
+        max_stop_sequences=args.max_stop_sequences,
+        max_input_tokens=max_input,
+        max_total_tokens=max_total,
+        max_batch_prefill_tokens=prefill,
+        max_batch_total_tokens=total,
+        max_batch_size=args.max_batch_size,
+        max_client_batch_size=args.max_client_batch_size,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    model_path = model_store.resolve_model(args.model_id, revision=args.revision, token=os.environ.get("HF_TOKEN"))
+    run_dir = tempfile.mkdtemp(prefix="switchyard-", dir="/tmp")  # mkdtemp makes it 0700
+    settings = settings_from(args, model_path).replace(bus=f"ipc://{run_dir}")
+    Addresses.parse(settings.bus)  # fail now, not in six processes, if the path is unusable
+    env = {
+        **os.environ,
+        **settings.to_env(),
+        "SWITCHYARD_RUN_DIR": run_dir,
+        "SWITCHYARD_PYTHON": sys.executable,
+        "SWITCHYARD_ROOT": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [sys.executable, "-m", "supervisor.supervisord", "-n", "-c", str(ROOT / "supervisord.conf")]
+    log.info("serving %s on %s:%d (run directory %s)", settings.model_id, settings.hostname, settings.port, run_dir)
+    # its own session: a terminal's Ctrl-C reaches only us, and we stop supervisord in order
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
+
+    def stop(signum, frame):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        return proc.wait()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s launcher: %(message)s")
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Sockets on the bus for the synchronous services (router, tokenizer, detokenizer, scheduler, shard).
+
+Every process publishes on the event bus and subscribes to the topics it serves plus its own
+heartbeat topic; `EventBus.start()` publishes a Hello on that topic until it comes back, which
+proves both the publish path and the subscriptions are live before the process takes work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import time
+
+import zmq
+
+from libs.protocol import Addresses, ProtocolError, codec, topics
+from libs.protocol.messages import Heartbeat, Hello, Message
+
+log = logging.getLogger("switchyard.bus")
+
+# Admission bounds what is in flight, so these only need to exceed the admitted load; a full
+# queue blocks the sender instead of dropping (PUB drops past its HWM, hence large values).
+HWM = 100_000
+
+
+def context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+def socket(kind: int, *, bind: str | None = None, connect: str | None = None) -> zmq.Socket:
+    sock = context().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    if bind:
+        sock.bind(bind)
+    if connect:
+        sock.connect(connect)
+    return sock
+
+
+def send(sock: zmq.Socket, msg: Message) -> None:
+    sock.send_multipart(codec.encode(msg), copy=False)
+
+
+def recv(sock: zmq.Socket) -> Message | None:
+    """The next message, or None (logged) if the frames were malformed."""
+    frames = sock.recv_multipart(copy=False)
+    try:
+        return codec.decode([f.buffer for f in frames])
+    except ProtocolError as e:
+        log.warning("dropped malformed message: %s", e)
+        return None
+
+
+class EventBus:
+    """One process's PUB and SUB on the router's event proxy, plus its heartbeat."""
+
+    def __init__(self, addresses: Addresses, role: str, index: int, subscribe: list[bytes]):
+        self.role, self.index = role, index
+        self.hb_topic = topics.hb(role, index)
+        self.pub = socket(zmq.PUB, connect=addresses.events_in)
+        self.sub = socket(zmq.SUB, connect=addresses.events_out)
+        for topic in [*subscribe, self.hb_topic]:
+            self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self._next_hb = 0.0
+
+    def publish(self, topic: bytes, msg: Message) -> None:
+        self.pub.send_multipart(codec.encode_pub(topic, msg), copy=False)
+
+    def recv(self) -> tuple[bytes, Message] | None:
+        frames = self.sub.recv_multipart(copy=False)
+        try:
+            return codec.decode_pub([f.buffer for f in frames])
+        except ProtocolError as e:
+            log.warning("dropped malformed event: %s", e)
+            return None
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Block until our own Hello comes back through the proxy."""
+        nonce = secrets.token_hex(8)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.publish(self.hb_topic, Hello(nonce=nonce))
+            if self.sub.poll(100):
+                got = self.recv()
+                if got and isinstance(got[1], Hello) and got[1].nonce == nonce:
+                    return
+        raise TimeoutError("event bus did not echo our hello: is the router running?")
+
+    def heartbeat(self, **load) -> None:
+        """Publish a heartbeat if one is due (once a second); call it from the main loop."""
+        now = time.monotonic()
+        if now >= self._next_hb:
+            self._next_hb = now + 1.0
+            self.publish(self.hb_topic, Heartbeat(role=self.role, index=self.index, pid=os.getpid(), **load))
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (supervisord's stop) into KeyboardInterrupt so `finally` blocks run."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)

@@ -1,0 +1,58 @@
+"""Settings of a running Switchyard, passed from the launcher to every service as environment.
+
+The launcher (`switchyard serve`) turns TGI-style flags into one `Settings`, writes them into the
+environment of supervisord's programs as `SWITCHYARD_<FIELD>`, and each service reads them back
+with `Settings.from_env()`. Services never parse flags of their own, so one place decides defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+
+BLOCK_SIZE = 16  # tokens per KV block
+PREFIX = "SWITCHYARD_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    bus: str = ""  # ipc:///run/dir or tcp://host:port (libs.protocol.addresses)
+    model_path: str = ""  # local folder of the resolved model
+    model_id: str = ""  # what /info reports
+    model_sha: str = ""  # Hub commit when known
+    dtype: str = "float32"
+    hostname: str = "0.0.0.0"
+    port: int = 3000
+    max_concurrent_requests: int = 128
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_input_tokens: int = 4095
+    max_total_tokens: int = 4096
+    max_batch_prefill_tokens: int = 4096
+    max_batch_total_tokens: int = 65536
+    max_batch_size: int = 256
+    validation_workers: int = 1
+    max_client_batch_size: int = 4
+    index: int = 0  # this process's index within its role (supervisord's process_num)
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks of one replica: the scheduler allocates them, the shard holds them."""
+        return -(-self.max_batch_total_tokens // BLOCK_SIZE)
+
+    def to_env(self) -> dict[str, str]:
+        return {PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        values = {}
+        for f in fields(cls):
+            raw = env.get(PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = int(raw) if f.type in ("int", int) else raw
+        return cls(**values)
+
+    def replace(self, **changes) -> Settings:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,45 @@
+"""`python -m services.http`: the aiohttp server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from libs.runtime import logs
+from libs.runtime.settings import Settings
+from services.http.ingress import Ingress
+from services.http.routes import Routes
+
+ROLE = "http"
+
+
+async def serve(settings: Settings, log: logging.Logger) -> None:
+    ingress = Ingress(settings.bus, settings.index)
+    await ingress.start()
+    app = web.Application(client_max_size=2_000_000)  # TGI's default --payload-limit
+    Routes(settings, ingress).install(app)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.hostname, settings.port)
+    await site.start()
+    log.info("listening on http://%s:%d", settings.hostname, settings.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await ingress.stop()
+
+
+def main() -> None:
+    settings = Settings.from_env()
+    log = logs.setup(ROLE, settings.index)
+    asyncio.run(serve(settings, log))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The http process's side of the bus: submit requests, route events back to open requests.
+
+One reader task takes everything addressed to this ingress (`out.<n>`) and every heartbeat, and
+hands each event to the asyncio queue of its request; handlers only ever await their own queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from libs.protocol import Addresses, ProtocolError, codec, topics
+from libs.protocol.messages import (
+    Abort,
+    Accepted,
+    GenerateRequest,
+    Heartbeat,
+    Hello,
+    RequestError,
+    TextBatch,
+    TextRow,
+)
+from libs.runtime.bus import HWM
+from services.router.liveness import Liveness
+
+log = logging.getLogger("switchyard.http")
+
+ADMIT_TIMEOUT = 30.0  # seconds for a request to be accepted or rejected once submitted
+ERROR_STATUS = {
+    "validation": 422,
+    "overloaded": 429,
+    "generation": 424,
+    "incomplete_generation": 500,
+    "unavailable": 503,
+}
+
+
+class Failure(Exception):
+    """A request ended in an error, in TGI's shape."""
+
+    def __init__(self, message: str, error_type: str):
+        super().__init__(message)
+        self.message, self.error_type = message, error_type
+
+    @property
+    def status(self) -> int:
+        return ERROR_STATUS.get(self.error_type, 500)
+
+    def body(self) -> dict:
+        return {"error": self.message, "error_type": self.error_type}
+
+
+class Ingress:
+    def __init__(self, bus_spec: str, index: int):
+        self.index = index
+        self.out_topic = topics.out(index)
+        self.hb_topic = topics.hb("http", index)
+        addresses = Addresses.parse(bus_spec)
+        ctx = zmq.asyncio.Context.instance()
+        self.push = self._socket(ctx, zmq.PUSH, addresses.intake)
+        self.pub = self._socket(ctx, zmq.PUB, addresses.events_in)
+        self.sub = self._socket(ctx, zmq.SUB, addresses.events_out)
+        for topic in (self.out_topic, topics.HB):
+            self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.replica_of: dict[str, int] = {}
+        self.abandoned: set[str] = set()  # aborted before the router told us the replica
+        self.liveness = Liveness()
+        self._hello = secrets.token_hex(8)
+        self._confirmed = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    @staticmethod
+    def _socket(ctx: zmq.asyncio.Context, kind: int, address: str) -> zmq.asyncio.Socket:
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, HWM)
+        sock.setsockopt(zmq.RCVHWM, HWM)
+        sock.connect(address)
+        return sock
+
+    async def publish(self, topic: bytes, msg) -> None:
+        await self.pub.send_multipart(codec.encode_pub(topic, msg), copy=False)
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._heartbeat())]
+        while not self._confirmed.is_set():  # our hello back proves the event bus carries our topics
+            await self.publish(self.hb_topic, Hello(nonce=self._hello))
+            try:
+                await asyncio.wait_for(self._confirmed.wait(), 0.2)
+            except TimeoutError:
+                pass
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            hb = Heartbeat(role="http", index=self.index, pid=os.getpid(), running=len(self.queues))
+            await self.publish(self.hb_topic, hb)
+            await asyncio.sleep(1.0)
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self.sub.recv_multipart(copy=False)
+            try:
+                _, msg = codec.decode_pub([f.buffer for f in frames])
+            except ProtocolError as e:
+                log.warning("dropped malformed event: %s", e)
+                continue
+            if isinstance(msg, TextBatch):
+                for row in msg.rows:
+                    q = self.queues.get(row.request_id)
+                    if q is not None:
+                        q.put_nowait(row)
+            elif isinstance(msg, Heartbeat):
+                self.liveness.record(msg)
+            elif isinstance(msg, Accepted):
+                if msg.request_id in self.abandoned:
+                    self.abandoned.discard(msg.request_id)
+                    await self.publish(topics.ctl(msg.replica), Abort(request_id=msg.request_id))
+                elif msg.request_id in self.queues:
+                    self.replica_of[msg.request_id] = msg.replica
+                    self.queues[msg.request_id].put_nowait(msg)
+            elif isinstance(msg, RequestError):
+                q = self.queues.get(msg.request_id)
+                if q is not None:
+                    q.put_nowait(msg)
+            elif isinstance(msg, Hello) and msg.nonce == self._hello:
+                self._confirmed.set()
+
+    def healthy(self) -> bool:
+        lv = self.liveness
+        return bool(lv.alive("router") and lv.alive("tokenizer") and lv.alive("detokenizer") and lv.ready("scheduler"))
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TextRow]:
+        """Submit `req` and yield its text rows up to the final one; raises Failure."""
+        if not self.liveness.alive("tokenizer"):
+            raise Failure("No tokenizer is available", "unavailable")
+        rid = req.request_id
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[rid] = q
+        done = False
+        try:
+            await self.push.send_multipart(codec.encode(req), copy=False)
+            try:
+                first = await asyncio.wait_for(q.get(), ADMIT_TIMEOUT)
+            except TimeoutError:
+                raise Failure("Request was not admitted in time", "unavailable") from None
+            while True:
+                event = first if first is not None else await q.get()
+                first = None
+                if isinstance(event, RequestError):
+                    done = True
+                    raise Failure(event.message, event.error_type)
+                if isinstance(event, TextRow):
+                    if event.final is not None:
+                        done = True
+                    yield event
+                    if done:
+                        return
+        finally:
+            self.queues.pop(rid, None)
+            replica = self.replica_of.pop(rid, None)
+            if not done:  # the client went away (or we failed): stop the work
+                if replica is None:
+                    self.abandoned.add(rid)
+                else:
+                    await self.publish(topics.ctl(replica), Abort(request_id=rid))

@@ -1,0 +1,99 @@
+"""`python -m services.router`: bind the bus, proxy events, place requests."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import zmq
+
+from libs.protocol import Addresses, topics
+from libs.protocol.messages import Accepted, Heartbeat, RequestError, TokenizedRequest
+from libs.runtime import bus, logs
+from libs.runtime.settings import Settings
+from services.router.liveness import Liveness
+
+ROLE = "router"
+
+
+def proxy(frontend: zmq.Socket, backend: zmq.Socket) -> None:
+    try:
+        zmq.proxy(frontend, backend)
+    except zmq.ContextTerminated:
+        pass
+
+
+class Router:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        addresses = Addresses.parse(settings.bus)
+        # intake streamer: http PUSH → PULL | PUSH → tokenizers PULL (fair-queued, load-balanced)
+        self.intake = bus.socket(zmq.PULL, bind=addresses.intake)
+        self.tokenize = bus.socket(zmq.PUSH, bind=addresses.tokenize)
+        # event proxy: every process PUB → XSUB | XPUB → every process SUB
+        self.events_in = bus.socket(zmq.XSUB, bind=addresses.events_in)
+        self.events_out = bus.socket(zmq.XPUB, bind=addresses.events_out)
+        for name, (a, b) in {
+            "intake": (self.intake, self.tokenize),
+            "events": (self.events_in, self.events_out),
+        }.items():
+            threading.Thread(target=proxy, args=(a, b), name=name, daemon=True).start()
+        self.admit = bus.socket(zmq.PULL, bind=addresses.admit)
+        self.replicas = [bus.socket(zmq.PUSH, connect=addresses.replica(0, "in"))]
+        self.events = bus.EventBus(addresses, ROLE, settings.index, subscribe=[topics.HB])
+        self.liveness = Liveness()
+        self._rr = itertools.count()
+        self.placed = 0
+
+    def place(self, req: TokenizedRequest) -> None:
+        detokenizers = self.liveness.alive("detokenizer")
+        if not detokenizers:
+            self.events.publish(
+                topics.out(req.ingress),
+                RequestError(
+                    request_id=req.request_id, message="No detokenizer is available", error_type="unavailable"
+                ),
+            )
+            return
+        # sticky per request: the whole stream goes through this one detokenizer
+        req.detokenizer = detokenizers[next(self._rr) % len(detokenizers)].index
+        req.replica = 0  # one replica for now
+        bus.send(self.replicas[req.replica], req)
+        self.placed += 1
+        accepted = Accepted(request_id=req.request_id, replica=req.replica, input_length=len(req.input_ids))
+        self.events.publish(topics.out(req.ingress), accepted)
+
+    def run(self) -> None:
+        self.events.start()
+        poller = zmq.Poller()
+        poller.register(self.admit, zmq.POLLIN)
+        poller.register(self.events.sub, zmq.POLLIN)
+        while True:
+            for sock, _ in poller.poll(500):
+                if sock is self.admit:
+                    msg = bus.recv(self.admit)
+                    if isinstance(msg, TokenizedRequest):
+                        self.place(msg)
+                else:
+                    got = self.events.recv()
+                    if got and isinstance(got[1], Heartbeat):
+                        self.liveness.record(got[1])
+            self.events.heartbeat(counters={"placed": self.placed})
+
+
+def main() -> None:
+    settings = Settings.from_env()
+    log = logs.setup(ROLE, settings.index)
+    bus.exit_on_sigterm()
+    try:
+        router = Router(settings)
+        log.info("bound the bus at %s", settings.bus)
+        router.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        bus.context().destroy(linger=0)
+
+
+if __name__ == "__main__":
+    main()

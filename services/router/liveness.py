@@ -1,0 +1,26 @@
+"""Who is alive, from heartbeats: the router's and http's live view of every process."""
+
+from __future__ import annotations
+
+import time
+
+from libs.protocol.messages import Heartbeat
+
+STALE_AFTER = 3.0  # seconds without a heartbeat before a process counts as gone
+
+
+class Liveness:
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, int], tuple[float, Heartbeat]] = {}
+
+    def record(self, hb: Heartbeat) -> None:
+        self._seen[(hb.role, hb.index)] = (time.monotonic(), hb)
+
+    def alive(self, role: str) -> list[Heartbeat]:
+        """Live processes of a role, by index."""
+        now = time.monotonic()
+        live = [hb for (r, _), (t, hb) in self._seen.items() if r == role and now - t < STALE_AFTER]
+        return sorted(live, key=lambda hb: hb.index)
+
+    def ready(self, role: str) -> bool:
+        return any(hb.ready for hb in self.alive(role))

@@ -1,0 +1,77 @@
+"""`python -m services.shard`: hold the model, run each plan, send back the sampled tokens."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import zmq
+
+from libs.protocol import Addresses
+from libs.protocol.messages import ShardReady, StepPlan, StepResult
+from libs.runtime import bus, logs
+from libs.runtime.settings import BLOCK_SIZE, Settings
+from services.shard.model_runner import ModelRunner
+
+ROLE = "shard"
+
+
+class ShardService:
+    def __init__(self, settings: Settings, rank: int = 0):
+        self.rank = rank
+        addresses = Addresses.parse(settings.bus)
+        replica = 0  # one replica for now; its index comes with scale-out
+        self.plans = bus.socket(zmq.SUB, connect=addresses.replica(replica, "plan"))
+        self.plans.setsockopt(zmq.SUBSCRIBE, b"")
+        self.results = bus.socket(zmq.PUSH, connect=addresses.replica(replica, "results"))
+        self.runner = ModelRunner(
+            settings.model_path,
+            num_blocks=settings.num_blocks,
+            block_size=BLOCK_SIZE,
+            dtype=getattr(torch, settings.dtype),
+        )
+        self.num_blocks = settings.num_blocks
+
+    def run(self, log) -> None:
+        got_plan = False
+        while True:
+            if not self.plans.poll(500):
+                if not got_plan:  # keep knocking until the scheduler's probe reaches us
+                    bus.send(self.results, ShardReady(rank=self.rank, pid=os.getpid(), num_blocks=self.num_blocks))
+                continue
+            plan = bus.recv(self.plans)
+            if not isinstance(plan, StepPlan):
+                continue
+            got_plan = True
+            if plan.step == 0:
+                result = StepResult(step=0, rank=self.rank)
+            else:
+                start = time.perf_counter()
+                try:
+                    result = self.runner.execute(plan)
+                except Exception as e:  # a failed step fails its requests, not the process
+                    log.exception("step %d failed", plan.step)
+                    result = StepResult(step=plan.step, rank=self.rank, error=f"{type(e).__name__}: {e}")
+                result.forward_s = time.perf_counter() - start
+            if self.rank == 0:
+                bus.send(self.results, result)
+
+
+def main() -> None:
+    settings = Settings.from_env()
+    log = logs.setup(ROLE, settings.index)
+    bus.exit_on_sigterm()
+    try:
+        torch.set_num_threads(int(os.environ.get("SWITCHYARD_TORCH_THREADS", os.cpu_count() or 1)))
+        service = ShardService(settings, rank=settings.index)
+        log.info("model loaded from %s (%s); %d KV blocks", settings.model_path, settings.dtype, settings.num_blocks)
+        service.run(log)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        bus.context().destroy(linger=0)
+
+
+if __name__ == "__main__":
+    main()

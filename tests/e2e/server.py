@@ -1,0 +1,95 @@
+"""Start a real Switchyard through the launcher, wait until healthy, stop it and check it cleaned up."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def session_processes(sid: int) -> list[int]:
+    """Pids of live processes in session `sid` (supervisord and its programs share one)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[3]) == sid:
+                pids.append(int(entry))
+    return pids
+
+
+class Server:
+    def __init__(self, model_dir: str | Path, log_path: Path, *flags: str, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "launcher", "serve", "--model-id", str(model_dir), "--port", str(self.port)]
+        cmd += ["--hostname", "127.0.0.1", *flags]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+
+    def wait_healthy(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"launcher exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def run_dir(self) -> str:
+        m = re.search(r"run directory (\S+)\)", self.log_path.read_text())
+        assert m, "the launcher did not log its run directory"
+        return m.group(1)
+
+    def supervisord_sid(self) -> int | None:
+        pid_file = Path(self.run_dir()) / "supervisord.pid"
+        try:
+            return os.getsid(int(pid_file.read_text()))
+        except (OSError, ValueError):
+            return None
+
+    def stop(self) -> None:
+        """Ctrl-C the launcher; assert nothing is left: no process, no run directory."""
+        run_dir, sid = self.run_dir(), self.supervisord_sid()
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        finally:
+            self.log.close()
+        deadline = time.monotonic() + 10
+        while sid is not None and session_processes(sid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sid is None or not session_processes(sid), "processes left behind after Ctrl-C"
+        assert not os.path.exists(run_dir), "run directory left behind"

@@ -1,0 +1,176 @@
+"""End to end through the six real processes on a tiny model: greedy output equals transformers'
+generate() token for token, streams add up, requests join a running batch, bad input is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import aiohttp
+import pytest
+import requests
+from text_generation import Client
+from transformers import AutoTokenizer
+
+from tests.reference import reference_generate
+
+pytestmark = pytest.mark.e2e
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum old songs".split()
+
+
+def prompt(i: int) -> str:
+    """Prompts of different lengths, 3 to ~60 words."""
+    n = 3 + (i * 7) % 60
+    return " ".join(WORDS[(i + j) % len(WORDS)] for j in range(n))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+async def _generate(session, url, text, max_new, stream):
+    body = {"inputs": text, "parameters": {"max_new_tokens": max_new, "details": True}}
+    if not stream:
+        async with session.post(url + "/generate", json=body) as r:
+            assert r.status == 200, await r.text()
+            out = await r.json()
+            return [t["id"] for t in out["details"]["tokens"]], out["generated_text"], None
+    events = []
+    async with session.post(url + "/generate_stream", json=body) as r:
+        assert r.status == 200
+        async for line in r.content:
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[6:]))
+    assert [e["index"] for e in events] == list(range(1, len(events) + 1))
+    final = events[-1]
+    assert final["generated_text"] is not None and all(e["generated_text"] is None for e in events[:-1])
+    assert final["details"]["generated_tokens"] == len(events)
+    return [e["token"]["id"] for e in events], final["generated_text"], events
+
+
+def test_concurrent_greedy_equals_transformers(tiny_server, tiny_model_dir, tokenizer):
+    cases = [(prompt(i), 4 + (i * 5) % 29, i % 2 == 1) for i in range(16)]
+
+    async def run_all():
+        async with aiohttp.ClientSession() as session:
+            jobs = [_generate(session, tiny_server.url, text, n, stream) for text, n, stream in cases]
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(run_all())
+    for (text, max_new, stream), (ids, generated_text, events) in zip(cases, results):
+        expected = reference_generate(tiny_model_dir, tokenizer(text).input_ids, max_new)
+        assert ids == expected, f"prompt {text!r}"
+        assert generated_text == tokenizer.decode(ids, skip_special_tokens=True)
+        if stream:  # the streamed deltas add up to the final text (special tokens aside)
+            assert "".join(e["token"]["text"] for e in events if not e["token"]["special"]) == generated_text
+
+
+def test_official_client(tiny_server, tiny_model_dir, tokenizer):
+    client = Client(tiny_server.url, timeout=60)
+    text = prompt(5)
+    expected = reference_generate(tiny_model_dir, tokenizer(text).input_ids, 12)
+    response = client.generate(text, max_new_tokens=12)
+    assert [t.id for t in response.details.tokens] == expected
+    assert response.generated_text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert response.details.finish_reason in ("length", "eos_token")
+    streamed = list(client.generate_stream(text, max_new_tokens=12))
+    assert [r.token.id for r in streamed] == expected
+    assert streamed[-1].generated_text == response.generated_text
+    # POST / answers a JSON list, and defaults return_full_text to true like TGI's compat route
+    raw = requests.post(tiny_server.url + "/", json={"inputs": text, "parameters": {"max_new_tokens": 12}}).json()
+    assert isinstance(raw, list) and raw[0]["generated_text"] == text + response.generated_text
+
+
+def scheduler_counter(url: str, name: str) -> int:
+    text = requests.get(url + "/metrics").text
+    m = re.search(rf'^switchyard_scheduler_{name}_total{{index="0"}} (\d+)$', text, re.M)
+    assert m, text
+    return int(m.group(1))
+
+
+def test_request_joins_running_batch(tiny_server, tiny_model_dir, tokenizer):
+    """B arrives while A is mid-generation: B's prefill runs in a step with A's decode (scheduler's counter)."""
+    joined_before = scheduler_counter(tiny_server.url, "joined_steps")
+    a_text, b_text = prompt(20), prompt(21)
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            body = {"inputs": a_text, "parameters": {"max_new_tokens": 60, "details": True}}
+            a_ids, b_task = [], None
+            async with session.post(tiny_server.url + "/generate_stream", json=body) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        a_ids.append(json.loads(line[6:])["token"]["id"])
+                        if len(a_ids) == 3:  # A is decoding now
+                            b_task = asyncio.create_task(_generate(session, tiny_server.url, b_text, 8, False))
+                return a_ids, await b_task
+
+    a_ids, (b_ids, _, _) = asyncio.run(scenario())
+    assert a_ids == reference_generate(tiny_model_dir, tokenizer(a_text).input_ids, 60)
+    assert b_ids == reference_generate(tiny_model_dir, tokenizer(b_text).input_ids, 8)
+    assert scheduler_counter(tiny_server.url, "joined_steps") > joined_before
+
+
+BAD_INPUT = [
+    # (body, status, error_type, message fragment)
+    (b"{not json", 400, "validation", "Failed to parse the request body as JSON"),
+    (b'{"inputs": 5}', 422, "validation", "Failed to deserialize the JSON body"),
+    (b'{"inputs": ""}', 422, "validation", "Input validation error: `inputs` cannot be empty"),
+    (
+        json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": -1}}).encode(),
+        422,
+        "validation",
+        "Failed to deserialize the JSON body",
+    ),
+    (
+        json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 0}}).encode(),
+        422,
+        "validation",
+        "Input validation error: `max_new_tokens` must be strictly positive",
+    ),
+    (
+        json.dumps({"inputs": "hi", "parameters": {"top_p": 1.0}}).encode(),
+        422,
+        "validation",
+        "Input validation error: `top_p` must be > 0.0 and < 1.0",
+    ),
+    (
+        json.dumps({"inputs": "word " * 450, "parameters": {"max_new_tokens": 5}}).encode(),
+        422,
+        "validation",
+        "Input validation error: `inputs` must have less than 400 tokens. Given: ",
+    ),
+    (
+        json.dumps({"inputs": "word " * 300, "parameters": {"max_new_tokens": 300}}).encode(),
+        422,
+        "validation",
+        "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 512. Given: ",
+    ),
+]
+
+
+@pytest.mark.parametrize("body,status,error_type,fragment", BAD_INPUT)
+def test_bad_input_gets_tgi_error_and_server_goes_on(tiny_server, body, status, error_type, fragment):
+    headers = {"Content-Type": "application/json"}
+    r = requests.post(tiny_server.url + "/generate", data=body, headers=headers)
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert err["error_type"] == error_type and err["error"].startswith(fragment), err
+    # the stream route answers 200 and reports the same error in-stream (TGI)
+    if status == 422 and b"Input validation" in fragment.encode():
+        r = requests.post(tiny_server.url + "/generate_stream", data=body, headers=headers)
+        assert r.status_code == 200
+        event = json.loads(r.text.strip().removeprefix("data: "))
+        assert event == err
+    ok = requests.post(tiny_server.url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 2}})
+    assert ok.status_code == 200 and "generated_text" in ok.json()
+
+
+def test_info_and_health(tiny_server, tiny_model_dir):
+    assert requests.get(tiny_server.url + "/health").status_code == 200
+    info = requests.get(tiny_server.url + "/info").json()
+    assert info["model_id"] == str(tiny_model_dir)
+    assert (info["max_input_tokens"], info["max_total_tokens"]) == (400, 512)
