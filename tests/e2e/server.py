@@ -38,12 +38,13 @@ def session_processes(sid: int) -> list[int]:
 
 
 class Server:
-    def __init__(self, model_dir: str | Path, log_path: Path, *flags: str, env: dict | None = None):
+    def __init__(self, model_dir: str | Path | None, log_path: Path, *flags: str, env: dict | None = None):
+        """`model_dir` None serves the embedded default model."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "launcher", "serve", "--model-id", str(model_dir), "--port", str(self.port)]
-        cmd += ["--hostname", "127.0.0.1", *flags]
+        cmd = [sys.executable, "-m", "launcher", "serve", "--port", str(self.port), "--hostname", "127.0.0.1"]
+        cmd += [*(["--model-id", str(model_dir)] if model_dir else []), *flags]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import aiohttp
 import pytest
@@ -63,7 +64,8 @@ def test_concurrent_greedy_equals_transformers(tiny_server, tiny_model_dir, toke
     for (text, max_new, stream), (ids, generated_text, events) in zip(cases, results):
         expected = reference_generate(tiny_model_dir, tokenizer(text).input_ids, max_new)
         assert ids == expected, f"prompt {text!r}"
-        assert generated_text == tokenizer.decode(ids, skip_special_tokens=True)
+        # a random model emits invalid UTF-8 byte runs: Switchyard drops those bytes instead of U+FFFD
+        assert generated_text == tokenizer.decode(ids, skip_special_tokens=True).replace("\ufffd", "")
         if stream:  # the streamed deltas add up to the final text (special tokens aside)
             assert "".join(e["token"]["text"] for e in events if not e["token"]["special"]) == generated_text
 
@@ -74,7 +76,7 @@ def test_official_client(tiny_server, tiny_model_dir, tokenizer):
     expected = reference_generate(tiny_model_dir, tokenizer(text).input_ids, 12)
     response = client.generate(text, max_new_tokens=12)
     assert [t.id for t in response.details.tokens] == expected
-    assert response.generated_text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert response.generated_text == tokenizer.decode(expected, skip_special_tokens=True).replace("\ufffd", "")
     assert response.details.finish_reason in ("length", "eos_token")
     streamed = list(client.generate_stream(text, max_new_tokens=12))
     assert [r.token.id for r in streamed] == expected
@@ -91,14 +93,25 @@ def scheduler_counter(url: str, name: str) -> int:
     return int(m.group(1))
 
 
+def counter_rises(url: str, name: str, above: int, within: float = 5.0) -> bool:
+    """Counters travel in heartbeats (one a second): wait for one that is fresh enough."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if scheduler_counter(url, name) > above:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def test_request_joins_running_batch(tiny_server, tiny_model_dir, tokenizer):
     """B arrives while A is mid-generation: B's prefill runs in a step with A's decode (scheduler's counter)."""
+    time.sleep(1.5)  # a heartbeat newer than any earlier traffic
     joined_before = scheduler_counter(tiny_server.url, "joined_steps")
     a_text, b_text = prompt(20), prompt(21)
 
     async def scenario():
         async with aiohttp.ClientSession() as session:
-            body = {"inputs": a_text, "parameters": {"max_new_tokens": 60, "details": True}}
+            body = {"inputs": a_text, "parameters": {"max_new_tokens": 200, "details": True}}
             a_ids, b_task = [], None
             async with session.post(tiny_server.url + "/generate_stream", json=body) as r:
                 async for line in r.content:
@@ -109,9 +122,9 @@ def test_request_joins_running_batch(tiny_server, tiny_model_dir, tokenizer):
                 return a_ids, await b_task
 
     a_ids, (b_ids, _, _) = asyncio.run(scenario())
-    assert a_ids == reference_generate(tiny_model_dir, tokenizer(a_text).input_ids, 60)
+    assert a_ids == reference_generate(tiny_model_dir, tokenizer(a_text).input_ids, 200)
     assert b_ids == reference_generate(tiny_model_dir, tokenizer(b_text).input_ids, 8)
-    assert scheduler_counter(tiny_server.url, "joined_steps") > joined_before
+    assert counter_rises(tiny_server.url, "joined_steps", joined_before)
 
 
 BAD_INPUT = [
@@ -138,13 +151,13 @@ BAD_INPUT = [
         "Input validation error: `top_p` must be > 0.0 and < 1.0",
     ),
     (
-        json.dumps({"inputs": "word " * 450, "parameters": {"max_new_tokens": 5}}).encode(),
+        json.dumps({"inputs": "word " * 210, "parameters": {"max_new_tokens": 5}}).encode(),
         422,
         "validation",
         "Input validation error: `inputs` must have less than 400 tokens. Given: ",
     ),
     (
-        json.dumps({"inputs": "word " * 300, "parameters": {"max_new_tokens": 300}}).encode(),
+        json.dumps({"inputs": "word " * 150, "parameters": {"max_new_tokens": 300}}).encode(),
         422,
         "validation",
         "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 512. Given: ",
