@@ -187,3 +187,41 @@ def test_info_and_health(tiny_server, tiny_model_dir):
     info = requests.get(tiny_server.url + "/info").json()
     assert info["model_id"] == str(tiny_model_dir)
     assert (info["max_input_tokens"], info["max_total_tokens"]) == (400, 512)
+
+
+def test_stop_sequence_ends_the_request(tiny_server, tiny_model_dir, tokenizer):
+    text = prompt(9)
+    expected = reference_generate(tiny_model_dir, tokenizer(text).input_ids, 20)
+    full = requests.post(
+        tiny_server.url + "/generate", json={"inputs": text, "parameters": {"max_new_tokens": 20, "details": True}}
+    ).json()
+    # a stop string that spans the boundary between token k-1 and token k, first seen there
+    texts = [t["text"] for t in full["details"]["tokens"]]
+    assert [t["id"] for t in full["details"]["tokens"]] == expected
+    joined = "".join(texts)
+    k, stop = next(
+        (k, texts[k - 1][-1] + texts[k][0])
+        for k in range(2, len(texts))
+        if texts[k - 1] and texts[k] and joined.find(texts[k - 1][-1] + texts[k][0]) == len("".join(texts[:k])) - 1
+    )
+    params = {"max_new_tokens": 20, "details": True, "stop": [stop]}
+    out = requests.post(tiny_server.url + "/generate", json={"inputs": text, "parameters": params}).json()
+    assert out["details"]["finish_reason"] == "stop_sequence"
+    assert out["details"]["generated_tokens"] == k + 1
+    assert [t["id"] for t in out["details"]["tokens"]] == expected[: k + 1]
+    assert stop in out["generated_text"]
+    # the scheduler frees a stopped request at once: a follow-up is served normally
+    assert requests.post(tiny_server.url + "/generate", json={"inputs": "a", "parameters": {}}).status_code == 200
+
+
+def test_seeded_sampling_repeats(tiny_server):
+    params = {"max_new_tokens": 16, "do_sample": True, "temperature": 0.9, "top_k": 50, "top_p": 0.95, "seed": 1234}
+    body = {"inputs": prompt(3), "parameters": {**params, "details": True}}
+    first = requests.post(tiny_server.url + "/generate", json=body).json()
+    again = requests.post(tiny_server.url + "/generate", json=body).json()
+    assert first["details"]["seed"] == 1234
+    assert [t["id"] for t in first["details"]["tokens"]] == [t["id"] for t in again["details"]["tokens"]]
+    other = requests.post(
+        tiny_server.url + "/generate", json={**body, "parameters": {**body["parameters"], "seed": 99}}
+    )
+    assert [t["id"] for t in other.json()["details"]["tokens"]] != [t["id"] for t in first["details"]["tokens"]]
