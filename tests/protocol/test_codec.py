@@ -73,7 +73,9 @@ SAMPLES = [
     ShardReady(rank=0, pid=123, num_blocks=4096),
     Hello(nonce="ab12"),
     Accepted(request_id="c" * 32, replica=0, input_length=12),
-    RequestError(request_id="c" * 32, message="Input validation error: `inputs` cannot be empty", error_type="validation"),
+    RequestError(
+        request_id="c" * 32, message="Input validation error: `inputs` cannot be empty", error_type="validation"
+    ),
     TokenBatch(
         replica=0,
         request_ids=["d" * 32, "e" * 32],
@@ -99,7 +101,9 @@ SAMPLES = [
     ),
     Abort(request_id="f" * 32),
     StopHit(request_id="f" * 32, generated_tokens=4),
-    Heartbeat(role="scheduler", index=0, pid=1, queue=2, running=3, free_blocks=4, total_blocks=5, counters={"steps": 9}),
+    Heartbeat(
+        role="scheduler", index=0, pid=1, queue=2, running=3, free_blocks=4, total_blocks=5, counters={"steps": 9}
+    ),
 ]
 
 

@@ -1,0 +1,1 @@
+"""The shard: model weights, the paged KV cache, the forward pass and sampling (DESIGN.md §5)."""
