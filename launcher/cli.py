@@ -101,7 +101,10 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
 
 
 def serve(args: argparse.Namespace) -> int:
-    model_path = model_store.resolve_model(args.model_id, revision=args.revision, token=os.environ.get("HF_TOKEN"))
+    try:
+        model_path = model_store.resolve_model(args.model_id, revision=args.revision, token=os.environ.get("HF_TOKEN"))
+    except model_store.ModelNotAvailableError as e:
+        raise SystemExit(f"error: {e}") from None
     run_dir = tempfile.mkdtemp(prefix="switchyard-", dir="/tmp")  # mkdtemp makes it 0700
     settings = settings_from(args, model_path).replace(bus=f"ipc://{run_dir}")
     Addresses.parse(settings.bus)  # fail now, not in six processes, if the path is unusable

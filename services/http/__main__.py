@@ -21,7 +21,8 @@ async def serve(settings: Settings, log: logging.Logger) -> None:
     await ingress.start()
     app = web.Application(client_max_size=2_000_000)  # TGI's default --payload-limit
     Routes(settings, ingress).install(app)
-    runner = web.AppRunner(app, access_log=None)
+    # a client that disconnects cancels its handler, which aborts its request (Ingress.generate)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.hostname, settings.port)
     await site.start()

@@ -109,6 +109,8 @@ class Routes:
                         await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
         except Failure as e:
             await response.write(b"data: " + orjson.dumps(e.body()) + b"\n\n")
+        except ConnectionResetError:  # the client went away; closing the rows above aborted the request
+            return response
         await response.write_eof()
         return response
 

@@ -225,3 +225,29 @@ def test_seeded_sampling_repeats(tiny_server):
         tiny_server.url + "/generate", json={**body, "parameters": {**body["parameters"], "seed": 99}}
     )
     assert [t["id"] for t in other.json()["details"]["tokens"]] != [t["id"] for t in first["details"]["tokens"]]
+
+
+def scheduler_gauges(url: str) -> dict[str, int]:
+    text = requests.get(url + "/metrics").text
+    return {m[0]: int(m[1]) for m in re.findall(r'^switchyard_(\w+)\{replica="0"\} (\d+)$', text, re.M)}
+
+
+def test_client_disconnect_aborts_and_frees_kv(tiny_server):
+    time.sleep(1.5)  # a heartbeat newer than any earlier traffic
+    generated_before = scheduler_counter(tiny_server.url, "generated")
+    body = {"inputs": "hello", "parameters": {"max_new_tokens": 400}}
+    with requests.post(tiny_server.url + "/generate_stream", json=body, stream=True) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith(b"data: ")
+            if events == 3:
+                break  # leaving the block closes the connection mid-generation
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        g = scheduler_gauges(tiny_server.url)
+        if g["batch_current_size"] == 0 and g["kv_blocks_free"] == g["kv_blocks_total"]:
+            break
+        time.sleep(0.2)
+    assert g["batch_current_size"] == 0 and g["kv_blocks_free"] == g["kv_blocks_total"], g
+    time.sleep(1.2)
+    assert scheduler_counter(tiny_server.url, "generated") - generated_before < 400  # stopped early
