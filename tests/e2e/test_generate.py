@@ -233,21 +233,28 @@ def scheduler_gauges(url: str) -> dict[str, int]:
 
 
 def test_client_disconnect_aborts_and_frees_kv(tiny_server):
+    # a prompt that, undisturbed, runs the whole 400 tokens (no EOS on the way)
+    def full_length(text):
+        body = {"inputs": text, "parameters": {"max_new_tokens": 400, "details": True}}
+        return requests.post(tiny_server.url + "/generate", json=body).json()["details"]["finish_reason"] == "length"
+
+    text = next(t for t in (prompt(i) for i in range(40)) if full_length(t))
     time.sleep(1.5)  # a heartbeat newer than any earlier traffic
     generated_before = scheduler_counter(tiny_server.url, "generated")
-    body = {"inputs": "hello", "parameters": {"max_new_tokens": 400}}
+    body = {"inputs": text, "parameters": {"max_new_tokens": 400}}
     with requests.post(tiny_server.url + "/generate_stream", json=body, stream=True) as r:
         events = 0
         for line in r.iter_lines():
             events += line.startswith(b"data: ")
             if events == 3:
                 break  # leaving the block closes the connection mid-generation
-    deadline = time.monotonic() + 10
+    # heartbeats are up to a second old: wait until two in a row agree that nothing runs any more
+    last, deadline = None, time.monotonic() + 30
     while time.monotonic() < deadline:
-        g = scheduler_gauges(tiny_server.url)
-        if g["batch_current_size"] == 0 and g["kv_blocks_free"] == g["kv_blocks_total"]:
+        time.sleep(1.1)
+        g, generated = scheduler_gauges(tiny_server.url), scheduler_counter(tiny_server.url, "generated")
+        if generated == last and g["batch_current_size"] == 0:
             break
-        time.sleep(0.2)
+        last = generated
     assert g["batch_current_size"] == 0 and g["kv_blocks_free"] == g["kv_blocks_total"], g
-    time.sleep(1.2)
-    assert scheduler_counter(tiny_server.url, "generated") - generated_before < 400  # stopped early
+    assert generated - generated_before < 400  # stopped early: aborted, not run to the end
