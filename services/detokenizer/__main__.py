@@ -23,7 +23,7 @@ from libs.protocol.messages import (
     TextRow,
     TokenBatch,
 )
-from libs.runtime import bus, logs
+from libs.runtime import bus, service
 from libs.runtime.settings import Settings
 from services.detokenizer.incremental import IncrementalDecoder
 from services.detokenizer.stops import StopMatcher
@@ -115,14 +115,9 @@ class Detokenizer:
 
 
 def main() -> None:
-    settings = Settings.from_env()
-    log = logs.setup(ROLE, settings.index)
-    bus.exit_on_sigterm()
-    try:
+    def body(settings: Settings, log) -> None:
         detok = Detokenizer(Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json")))
-        events = bus.EventBus(
-            Addresses.parse(settings.bus), ROLE, settings.index, subscribe=[topics.tok(settings.index)]
-        )
+        events = bus.EventBus(Addresses.parse(settings.bus), ROLE, settings.index, [topics.tok(settings.index)])
         events.start()
         log.info("detokenizer %d ready", settings.index)
         while True:
@@ -135,10 +130,8 @@ def main() -> None:
                     for hit in hits:
                         events.publish(topics.ctl(got[1].replica), hit)
             events.heartbeat(running=len(detok.streams), counters={"tokens": detok.tokens})
-    except KeyboardInterrupt:
-        pass
-    finally:
-        bus.context().destroy(linger=0)
+
+    service.run(ROLE, body)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import zmq
 
 from libs.protocol import Addresses, topics
 from libs.protocol.messages import Accepted, Heartbeat, RequestError, TokenizedRequest
-from libs.runtime import bus, logs
+from libs.runtime import bus, service
 from libs.runtime.settings import Settings
 from services.router.liveness import Liveness
 
@@ -82,17 +82,12 @@ class Router:
 
 
 def main() -> None:
-    settings = Settings.from_env()
-    log = logs.setup(ROLE, settings.index)
-    bus.exit_on_sigterm()
-    try:
+    def body(settings: Settings, log) -> None:
         router = Router(settings)
         log.info("bound the bus at %s", settings.bus)
         router.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        bus.context().destroy(linger=0)
+
+    service.run(ROLE, body)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from libs.protocol.messages import (
     TokenBatch,
     TokenizedRequest,
 )
-from libs.runtime import bus, logs
+from libs.runtime import bus, service
 from libs.runtime.settings import Settings
 from services.scheduler.batcher import Batcher, Emitted
 
@@ -172,8 +172,8 @@ class SchedulerService:
             "counters": b.counters,
         }
 
-    def run(self) -> None:
-        self.log = logs.setup(ROLE, self.replica)
+    def run(self, log) -> None:
+        self.log = log
         self.events.start()
         while True:
             busy = self.ready and self.batcher.has_work() and self.run_step()
@@ -184,17 +184,12 @@ class SchedulerService:
 
 
 def main() -> None:
-    settings = Settings.from_env()
-    log = logs.setup(ROLE, settings.index)
-    bus.exit_on_sigterm()
-    try:
-        service = SchedulerService(settings)
+    def body(settings: Settings, log) -> None:
+        scheduler = SchedulerService(settings)
         log.info("scheduler for replica %d: %d KV blocks", settings.index, settings.num_blocks)
-        service.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        bus.context().destroy(linger=0)
+        scheduler.run(log)
+
+    service.run(ROLE, body)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import zmq
 
 from libs.protocol import Addresses
 from libs.protocol.messages import ShardReady, StepPlan, StepResult
-from libs.runtime import bus, logs
+from libs.runtime import bus, service
 from libs.runtime.settings import BLOCK_SIZE, Settings
 from services.shard.model_runner import ModelRunner
 
@@ -59,18 +59,13 @@ class ShardService:
 
 
 def main() -> None:
-    settings = Settings.from_env()
-    log = logs.setup(ROLE, settings.index)
-    bus.exit_on_sigterm()
-    try:
+    def body(settings: Settings, log) -> None:
         torch.set_num_threads(int(os.environ.get("SWITCHYARD_TORCH_THREADS", os.cpu_count() or 1)))
-        service = ShardService(settings, rank=settings.index)
+        shard = ShardService(settings, rank=settings.index)
         log.info("model loaded from %s (%s); %d KV blocks", settings.model_path, settings.dtype, settings.num_blocks)
-        service.run(log)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        bus.context().destroy(linger=0)
+        shard.run(log)
+
+    service.run(ROLE, body)
 
 
 if __name__ == "__main__":

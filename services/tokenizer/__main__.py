@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from libs.protocol import Addresses, topics
 from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest
-from libs.runtime import bus, logs
+from libs.runtime import bus, service
 from libs.runtime.settings import Settings
 from services.tokenizer import validation
 
@@ -75,17 +75,12 @@ class TokenizerService:
 
 
 def main() -> None:
-    settings = Settings.from_env()
-    log = logs.setup(ROLE, settings.index)
-    bus.exit_on_sigterm()
-    try:
-        service = TokenizerService(settings)
+    def body(settings: Settings, log) -> None:
+        tokenizer = TokenizerService(settings)
         log.info("tokenizer ready")
-        service.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        bus.context().destroy(linger=0)
+        tokenizer.run()
+
+    service.run(ROLE, body)
 
 
 if __name__ == "__main__":
