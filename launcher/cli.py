@@ -14,12 +14,11 @@ import ipaddress
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from launcher import supervise
 from libs.protocol import Addresses
 from libs.runtime import model_store
 from libs.runtime.settings import Settings
@@ -105,30 +104,22 @@ def serve(args: argparse.Namespace) -> int:
         model_path = model_store.resolve_model(args.model_id, revision=args.revision, token=os.environ.get("HF_TOKEN"))
     except model_store.ModelNotAvailableError as e:
         raise SystemExit(f"error: {e}") from None
+    settings = settings_from(args, model_path)
     run_dir = tempfile.mkdtemp(prefix="switchyard-", dir="/tmp")  # mkdtemp makes it 0700
-    settings = settings_from(args, model_path).replace(bus=f"ipc://{run_dir}")
-    Addresses.parse(settings.bus)  # fail now, not in six processes, if the path is unusable
-    env = {
-        **os.environ,
-        **settings.to_env(),
-        "SWITCHYARD_RUN_DIR": run_dir,
-        "SWITCHYARD_PYTHON": sys.executable,
-        "SWITCHYARD_ROOT": str(ROOT),
-        "PYTHONUNBUFFERED": "1",
-    }
-    cmd = [sys.executable, "-m", "supervisor.supervisord", "-n", "-c", str(ROOT / "supervisord.conf")]
-    log.info("serving %s on %s:%d (run directory %s)", settings.model_id, settings.hostname, settings.port, run_dir)
-    # its own session: a terminal's Ctrl-C reaches only us, and we stop supervisord in order
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
-
-    def stop(signum, frame):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
     try:
-        return proc.wait()
+        settings = settings.replace(bus=f"ipc://{run_dir}")
+        Addresses.parse(settings.bus)  # fail now, not in six processes, if the path is unusable
+        env = {
+            **os.environ,
+            **settings.to_env(),
+            "SWITCHYARD_RUN_DIR": run_dir,
+            "SWITCHYARD_PYTHON": sys.executable,
+            "SWITCHYARD_ROOT": str(ROOT),
+            "PYTHONUNBUFFERED": "1",
+        }
+        host, port = settings.hostname, settings.port
+        log.info("serving %s on %s:%d (run directory %s)", settings.model_id, host, port, run_dir)
+        return supervise.run(ROOT / "supervisord.conf", env, ROOT, Path(run_dir))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 

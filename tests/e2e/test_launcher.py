@@ -1,0 +1,24 @@
+"""The launcher gives up, cleanly, on a model that cannot load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.e2e.server import Server
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_model_that_cannot_load_stops_the_server(tiny_model_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "model_type": "no_such_architecture"}))
+    server = Server(broken, tmp_path / "server.log")
+    code = server.proc.wait(timeout=240)  # the shard fails at every start until supervisord gives up
+    assert code != 0
+    assert "shard could not start" in server.log_path.read_text()
+    server.stop()  # nothing left behind: no process, no run directory
