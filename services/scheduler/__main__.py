@@ -79,14 +79,22 @@ class SchedulerService:
         if isinstance(msg, TokenizedRequest):
             self.batcher.add(msg)
         elif isinstance(msg, ShardReady):
+            # a (re)started shard holds no KV: whatever was running is lost (until issue 7's re-prefill)
             self.log.info("shard %d ready (pid %d); probing", msg.rank, msg.pid)
-            bus.send(self.plans, StepPlan(step=0))
+            self.ready = False
+            if self.batcher.running:
+                self._fail_running("the model shard restarted")
+            self._probe()
         elif isinstance(msg, StepResult):
             if msg.step == 0 and not self.ready:
                 self.ready = True
                 self.log.info("shards ready")
             return msg
         return None
+
+    def _probe(self) -> None:
+        """Step 0: a shard that hears it drops all sequence state and answers; then we are ready."""
+        bus.send(self.plans, StepPlan(step=0))
 
     def _apply_ctl(self) -> None:
         for msg in self.pending_ctl:
@@ -154,6 +162,8 @@ class SchedulerService:
                 if got is not None:
                     result = got
             self.events.heartbeat(**self.load())
+            if not self.ready:  # the shard restarted mid-step: its requests have been failed
+                return True
         if result.error:
             self._fail_running(result.error)
         else:
@@ -177,6 +187,8 @@ class SchedulerService:
         self.events.start()
         while True:
             busy = self.ready and self.batcher.has_work() and self.run_step()
+            if not self.ready:  # after our own restart the shard does not knock again: knock ourselves
+                self._probe()
             for sock, _ in self.poller.poll(0 if busy else 500):
                 self._take(sock)
             self._apply_ctl()

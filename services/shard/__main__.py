@@ -44,7 +44,8 @@ class ShardService:
             if not isinstance(plan, StepPlan):
                 continue
             got_plan = True
-            if plan.step == 0:
+            if plan.step == 0:  # a (new) scheduler's probe: start from a clean slate
+                self.runner.seqs.clear()
                 result = StepResult(step=0, rank=self.rank)
             else:
                 start = time.perf_counter()

@@ -9,9 +9,11 @@ import socket
 import subprocess
 import sys
 import time
+import xmlrpc.client
 from pathlib import Path
 
 import requests
+from supervisor.xmlrpc import SupervisorTransport
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,6 +72,15 @@ class Server:
         m = re.search(r"run directory (\S+)\)", self.log_path.read_text())
         assert m, "the launcher did not log its run directory"
         return m.group(1)
+
+    def pid(self, program: str) -> int:
+        """The pid of a running program, from supervisord (0 while it is not running)."""
+        transport = SupervisorTransport(None, None, f"unix://{self.run_dir()}/supervisor.sock")
+        try:
+            rpc = xmlrpc.client.ServerProxy("http://localhost", transport=transport)
+            return rpc.supervisor.getProcessInfo(program)["pid"]
+        finally:
+            transport.close()
 
     def supervisord_sid(self) -> int | None:
         pid_file = Path(self.run_dir()) / "supervisord.pid"
