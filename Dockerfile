@@ -9,8 +9,10 @@ RUN apt-get update \
 WORKDIR /app
 RUN python3 -m venv /app/.venv
 ENV PATH=/app/.venv/bin:$PATH
-# torch first (the CUDA 12.8 build), then flash-attn against it
-RUN pip install --upgrade pip && pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
+# torch first (the CUDA 12.8 build), then flash-attn built against it (hence --no-build-isolation,
+# which needs setuptools in the venv); editable, so the launcher finds supervisord.conf in /app
+RUN pip install --upgrade pip "setuptools>=77" wheel packaging ninja \
+ && pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
 COPY pyproject.toml README.md ./
 COPY libs ./libs
 COPY services ./services

@@ -19,7 +19,7 @@ ROLE = "router"
 def proxy(frontend: zmq.Socket, backend: zmq.Socket) -> None:
     try:
         zmq.proxy(frontend, backend)
-    except zmq.ContextTerminated:
+    except zmq.ZMQError:  # the sockets were closed under us at shutdown
         pass
 
 

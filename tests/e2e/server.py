@@ -89,8 +89,9 @@ class Server:
         except (OSError, ValueError):
             return None
 
-    def stop(self) -> None:
-        """Ctrl-C the launcher; assert nothing is left: no process, no run directory."""
+    def stop(self, clean_log: bool = True) -> None:
+        """Ctrl-C the launcher; assert nothing is left: no process, no run directory, and (unless
+        the test provoked errors) no traceback in the log."""
         run_dir, sid = self.run_dir(), self.supervisord_sid()
         self.proc.send_signal(signal.SIGINT)
         try:
@@ -105,3 +106,5 @@ class Server:
             time.sleep(0.2)
         assert sid is None or not session_processes(sid), "processes left behind after Ctrl-C"
         assert not os.path.exists(run_dir), "run directory left behind"
+        if clean_log:
+            assert "Traceback" not in self.log_path.read_text(errors="replace"), self.tail(100)

@@ -21,4 +21,4 @@ def test_a_model_that_cannot_load_stops_the_server(tiny_model_dir, tmp_path):
     code = server.proc.wait(timeout=240)  # the shard fails at every start until supervisord gives up
     assert code != 0
     assert "shard could not start" in server.log_path.read_text()
-    server.stop()  # nothing left behind: no process, no run directory
+    server.stop(clean_log=False)  # nothing left behind: no process, no run directory
