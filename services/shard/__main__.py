@@ -25,11 +25,14 @@ class ShardService:
         self.plans = bus.socket(zmq.SUB, connect=addresses.replica(replica, "plan"))
         self.plans.setsockopt(zmq.SUBSCRIBE, b"")
         self.results = bus.socket(zmq.PUSH, connect=addresses.replica(replica, "results"))
+        # one accelerator per shard when there is one (rank r takes device r), else the CPU
+        device = f"cuda:{rank}" if torch.cuda.is_available() else "cpu"
         self.runner = ModelRunner(
             settings.model_path,
             num_blocks=settings.num_blocks,
             block_size=BLOCK_SIZE,
             dtype=getattr(torch, settings.dtype),
+            device=device,
         )
         self.num_blocks = settings.num_blocks
 
@@ -63,7 +66,13 @@ def main() -> None:
     def body(settings: Settings, log) -> None:
         torch.set_num_threads(int(os.environ.get("SWITCHYARD_TORCH_THREADS", os.cpu_count() or 1)))
         shard = ShardService(settings, rank=settings.index)
-        log.info("model loaded from %s (%s); %d KV blocks", settings.model_path, settings.dtype, settings.num_blocks)
+        log.info(
+            "model loaded from %s (%s on %s); %d KV blocks",
+            settings.model_path,
+            settings.dtype,
+            shard.runner.device,
+            settings.num_blocks,
+        )
         shard.run(log)
 
     service.run(ROLE, body)
