@@ -74,7 +74,3 @@ class Addresses:
     def replica(self, r: int, name: str) -> str:
         """Replica r's scheduler addresses: in, plan, results."""
         return self._addr(f"replica-{r}-{name}", 10 + 3 * r + _REPLICA_NAMES.index(name))
-
-    def ipc_files(self) -> list[str]:
-        """Socket files this bus may leave in its run directory (ipc only)."""
-        return [] if self.scheme == "tcp" else [f"{self.where}/{n}" for n in _ROUTER_NAMES]

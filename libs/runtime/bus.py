@@ -29,8 +29,9 @@ def context() -> zmq.Context:
     return zmq.Context.instance()
 
 
-def socket(kind: int, *, bind: str | None = None, connect: str | None = None) -> zmq.Socket:
-    sock = context().socket(kind)
+def socket(kind: int, *, bind: str | None = None, connect: str | None = None, ctx: zmq.Context | None = None):
+    """A socket with the bus's options; `ctx` may be a zmq.asyncio.Context (http)."""
+    sock = (ctx or context()).socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)

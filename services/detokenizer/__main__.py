@@ -15,7 +15,6 @@ from tokenizers import Tokenizer
 from libs.protocol import Addresses, topics
 from libs.protocol.messages import (
     FINISH_NAMES,
-    FINISH_NONE,
     FinalInfo,
     StopHit,
     StreamOpen,
@@ -68,7 +67,7 @@ class Detokenizer:
             st.next_offset = offset + 1
             self.tokens += 1
             text = st.decoder.push(token)
-            reason = FINISH_NAMES.get(finish) if finish != FINISH_NONE else None
+            reason = FINISH_NAMES.get(finish)  # None: not finished
             if reason is None and st.stops.push(text):
                 reason = "stop_sequence"
                 hits.append(StopHit(request_id=rid, generated_tokens=offset + 1))

@@ -26,8 +26,8 @@ from libs.protocol.messages import (
     TextBatch,
     TextRow,
 )
-from libs.runtime.bus import HWM
-from services.router.liveness import Liveness
+from libs.runtime import bus
+from libs.runtime.liveness import Liveness
 
 log = logging.getLogger("switchyard.http")
 
@@ -63,9 +63,9 @@ class Ingress:
         self.hb_topic = topics.hb("http", index)
         addresses = Addresses.parse(bus_spec)
         ctx = zmq.asyncio.Context.instance()
-        self.push = self._socket(ctx, zmq.PUSH, addresses.intake)
-        self.pub = self._socket(ctx, zmq.PUB, addresses.events_in)
-        self.sub = self._socket(ctx, zmq.SUB, addresses.events_out)
+        self.push = bus.socket(zmq.PUSH, connect=addresses.intake, ctx=ctx)
+        self.pub = bus.socket(zmq.PUB, connect=addresses.events_in, ctx=ctx)
+        self.sub = bus.socket(zmq.SUB, connect=addresses.events_out, ctx=ctx)
         for topic in (self.out_topic, topics.HB):
             self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.queues: dict[str, asyncio.Queue] = {}
@@ -75,15 +75,6 @@ class Ingress:
         self._hello = secrets.token_hex(8)
         self._confirmed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-
-    @staticmethod
-    def _socket(ctx: zmq.asyncio.Context, kind: int, address: str) -> zmq.asyncio.Socket:
-        sock = ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, HWM)
-        sock.setsockopt(zmq.RCVHWM, HWM)
-        sock.connect(address)
-        return sock
 
     async def publish(self, topic: bytes, msg) -> None:
         await self.pub.send_multipart(codec.encode_pub(topic, msg), copy=False)

@@ -10,8 +10,8 @@ import zmq
 from libs.protocol import Addresses, topics
 from libs.protocol.messages import Accepted, Heartbeat, RequestError, TokenizedRequest
 from libs.runtime import bus, service
+from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
-from services.router.liveness import Liveness
 
 ROLE = "router"
 

@@ -6,8 +6,6 @@ takes in new requests and control messages, so the next plan is ready when the t
 
 from __future__ import annotations
 
-import json
-import os
 from collections import defaultdict
 
 import numpy as np
@@ -26,23 +24,11 @@ from libs.protocol.messages import (
     TokenBatch,
     TokenizedRequest,
 )
-from libs.runtime import bus, service
+from libs.runtime import bus, model_store, service
 from libs.runtime.settings import Settings
 from services.scheduler.batcher import Batcher, Emitted
 
 ROLE = "scheduler"
-
-
-def eos_token_ids(model_path: str) -> set[int]:
-    """EOS ids as generate() uses them: generation_config.json, else config.json."""
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(model_path, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                eos = json.load(f).get("eos_token_id")
-            if eos is not None:
-                return set(eos) if isinstance(eos, list) else {eos}
-    return set()
 
 
 class SchedulerService:
@@ -58,7 +44,7 @@ class SchedulerService:
             settings.num_blocks,
             max_batch_size=settings.max_batch_size,
             max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
-            eos_ids=eos_token_ids(settings.model_path),
+            eos_ids=set(model_store.model_info(settings.model_path)["eos_token_ids"]),
         )
         self.ready = False  # shards answered the probe plan
         self.step = 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import zmq
@@ -51,13 +50,11 @@ class ShardService:
                 self.runner.seqs.clear()
                 result = StepResult(step=0, rank=self.rank)
             else:
-                start = time.perf_counter()
                 try:
                     result = self.runner.execute(plan)
                 except Exception as e:  # a failed step fails its requests, not the process
                     log.exception("step %d failed", plan.step)
                     result = StepResult(step=plan.step, rank=self.rank, error=f"{type(e).__name__}: {e}")
-                result.forward_s = time.perf_counter() - start
             if self.rank == 0:
                 bus.send(self.results, result)
 
