@@ -42,6 +42,15 @@ class Parameters(msgspec.Struct, kw_only=True):
     details: bool = False
     return_full_text: bool | None = None
     truncate: int | None = None
+    best_of: int | None = None  # http fans a request with best_of > 1 out into that many requests
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    typical_p: float | None = None
+    watermark: bool = False
+    decoder_input_details: bool = False  # prefill tokens with their logprobs in `details`
+    top_n_tokens: int | None = None
+    grammar: Any = None  # TGI's GrammarType as sent; refused ("not supported") for now
+    adapter_id: str | None = None
 
 
 class GenerateRequest(Message, tag="generate", kw_only=True):
@@ -49,10 +58,18 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
 
     request_id: str  # 32 hex chars, chosen by http; the key of the request everywhere
     ingress: int  # index of the http process that owns the client connection
-    inputs: str  # the prompt text
+    inputs: str  # the prompt text ("" for chat: the tokenizer renders `messages` with the chat template)
     parameters: Parameters
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # False for chat (the template holds the special tokens), as TGI
     received_at: float = 0.0  # unix time the http process read the request
+    # what the client wants back: "generate" (tokens stream), or only the tokenization ("tokenize":
+    # the tokenizer answers a TokenizeResult on out.<ingress> and forwards nothing)
+    mode: str = "generate"
+    stream: bool = False  # the client streams: some of TGI's checks refuse options on stream routes
+    messages: list[dict[str, Any]] | None = None  # OpenAI chat messages, as sent (content str or parts)
+    tools: list[dict[str, Any]] | None = None  # OpenAI tools, passed to the chat template as `tools`
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    traceparent: str | None = None  # W3C trace context of the http span, continued by each hop
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, array_like=True):
@@ -63,6 +80,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True):
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     seed: int = 0  # seeds the request's own generator when sampling
+    repetition_penalty: float = 1.0  # 1.0 = off; HF style over prompt + generated ids
+    frequency_penalty: float = 0.0  # 0.0 = off; minus penalty * count / length
+    typical_p: float = 1.0  # 1.0 = off
+    watermark: bool = False  # Kirchenbauer et al. green-list bias (gamma/delta from the shard's settings)
+    top_n_tokens: int = 0  # alternatives to report per generated token (after the warpers)
+    prompt_logprobs: bool = False  # report the logprob of every prompt token (decoder_input_details)
 
 
 class TokenizedRequest(Message, tag="tokenized", kw_only=True):
@@ -86,6 +109,7 @@ class TokenizedRequest(Message, tag="tokenized", kw_only=True):
     stop: list[str] = []  # stop sequences, matched by the detokenizer
     seed: int | None = None  # seed to report in details (None when greedy)
     received_at: float = 0.0
+    traceparent: str | None = None  # W3C trace context, carried on from GenerateRequest
     replica: int = -1  # set by the router
     detokenizer: int = -1  # set by the router: the detokenizer shard that streams this request
 
@@ -138,7 +162,18 @@ class StepPlan(Message, tag="plan", kw_only=True):
 class StepResult(Message, tag="result", kw_only=True):
     """The tokens sampled in one step (shard rank 0 → scheduler)."""
 
-    FRAMES = (("seqs", "<i4"), ("token_ids", "<i4"), ("logprobs", "<f4"))
+    FRAMES = (
+        ("seqs", "<i4"),  # per sampled row: sequence handle
+        ("token_ids", "<i4"),  # per sampled row: the chosen token
+        ("logprobs", "<f4"),  # per sampled row: its logprob after the warpers (TGI)
+        ("top_counts", "<i4"),  # per sampled row: how many alternatives follow (or empty: none at all)
+        ("top_ids", "<i4"),  # alternatives of all rows, concatenated, best first
+        ("top_logprobs", "<f4"),  # their logprobs (same distribution as `logprobs`)
+        ("prompt_seqs", "<i4"),  # per fed row with prompt_logprobs: sequence handle
+        ("prompt_counts", "<i4"),  # per such row: tokens fed this step (a prefill chunk)
+        ("prompt_logprobs", "<f4"),  # logprob of each fed token given the ones before it (raw logits;
+        #                              NaN for the very first prompt token), concatenated
+    )
 
     step: int
     rank: int = 0
@@ -147,10 +182,24 @@ class StepResult(Message, tag="result", kw_only=True):
     seqs: Any = None
     token_ids: Any = None
     logprobs: Any = None
+    top_counts: Any = None
+    top_ids: Any = None
+    top_logprobs: Any = None
+    prompt_seqs: Any = None
+    prompt_counts: Any = None
+    prompt_logprobs: Any = None
 
     def check(self) -> None:
         if not len(self.seqs) == len(self.token_ids) == len(self.logprobs):
             raise ValueError("result rows of unequal length")
+        if len(self.top_counts) not in (0, len(self.seqs)):  # empty: no row asked for alternatives
+            raise ValueError("result top_counts of the wrong length")
+        if int(self.top_counts.sum()) != len(self.top_ids) or len(self.top_ids) != len(self.top_logprobs):
+            raise ValueError("result alternatives do not match top_counts")
+        if len(self.prompt_seqs) != len(self.prompt_counts) or int(self.prompt_counts.sum()) != len(
+            self.prompt_logprobs
+        ):
+            raise ValueError("result prompt logprobs do not match prompt_counts")
 
 
 class ShardReady(Message, tag="shard_ready", kw_only=True):
@@ -197,6 +246,9 @@ class StreamOpen(msgspec.Struct, kw_only=True, array_like=True):
     prompt_tail: list[int]  # the last ≤5 prompt ids: left context for clean incremental decoding
     stop: list[str] = []
     seed: int | None = None
+    # decoder_input_details: every prompt id and its logprob (NaN for the first), for TGI's `prefill`
+    prompt_ids: list[int] = []
+    prompt_logprobs: list[float] = []
 
 
 # finish codes in TokenBatch.finish
@@ -216,6 +268,9 @@ class TokenBatch(Message, tag="tokens", kw_only=True):
         ("token_ids", "<i4"),
         ("logprobs", "<f4"),
         ("finish", "u1"),  # FINISH_* per row
+        ("top_counts", "<i4"),  # per row: alternatives that follow in top_ids/top_logprobs (or empty: none)
+        ("top_ids", "<i4"),
+        ("top_logprobs", "<f4"),
     )
 
     replica: int
@@ -225,11 +280,27 @@ class TokenBatch(Message, tag="tokens", kw_only=True):
     token_ids: Any = None
     logprobs: Any = None
     finish: Any = None
+    top_counts: Any = None
+    top_ids: Any = None
+    top_logprobs: Any = None
 
     def check(self) -> None:
         n = len(self.request_ids)
         if not len(self.offsets) == len(self.token_ids) == len(self.logprobs) == len(self.finish) == n:
             raise ValueError("token batch rows of unequal length")
+        if len(self.top_counts) not in (0, n):  # empty: no row has alternatives
+            raise ValueError("token batch top_counts of the wrong length")
+        if int(self.top_counts.sum()) != len(self.top_ids) or len(self.top_ids) != len(self.top_logprobs):
+            raise ValueError("token batch alternatives do not match top_counts")
+
+
+class TokenText(msgspec.Struct, kw_only=True, array_like=True):
+    """A token with its text: a top-n alternative or a prefill token (TGI's `Token`/`PrefillToken`)."""
+
+    id: int
+    text: str  # the token alone, decoded without cleanup, special tokens kept (TGI)
+    logprob: float | None  # None for the first prompt token
+    special: bool = False
 
 
 class FinalInfo(msgspec.Struct, kw_only=True, array_like=True):
@@ -240,6 +311,7 @@ class FinalInfo(msgspec.Struct, kw_only=True, array_like=True):
     generated_tokens: int
     input_length: int
     seed: int | None = None
+    prefill: list[TokenText] = []  # with decoder_input_details: the prompt tokens
 
 
 class TextRow(msgspec.Struct, kw_only=True, array_like=True):
@@ -252,12 +324,32 @@ class TextRow(msgspec.Struct, kw_only=True, array_like=True):
     logprob: float
     special: bool
     final: FinalInfo | None = None
+    top_tokens: list[TokenText] = []  # with top_n_tokens: the alternatives, best first
 
 
 class TextBatch(Message, tag="text", kw_only=True):
     """Detokenized rows for the requests of one http process (detokenizer → out.<ingress>)."""
 
     rows: list[TextRow]
+
+
+class TokenizeResult(Message, tag="tokenized_text", kw_only=True):
+    """The answer to a `mode="tokenize"` request (tokenizer → out.<ingress>); ends the request.
+
+    TGI's /tokenize shape per token: id, text, start, stop (character offsets into `text`).
+    """
+
+    FRAMES = (("ids", "<i4"), ("starts", "<u4"), ("stops", "<u4"))
+
+    request_id: str
+    text: str  # what was tokenized: the inputs, or the rendered chat template
+    ids: Any = None
+    starts: Any = None
+    stops: Any = None
+
+    def check(self) -> None:
+        if not len(self.ids) == len(self.starts) == len(self.stops):
+            raise ValueError("tokenize rows of unequal length")
 
 
 class Abort(Message, tag="abort", kw_only=True):
@@ -285,6 +377,8 @@ class Heartbeat(Message, tag="hb", kw_only=True):
     free_blocks: int = 0
     total_blocks: int = 0
     counters: dict[str, int] = {}  # monotonic counters of the process (steps, tokens, …)
+    # the process's own Prometheus registry in text exposition format; /metrics merges them (issue 5)
+    metrics: str = ""
 
 
 ANY_MESSAGE = (
@@ -298,6 +392,7 @@ ANY_MESSAGE = (
     | RequestError
     | TokenBatch
     | TextBatch
+    | TokenizeResult
     | Abort
     | StopHit
     | Heartbeat

@@ -15,6 +15,16 @@ BLOCK_SIZE = 16  # tokens per KV block
 PREFIX = "SWITCHYARD_"
 
 
+def _parse(type_name, raw: str):
+    if type_name in ("int", int):
+        return int(raw)
+    if type_name in ("float", float):
+        return float(raw)
+    if type_name in ("bool", bool):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return raw
+
+
 @dataclass(frozen=True)
 class Settings:
     bus: str = ""  # ipc:///run/dir or tcp://host:port (libs.protocol.addresses)
@@ -34,6 +44,17 @@ class Settings:
     max_batch_size: int = 256
     validation_workers: int = 1
     max_client_batch_size: int = 4
+    max_top_n_tokens: int = 5
+    payload_limit: int = 2_000_000  # bytes of a request body; larger → 413
+    api_key: str = ""  # when set, generation routes need `Authorization: Bearer <key>`
+    cors_allow_origin: str = ""  # comma-separated origins, or "" for no CORS headers
+    watermark_gamma: float = 0.5
+    watermark_delta: float = 2.0
+    chat_template: str = ""  # overrides the model's chat template (a Jinja string)
+    disable_grammar_support: bool = False
+    json_output: bool = False  # logs as one JSON object per line
+    otlp_endpoint: str = ""  # OpenTelemetry collector (gRPC), "" = no tracing export
+    otlp_service_name: str = "text-generation-inference.router"
     index: int = 0  # this process's index within its role (supervisord's process_num)
 
     @property
@@ -51,7 +72,7 @@ class Settings:
         for f in fields(cls):
             raw = env.get(PREFIX + f.name.upper())
             if raw is not None:
-                values[f.name] = int(raw) if f.type in ("int", int) else raw
+                values[f.name] = _parse(f.type, raw)
         return cls(**values)
 
     def replace(self, **changes) -> Settings:

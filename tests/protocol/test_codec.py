@@ -29,6 +29,8 @@ from libs.protocol.messages import (
     TextRow,
     TokenBatch,
     TokenizedRequest,
+    TokenizeResult,
+    TokenText,
 )
 
 SAMPLES = [
@@ -70,6 +72,35 @@ SAMPLES = [
         logprobs=np.array([-0.5, -1.25], np.float32),
     ),
     StepResult(step=3, error="RuntimeError: boom"),
+    StepResult(
+        step=10,
+        seqs=np.array([4, 5], np.int32),
+        token_ids=np.array([10, 11], np.int32),
+        logprobs=np.array([-0.5, -1.25], np.float32),
+        top_counts=np.array([2, 0], np.int32),
+        top_ids=np.array([10, 3], np.int32),
+        top_logprobs=np.array([-0.5, -2.0], np.float32),
+        prompt_seqs=np.array([4], np.int32),
+        prompt_counts=np.array([3], np.int32),
+        prompt_logprobs=np.array([np.nan, -1.0, -2.0], np.float32),
+    ),
+    GenerateRequest(
+        request_id="9" * 32,
+        ingress=0,
+        inputs="",
+        parameters=Parameters(best_of=2, top_n_tokens=3, grammar={"type": "regex", "value": "a+"}),
+        mode="tokenize",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    ),
+    TokenizeResult(
+        request_id="8" * 32,
+        text="a b",
+        ids=np.array([5, 6], np.int32),
+        starts=np.array([0, 1], np.uint32),
+        stops=np.array([1, 3], np.uint32),
+    ),
     ShardReady(rank=0, pid=123, num_blocks=4096),
     Hello(nonce="ab12"),
     Accepted(request_id="c" * 32, replica=0, input_length=12),
@@ -97,6 +128,25 @@ SAMPLES = [
                 special=True,
                 final=FinalInfo(generated_text="…", finish_reason="eos_token", generated_tokens=18, input_length=5),
             ),
+            TextRow(
+                request_id="g" * 32,
+                index=1,
+                token_id=5,
+                text="a",
+                logprob=-0.3,
+                special=False,
+                top_tokens=[TokenText(id=5, text="a", logprob=-0.3), TokenText(id=6, text="b", logprob=-1.5)],
+                final=FinalInfo(
+                    generated_text="a",
+                    finish_reason="length",
+                    generated_tokens=1,
+                    input_length=2,
+                    prefill=[
+                        TokenText(id=1, text="<s>", logprob=None, special=True),
+                        TokenText(id=9, text="x", logprob=-4),
+                    ],
+                ),
+            ),
         ]
     ),
     Abort(request_id="f" * 32),
@@ -114,7 +164,9 @@ def same(a, b) -> bool:
         x, y = getattr(a, name), getattr(b, name)
         if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
             # a missing array is sent as an empty one
-            if not np.array_equal(np.asarray([] if x is None else x), np.asarray([] if y is None else y)):
+            if not np.array_equal(
+                np.asarray([] if x is None else x, float), np.asarray([] if y is None else y, float), equal_nan=True
+            ):
                 return False
         elif x != y:
             return False
