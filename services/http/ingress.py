@@ -34,6 +34,7 @@ log = logging.getLogger("switchyard.http")
 ADMIT_TIMEOUT = 30.0  # seconds for a request to be accepted or rejected once submitted
 ERROR_STATUS = {
     "validation": 422,
+    "template_error": 422,
     "overloaded": 429,
     "generation": 424,
     "incomplete_generation": 500,
