@@ -44,6 +44,8 @@ class Settings:
     max_batch_size: int = 256
     validation_workers: int = 1
     max_client_batch_size: int = 4
+    replicas: int = 1  # model replicas: one scheduler each, with num_shard shards
+    num_shard: int = 1  # shards (tensor-parallel ranks) per replica
     max_top_n_tokens: int = 5
     payload_limit: int = 2_000_000  # bytes of a request body; larger → 413
     api_key: str = ""  # when set, generation routes need `Authorization: Bearer <key>`

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import threading
 
 import zmq
@@ -12,6 +11,7 @@ from libs.protocol.messages import Accepted, Heartbeat, RequestError, TokenizedR
 from libs.runtime import bus, service
 from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
+from services.router.placement import Placement
 
 ROLE = "router"
 
@@ -39,27 +39,27 @@ class Router:
         }.items():
             threading.Thread(target=proxy, args=(a, b), name=name, daemon=True).start()
         self.admit = bus.socket(zmq.PULL, bind=addresses.admit)
-        self.replicas = [bus.socket(zmq.PUSH, connect=addresses.replica(0, "in"))]
+        self.replicas = [
+            bus.socket(zmq.PUSH, connect=addresses.replica(r, "in")) for r in range(max(1, settings.replicas))
+        ]
         self.events = bus.EventBus(addresses, ROLE, settings.index, subscribe=[topics.HB])
         self.liveness = Liveness()
-        self._rr = itertools.count()
-        self.placed = 0
+        self.placement = Placement(len(self.replicas))
+        self.placed = [0] * len(self.replicas)
+
+    def _fail(self, req: TokenizedRequest, message: str) -> None:
+        error = RequestError(request_id=req.request_id, message=message, error_type="unavailable")
+        self.events.publish(topics.out(req.ingress), error)
 
     def place(self, req: TokenizedRequest) -> None:
-        detokenizers = self.liveness.alive("detokenizer")
-        if not detokenizers:
-            self.events.publish(
-                topics.out(req.ingress),
-                RequestError(
-                    request_id=req.request_id, message="No detokenizer is available", error_type="unavailable"
-                ),
-            )
-            return
         # sticky per request: the whole stream goes through this one detokenizer
-        req.detokenizer = detokenizers[next(self._rr) % len(detokenizers)].index
-        req.replica = 0  # one replica for now
-        bus.send(self.replicas[req.replica], req)
-        self.placed += 1
+        detokenizer = self.placement.choose_detokenizer(self.liveness.alive("detokenizer"))
+        if detokenizer is None:
+            return self._fail(req, "No detokenizer is available")
+        replica = self.placement.choose_replica(req.input_ids, self.liveness.alive("scheduler"))
+        req.detokenizer, req.replica = detokenizer, replica
+        bus.send(self.replicas[replica], req)
+        self.placed[replica] += 1
         accepted = Accepted(request_id=req.request_id, replica=req.replica, input_length=len(req.input_ids))
         self.events.publish(topics.out(req.ingress), accepted)
 
@@ -78,7 +78,8 @@ class Router:
                     got = self.events.recv()
                     if got and isinstance(got[1], Heartbeat):
                         self.liveness.record(got[1])
-            self.events.heartbeat(counters={"placed": self.placed})
+                        self.placement.observe(got[1])
+            self.events.heartbeat(counters={f"placed_replica_{r}": n for r, n in enumerate(self.placed)})
 
 
 def main() -> None:

@@ -1,0 +1,83 @@
+"""Where a request runs: a model replica (least loaded, with prefix affinity) and a detokenizer shard.
+
+Load comes from the schedulers' heartbeats (queue + running), plus what this router placed since a replica's
+last heartbeat, so a burst between two heartbeats does not all land on the replica that looked idlest.
+
+Prefix affinity: a prompt's full KV blocks are hashed as a chain (the hash of block i covers blocks 0..i), the
+same unit a replica's prefix cache reuses. The router remembers which replica last took each chain hash; a new
+request goes to the replica holding its longest known prefix unless that replica is busier than the least loaded
+one by more than `slack` requests — then load wins and the prefix is recomputed elsewhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from libs.protocol.messages import Heartbeat
+from libs.runtime.settings import BLOCK_SIZE
+
+MAX_REMEMBERED = 100_000  # chain hashes kept (LRU); ~100 bytes each
+
+
+def prefix_hashes(input_ids: np.ndarray, block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """Chain hashes of the prompt's full blocks, shortest prefix first."""
+    ids = np.ascontiguousarray(input_ids, dtype="<i4")
+    out, h = [], b""
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        h = hashlib.blake2b(h + ids[start : start + block_size].tobytes(), digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+class Placement:
+    def __init__(self, replicas: int, slack: int = 4):
+        self.replicas = replicas
+        self.slack = slack
+        self.owner: OrderedDict[bytes, int] = OrderedDict()  # chain hash → replica that last computed it
+        self._since_hb = [0] * replicas  # placed on r since r's last heartbeat
+        self._next_detok = 0
+
+    def observe(self, hb: Heartbeat) -> None:
+        """A scheduler heartbeat: its own load supersedes what we placed before it."""
+        if hb.role == "scheduler" and 0 <= hb.index < self.replicas:
+            self._since_hb[hb.index] = 0
+
+    def choose_replica(self, input_ids: np.ndarray, schedulers: list[Heartbeat]) -> int:
+        """The replica for a prompt, among the ready schedulers.
+
+        With none ready (shards loading or restarting) any live one will do, and with none alive replica 0:
+        the request then waits in that scheduler's queue (or its socket) instead of failing.
+        """
+        known = [hb for hb in schedulers if 0 <= hb.index < self.replicas]
+        candidates = [hb for hb in known if hb.ready] or known
+        load = {hb.index: hb.queue + hb.running + self._since_hb[hb.index] for hb in candidates}
+        if not load:
+            self._since_hb[0] += 1
+            return 0
+        least = min(load, key=lambda r: (load[r], r))
+        hashes = prefix_hashes(input_ids)
+        chosen = least
+        for h in reversed(hashes):  # the longest prefix some live replica holds
+            r = self.owner.get(h)
+            if r in load:
+                if load[r] <= load[least] + self.slack:
+                    chosen = r
+                break
+        for h in hashes:
+            self.owner[h] = chosen
+            self.owner.move_to_end(h)
+        while len(self.owner) > MAX_REMEMBERED:
+            self.owner.popitem(last=False)
+        self._since_hb[chosen] += 1
+        return chosen
+
+    def choose_detokenizer(self, detokenizers: list[Heartbeat]) -> int | None:
+        """Round robin over the live detokenizers: a request's whole stream then stays on that one."""
+        if not detokenizers:
+            return None
+        hb = detokenizers[self._next_detok % len(detokenizers)]
+        self._next_detok += 1
+        return hb.index
