@@ -31,6 +31,45 @@ def _env(flag: str, default=None):
     return os.environ.get(flag.upper().replace("-", "_"), default)
 
 
+def _env_bool(flag: str) -> bool:
+    # clap's falsey values for a flag read from the environment; anything else set means on
+    raw = _env(flag)
+    return raw is not None and raw.strip().lower() not in ("", "0", "false", "f", "no", "n", "off")
+
+
+def _bool_value(raw: str) -> bool:
+    """A flag that takes true/false (TGI's `--sharded <bool>`)."""
+    value = raw.strip().lower()
+    if value not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {raw!r}")
+    return value == "true"
+
+
+def _env_sharded() -> bool | None:
+    raw = _env("sharded")
+    try:
+        return None if raw is None else _bool_value(raw)
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"error: SHARDED: {e}") from None
+
+
+# TGI flags that are accepted so a TGI command line runs unchanged, but do nothing here (yet):
+# (name, type or "flag", TGI's default, what it does in TGI). A value other than the default is logged.
+IGNORED = [
+    ("quantize", str, None, "weight quantization (awq, gptq, fp8, …); the model runs unquantized"),
+    ("speculate", int, None, "speculative decoding (n-gram/medusa); tokens are generated one at a time"),
+    ("kv-cache-dtype", str, None, "fp8 KV cache; the KV cache uses --dtype"),
+    ("trust-remote-code", "flag", False, "custom model code from the Hub; only transformers' own architectures run"),
+    ("max-waiting-tokens", int, 20, "how long waiting requests wait before joining; here they join every step"),
+    ("waiting-served-ratio", float, 0.3, "when waiting requests force a prefill; here new prefills join every step"),
+    ("cuda-graphs", str, None, "CUDA graph batch sizes; no CUDA graphs are captured"),
+    ("cuda-memory-fraction", float, 1.0, "GPU memory share; the KV cache is sized by --max-batch-total-tokens"),
+    ("disable-custom-kernels", "flag", False, "no custom kernels are used anyway"),
+    ("prometheus-port", int, 9000, "a separate metrics port; metrics are served on /metrics of --port"),
+    ("usage-stats", str, "on", "telemetry; none is ever sent"),
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="switchyard", description="A TGI-compatible text-generation server.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -55,6 +94,45 @@ def build_parser() -> argparse.ArgumentParser:
     flag("max-batch-size", type=int, default=256)
     flag("num-shard", type=int, default=1, help="only 1 for now")
     flag("max-client-batch-size", type=int, default=4)
+    flag("validation-workers", type=int, default=2, help="reported in /info; must be > 0")
+    flag("max-top-n-tokens", type=int, default=5, help="the largest top_n_tokens a request may ask for")
+    flag("payload-limit", type=int, default=2_000_000, help="largest request body in bytes (larger: 413)")
+    flag("api-key", help="when set, generation routes need `Authorization: Bearer <key>`")
+    s.add_argument(
+        "--cors-allow-origin",
+        action="append",
+        default=None,
+        help="an allowed CORS origin; repeat the flag (or give a comma-separated list) for several; "
+        "env CORS_ALLOW_ORIGIN: comma-separated",
+    )
+    flag("watermark-gamma", type=float, default=0.5, help="share of the vocabulary in the watermark's green list")
+    flag("watermark-delta", type=float, default=2.0, help="bias added to green-list logits")
+    flag("chat-template", help="a Jinja chat template replacing the model's: the template itself or a file holding it")
+    flag("otlp-endpoint", help="OpenTelemetry collector (gRPC) to export traces to")
+    flag("otlp-service-name", default="text-generation-inference.router")
+
+    def switch(name: str, help: str):
+        s.add_argument(f"--{name}", action="store_true", default=_env_bool(name), help=help)
+
+    switch("disable-grammar-support", "refuse requests with a `grammar`")
+    switch("json-output", "log one JSON object per line")
+    switch(
+        "enable-prefill-logprobs",
+        "accepted for compatibility: prompt logprobs are always computed for a request that asks for them "
+        "(decoder_input_details), with or without this flag",
+    )
+    s.add_argument(
+        "--sharded",
+        type=_bool_value,
+        default=_env_sharded(),
+        help="true | false; only false (one shard) for now",
+    )
+    for name, type_, default, what in IGNORED:
+        help = f"accepted for compatibility with TGI and ignored: {what}"
+        if type_ == "flag":
+            switch(name, help)
+        else:
+            flag(name, type=type_, default=default, help=help)
     return p
 
 
@@ -79,8 +157,14 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
     except ValueError:  # as TGI: HOSTNAME is often a machine name (Docker sets it), not an address
         log.warning("hostname %r is not an IP address; listening on 0.0.0.0", hostname)
         hostname = "0.0.0.0"
-    if args.num_shard != 1:
+    if args.num_shard != 1 or args.sharded:
         raise SystemExit("error: --num-shard > 1 (tensor parallel) is not implemented yet")
+    if args.validation_workers < 1:
+        raise SystemExit("error: `validation_workers` must be > 0")
+    for name, _, default, _ in IGNORED:
+        value = getattr(args, name.replace("-", "_"))
+        if value != default:
+            log.warning("--%s is accepted for compatibility and ignored", name)
     return Settings(
         model_path=str(model_path),
         model_id=args.model_id or model_store.DEFAULT_MODEL_NAME,
@@ -96,7 +180,40 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         max_batch_total_tokens=total,
         max_batch_size=args.max_batch_size,
         max_client_batch_size=args.max_client_batch_size,
+        validation_workers=args.validation_workers,
+        max_top_n_tokens=args.max_top_n_tokens,
+        payload_limit=args.payload_limit,
+        api_key=args.api_key or "",
+        cors_allow_origin=_origins(args.cors_allow_origin),
+        watermark_gamma=args.watermark_gamma,
+        watermark_delta=args.watermark_delta,
+        chat_template=_chat_template(args.chat_template),
+        disable_grammar_support=args.disable_grammar_support,
+        json_output=args.json_output,
+        otlp_endpoint=args.otlp_endpoint or "",
+        otlp_service_name=args.otlp_service_name,
     )
+
+
+def _origins(given: list[str] | None) -> str:
+    """The origins, comma-joined as Settings holds them: repeated flags, or the environment's comma list."""
+    values = given if given is not None else [_env("cors-allow-origin", "")]
+    return ",".join(o.strip() for v in values for o in v.split(",") if o.strip())
+
+
+def _chat_template(value: str | None) -> str:
+    """A template given inline, or the content of the file it names."""
+    if not value:
+        return ""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError:  # e.g. a template so long it is not a valid path
+        pass
+    if "{" not in value and ("/" in value or value.endswith((".jinja", ".j2", ".txt"))):
+        raise SystemExit(f"error: --chat-template {value!r}: no such file")
+    return value
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -26,15 +26,34 @@ GEMMA_EMBED_STD = 0.15
 GEMMA_NORM_GAIN = 2.0
 GEMMA_FINAL_GAIN = 5.0
 
+# A small ChatML-style chat template over the tiny tokenizer's specials: <bos> opens the chat, <eos> ends each
+# turn (so the model's EOS ends its answer); tools, when given, go into a system turn as JSON.
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}\n"
+    "{%- if tools %}{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + eos_token + '\\n' }}{% endif -%}\n"
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor -%}\n"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}\n"
+)
+
+
+def write_chat_template(out_dir: str | Path) -> None:
+    """Write CHAT_TEMPLATE as `chat_template.jinja` (where transformers and Switchyard look first)."""
+    path = Path(out_dir) / "chat_template.jinja"
+    if not path.exists() or path.read_text(encoding="utf-8") != CHAT_TEMPLATE:
+        path.write_text(CHAT_TEMPLATE, encoding="utf-8")
+
 
 def build_tokenizer(out_dir: str | Path) -> None:
     """Train a byte-level BPE tokenizer (specials <pad>=0, <bos>=1, <eos>=2) and write it for AutoTokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_chat_template(out)
     if (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists():
         return
-    out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -113,6 +132,7 @@ def build_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+        write_chat_template(out)  # folders built before the template existed get it too
         return out
     build_tokenizer(out)
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()

@@ -1,22 +1,29 @@
-"""The life of a service process: settings from the environment, logging, a clean stop."""
+"""The life of a service process: settings from the environment, logging, metrics, tracing, a clean stop."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 
-from libs.runtime import bus, logs
+from libs.runtime import bus, logs, metrics, tracing
 from libs.runtime.settings import Settings
 
 
 def run(role: str, body: Callable[[Settings, logging.Logger], None]) -> None:
-    """Run `body` until SIGTERM (supervisord's stop) or Ctrl-C, then close every socket at once."""
+    """Run `body` until SIGTERM (supervisord's stop) or Ctrl-C, then close every socket at once.
+
+    Before `body`: logging (`logs.setup`), this process's metrics registry (`metrics.init`, read
+    back anywhere with `metrics.get()`; the heartbeat carries it) and tracing (`tracing.init`, off
+    without --otlp-endpoint)."""
     settings = Settings.from_env()
-    log = logs.setup(role, settings.index)
+    log = logs.setup(role, settings.index, settings.json_output)
+    metrics.init(role, settings.index, settings)
+    tracing.init(settings.otlp_service_name, settings.otlp_endpoint, role=role, index=str(settings.index))
     bus.exit_on_sigterm()
     try:
         body(settings, log)
     except KeyboardInterrupt:
         pass
     finally:
+        tracing.shutdown()
         bus.context().destroy(linger=0)

@@ -24,6 +24,7 @@ from libs.protocol.messages import (
 )
 from libs.runtime import bus, service
 from libs.runtime.settings import Settings
+from services.detokenizer.details import TokenTexts
 from services.detokenizer.incremental import IncrementalDecoder
 from services.detokenizer.stops import StopMatcher
 
@@ -42,6 +43,7 @@ class Stream:
 class Detokenizer:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
+        self.texts = TokenTexts(tokenizer)
         self.streams: dict[str, Stream] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()
         self.tokens = 0
@@ -55,7 +57,13 @@ class Detokenizer:
         out: dict[int, list[TextRow]] = defaultdict(list)
         hits = []
         rows = zip(batch.request_ids, batch.offsets.tolist(), batch.token_ids.tolist(), batch.logprobs.tolist())
-        for (rid, offset, token, logprob), finish in zip(rows, batch.finish.tolist()):
+        # the alternatives' frames (empty when no row has any; None in a batch built by hand)
+        counts, top_ids, top_logprobs = (
+            [] if f is None else f.tolist() for f in (batch.top_counts, batch.top_ids, batch.top_logprobs)
+        )
+        end = 0
+        for i, ((rid, offset, token, logprob), finish) in enumerate(zip(rows, batch.finish.tolist())):
+            start, end = end, end + (counts[i] if counts else 0)
             st = self.streams.get(rid)
             if st is None or offset < st.next_offset:
                 continue  # ended already, or a duplicate
@@ -83,6 +91,8 @@ class Detokenizer:
             else:  # the end: bytes still held back go out now, so the deltas add up to the text
                 row = self._final_row(st, offset + 1, reason, token, text + st.decoder.flush(), logprob)
                 self._end(rid)
+            if end > start:
+                row.top_tokens = self.texts.alternatives(top_ids[start:end], top_logprobs[start:end])
             out[st.open.ingress].append(row)
         return out, hits
 
@@ -94,6 +104,7 @@ class Detokenizer:
             generated_tokens=generated,
             input_length=o.input_length,
             seed=o.seed,
+            prefill=self.texts.prefill(o),
         )
         special = token >= 0 and st.decoder.special(token)
         return TextRow(

@@ -11,16 +11,29 @@ from aiohttp import web
 from libs.runtime import logs
 from libs.runtime.settings import Settings
 from services.http.ingress import Ingress
+from services.http.middleware import middlewares
+from services.http.openai_api import OpenAIRoutes
 from services.http.routes import Routes
 
 ROLE = "http"
 
 
+def build_app(settings: Settings, ingress) -> web.Application:
+    """The app with every route and TGI's layers (CORS, API key, payload limit)."""
+    # aiohttp stops reading a body past client_max_size; the payload middleware turns that into TGI's 413
+    app = web.Application(client_max_size=settings.payload_limit, middlewares=middlewares(settings))
+    routes = Routes(settings, ingress)
+    routes.install(app)
+    openai = OpenAIRoutes(settings, ingress, routes)
+    openai.install(app)
+    routes.openai = openai
+    return app
+
+
 async def serve(settings: Settings, log: logging.Logger) -> None:
     ingress = Ingress(settings.bus, settings.index)
     await ingress.start()
-    app = web.Application(client_max_size=2_000_000)  # TGI's default --payload-limit
-    Routes(settings, ingress).install(app)
+    app = build_app(settings, ingress)
     # a client that disconnects cancels its handler, which aborts its request (Ingress.generate)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()

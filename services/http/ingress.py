@@ -10,7 +10,9 @@ import asyncio
 import logging
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -25,6 +27,7 @@ from libs.protocol.messages import (
     RequestError,
     TextBatch,
     TextRow,
+    TokenizeResult,
 )
 from libs.runtime import bus
 from libs.runtime.liveness import Liveness
@@ -55,6 +58,22 @@ class Failure(Exception):
 
     def body(self) -> dict:
         return {"error": self.message, "error_type": self.error_type}
+
+
+@dataclass
+class Timing:
+    """When (time.monotonic) a request passed each point this process can see.
+
+    The http process never sees the queue or the prefill directly: `accepted` (the router placed
+    the request) closes validation, the first token row closes queueing plus prefill, the last row
+    closes inference. The x-*-time headers (services.http.middleware) are built from these.
+    """
+
+    start: float
+    accepted: float | None = None
+    first: float | None = None
+    last: float | None = None
+    input_length: int = 0
 
 
 class Ingress:
@@ -121,7 +140,7 @@ class Ingress:
                 elif msg.request_id in self.queues:
                     self.replica_of[msg.request_id] = msg.replica
                     self.queues[msg.request_id].put_nowait(msg)
-            elif isinstance(msg, RequestError):
+            elif isinstance(msg, (RequestError, TokenizeResult)):
                 q = self.queues.get(msg.request_id)
                 if q is not None:
                     q.put_nowait(msg)
@@ -132,8 +151,29 @@ class Ingress:
         lv = self.liveness
         return bool(lv.alive("router") and lv.alive("tokenizer") and lv.alive("detokenizer") and lv.ready("scheduler"))
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TextRow]:
-        """Submit `req` and yield its text rows up to the final one; raises Failure."""
+    async def tokenize(self, req: GenerateRequest) -> TokenizeResult:
+        """Submit a mode="tokenize" request and return its tokens; raises Failure."""
+        if not self.liveness.alive("tokenizer"):
+            raise Failure("No tokenizer is available", "unavailable")
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[req.request_id] = q
+        try:
+            await self.push.send_multipart(codec.encode(req), copy=False)
+            try:
+                event = await asyncio.wait_for(q.get(), ADMIT_TIMEOUT)
+            except TimeoutError:
+                raise Failure("Request was not admitted in time", "unavailable") from None
+        finally:  # the tokenizer forwards nothing in this mode, so there is nothing to abort
+            self.queues.pop(req.request_id, None)
+        if isinstance(event, RequestError):
+            raise Failure(event.message, event.error_type)
+        return event
+
+    async def generate(self, req: GenerateRequest, timing: Timing | None = None) -> AsyncIterator[TextRow]:
+        """Submit `req` and yield its text rows up to the final one; raises Failure.
+
+        `timing`, when given, is filled in as the request passes each point (see Timing).
+        """
         if not self.liveness.alive("tokenizer"):
             raise Failure("No tokenizer is available", "unavailable")
         rid = req.request_id
@@ -152,6 +192,14 @@ class Ingress:
                 if isinstance(event, RequestError):
                     done = True
                     raise Failure(event.message, event.error_type)
+                if timing is not None:
+                    now = time.monotonic()
+                    if isinstance(event, Accepted):
+                        timing.accepted, timing.input_length = now, event.input_length
+                    elif isinstance(event, TextRow):
+                        timing.accepted = timing.accepted or now  # rows may overtake Accepted (other topics)
+                        timing.first = timing.first or now
+                        timing.last = now
                 if isinstance(event, TextRow):
                     if event.final is not None:
                         done = True

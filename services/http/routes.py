@@ -1,20 +1,45 @@
-"""TGI's routes: /generate, /generate_stream, POST / (compat), /health, /info, /metrics."""
+"""TGI's routes: /generate, /generate_stream, POST / (compat), /invocations, /tokenize, /health (GET /,
+/ping), /info, /v1/models, /metrics, /docs and /api-doc/openapi.json."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
 import time
 import uuid
 
+import msgspec
 import orjson
 from aiohttp import web
 
-from libs.protocol.messages import GenerateRequest
+from libs.protocol.messages import GenerateRequest, TextRow
+from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
-from services.http import schemas
-from services.http.ingress import Failure, Ingress
+from services.http import middleware, openapi, schemas
+from services.http.ingress import Failure, Ingress, Timing
 
 VERSION = "3.3.6-dev0"  # the TGI API version we implement
+SAGEMAKER_MISMATCH = (
+    "Failed to deserialize the JSON body into the target type: "
+    "data did not match any variant of untagged enum SagemakerRequest"
+)
+SWAGGER_UI = """<!doctype html>
+<html lang="en">
+<head>
+  <meta charset="utf-8">
+  <title>Switchyard — API</title>
+  <link rel="stylesheet" href="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css">
+</head>
+<body>
+  <div id="swagger-ui"></div>
+  <script src="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
+  <script>
+    window.ui = SwaggerUIBundle({url: "/api-doc/openapi.json", dom_id: "#swagger-ui"});
+  </script>
+</body>
+</html>
+"""
 
 
 def error_response(status: int, message: str, error_type: str) -> web.Response:
@@ -25,94 +50,188 @@ def _dumps(obj) -> str:
     return orjson.dumps(obj).decode()
 
 
+def json_response(obj, status: int = 200, headers: dict | None = None) -> web.Response:
+    """A typed response struct (services.http.schemas) as JSON."""
+    return web.Response(body=msgspec.json.encode(obj), status=status, headers=headers, content_type="application/json")
+
+
+def sse(obj) -> bytes:
+    """One SSE event: `data: ` with one space (every client probed accepts it, some need it)."""
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def heartbeat_metrics(liveness: Liveness) -> str:
+    """Counters each process reports in its heartbeat (the full TGI metric set is its own issue)."""
+    lines = []
+    for role in ("router", "tokenizer", "scheduler", "detokenizer", "http"):
+        for hb in liveness.alive(role):
+            labels = f'role="{role}",index="{hb.index}"'
+            lines.append(f"switchyard_process_up{{{labels}}} 1")
+            for name, value in sorted(hb.counters.items()):
+                lines.append(f'switchyard_{role}_{name}_total{{index="{hb.index}"}} {value}')
+            if role == "scheduler":
+                lines.append(f'switchyard_kv_blocks_free{{replica="{hb.index}"}} {hb.free_blocks}')
+                lines.append(f'switchyard_kv_blocks_total{{replica="{hb.index}"}} {hb.total_blocks}')
+                lines.append(f'switchyard_queue_size{{replica="{hb.index}"}} {hb.queue}')
+                lines.append(f'switchyard_batch_current_size{{replica="{hb.index}"}} {hb.running}')
+    return "\n".join(lines) + "\n"
+
+
 class Routes:
     def __init__(self, settings: Settings, ingress: Ingress):
         self.settings = settings
         self.ingress = ingress
         self.in_flight = 0
+        self.openai = None  # the OpenAIRoutes, set by __main__: /invocations dispatches chat/completions to it
+        self.render_metrics = heartbeat_metrics  # replaceable: (liveness) -> Prometheus text
+        self._openapi: bytes | None = None
 
     def install(self, app: web.Application) -> None:
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/generate_stream", self.generate_stream)
         app.router.add_post("/", self.compat)
+        app.router.add_post("/invocations", self.invocations)
+        app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/", self.health)
         app.router.add_get("/ping", self.health)
         app.router.add_get("/info", self.info)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/docs", self.docs)
+        app.router.add_get("/api-doc/openapi.json", self.openapi)
 
     # ---- helpers --------------------------------------------------------------------------
-    async def _read(self, request: web.Request) -> tuple[schemas.GenerateBody, GenerateRequest]:
-        body = schemas.parse_body(await request.read(), schemas.GenerateBody)
+    async def _read(self, request: web.Request, kind: type, stream: bool = False, mode: str = "generate"):
+        body = schemas.parse_body(await request.read(), kind)
+        stream = stream or getattr(body, "stream", False)  # the compat body says it itself
         wire = GenerateRequest(
             request_id=uuid.uuid4().hex,
             ingress=self.ingress.index,
             inputs=body.inputs,
             parameters=body.wire_parameters(),
             received_at=time.time(),
+            mode=mode,
+            stream=stream,
+            traceparent=request.headers.get("traceparent"),
         )
         return body, wire
 
     @contextlib.contextmanager
-    def _permit(self):
-        """TGI's semaphore: no waiting, an immediate 429 when full."""
-        if self.in_flight >= self.settings.max_concurrent_requests:
+    def permit(self, n: int = 1):
+        """TGI's semaphore: no waiting, an immediate 429 when full; best_of N takes N permits."""
+        if self.in_flight + n > self.settings.max_concurrent_requests:
             raise Failure("Model is overloaded", "overloaded")
-        self.in_flight += 1
+        self.in_flight += n
         try:
             yield
         finally:
-            self.in_flight -= 1
+            self.in_flight -= n
+
+    async def _collect(self, wire: GenerateRequest, timing: Timing | None) -> list[TextRow]:
+        async with contextlib.aclosing(self.ingress.generate(wire, timing)) as rows:
+            return [row async for row in rows]
+
+    async def _best_of(self, wire: GenerateRequest, n: int, timing: Timing):
+        """N requests at once (TGI's generate_best_of); the first failure wins; the best mean logprob wins.
+
+        Returns (best rows, the other sequences' rows in their order)."""
+        copies = [msgspec.structs.replace(wire, request_id=uuid.uuid4().hex) for _ in range(n)]
+        with self.permit(n):
+            tasks = [asyncio.create_task(self._collect(c, timing if i == 0 else None)) for i, c in enumerate(copies)]
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                for task in tasks:
+                    if task in done and task.exception() is not None:
+                        raise task.exception()
+                results = [task.result() for task in tasks]
+            finally:  # a failure or a client gone: cancelling closes each stream, which aborts it
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        scores = [schemas.mean_logprob(rows) for rows in results]
+        best = max(range(n), key=lambda i: (scores[i], -i))  # ties: the first, as TGI's strict `>`
+        return results[best], [rows for i, rows in enumerate(results) if i != best]
 
     # ---- generation -----------------------------------------------------------------------
     async def generate(self, request: web.Request, compat: bool = False) -> web.StreamResponse:
+        kind = schemas.CompatGenerateRequest if compat else schemas.GenerateRequest
         try:
-            body, wire = await self._read(request)
+            body, wire = await self._read(request, kind)
         except schemas.BodyError as e:
             return error_response(e.status, str(e), "validation")
+        params = wire.parameters
         # return_full_text null: false on /generate, true on POST / (TGI's compat default for a
         # text-generation model)
-        full = wire.parameters.return_full_text
-        full = compat if full is None else full
-        if compat and body.stream:
-            return await self._stream(request, body, wire, full)
+        full = compat if params.return_full_text is None else params.return_full_text
+        if wire.stream:
+            return await self._stream(request, wire, full)
+        timing = Timing(start=time.monotonic())
+        n = params.best_of or 1
         try:
-            with self._permit():
-                async with contextlib.aclosing(self.ingress.generate(wire)) as rows:
-                    collected = [row async for row in rows]
+            if 1 < n <= self.settings.max_best_of:
+                rows, others = await self._best_of(wire, n, timing)
+            else:  # a best_of over the limit goes alone: the tokenizer answers TGI's BestOf error
+                with self.permit():
+                    rows, others = await self._collect(wire, timing), None
         except Failure as e:
             return error_response(e.status, e.message, e.error_type)
-        out = schemas.generate_response(body.inputs, wire.parameters, collected, full)
-        return web.json_response([out] if compat else out, dumps=_dumps)
+        out = schemas.generate_response(body.inputs, params, rows, full, others)
+        headers = middleware.timing_headers(timing, body.inputs, rows[-1].final)
+        return json_response([out] if compat else out, headers=headers)
 
     async def compat(self, request: web.Request) -> web.StreamResponse:
         return await self.generate(request, compat=True)
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         try:
-            body, wire = await self._read(request)
+            _, wire = await self._read(request, schemas.GenerateRequest, stream=True)
         except schemas.BodyError as e:
             return error_response(e.status, str(e), "validation")
-        return await self._stream(request, body, wire, bool(wire.parameters.return_full_text))
+        return await self._stream(request, wire, bool(wire.parameters.return_full_text))
 
-    async def _stream(self, request, body, wire, full: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, wire: GenerateRequest, full: bool) -> web.StreamResponse:
         """SSE; TGI answers 200 and reports every error in-stream."""
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        response = web.StreamResponse(headers={**headers, **middleware.stream_headers(wire.inputs)})
         await response.prepare(request)
         try:
-            with self._permit():
+            with self.permit():
                 async with contextlib.aclosing(self.ingress.generate(wire)) as rows:
                     async for row in rows:
-                        event = schemas.stream_event(row, body.inputs, wire.parameters, full)
-                        await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
+                        await response.write(sse(schemas.stream_event(row, wire.inputs, wire.parameters, full)))
         except Failure as e:
-            await response.write(b"data: " + orjson.dumps(e.body()) + b"\n\n")
+            await response.write(sse(schemas.ErrorResponse(e.message, e.error_type)))
         except ConnectionResetError:  # the client went away; closing the rows above aborted the request
             return response
         await response.write_eof()
         return response
+
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """SageMaker's untagged body: compat generate (`inputs`), else chat (`messages`), else completion."""
+        try:
+            data = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            return error_response(400, f"Failed to parse the request body as JSON: {e}", "validation")
+        if isinstance(data, dict):
+            if "inputs" in data:
+                return await self.compat(request)
+            if "messages" in data and self.openai is not None:
+                return await self.openai.chat(request)
+            if "prompt" in data and self.openai is not None:
+                return await self.openai.completions(request)
+        return error_response(422, SAGEMAKER_MISMATCH, "validation")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """TGI's [SimpleToken]: no permit, no parameter validation (the tokenizer only tokenizes)."""
+        try:
+            _, wire = await self._read(request, schemas.GenerateRequest, mode="tokenize")
+            result = await self.ingress.tokenize(wire)
+        except schemas.BodyError as e:
+            return error_response(e.status, str(e), "validation")
+        except Failure as e:
+            return error_response(e.status, e.message, e.error_type)
+        return json_response(schemas.simple_tokens(result.text, result.ids, result.starts, result.stops))
 
     # ---- info -----------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -120,40 +239,39 @@ class Routes:
             return web.Response(status=200)
         return error_response(503, "unhealthy", "healthcheck")
 
-    async def info(self, request: web.Request) -> web.Response:
+    def info_struct(self) -> schemas.Info:
         s = self.settings
-        return web.json_response(
-            {
-                "model_id": s.model_id,
-                "model_sha": s.model_sha or None,
-                "model_pipeline_tag": "text-generation",
-                "max_concurrent_requests": s.max_concurrent_requests,
-                "max_best_of": s.max_best_of,
-                "max_stop_sequences": s.max_stop_sequences,
-                "max_input_tokens": s.max_input_tokens,
-                "max_total_tokens": s.max_total_tokens,
-                "validation_workers": s.validation_workers,
-                "max_client_batch_size": s.max_client_batch_size,
-                "router": "switchyard",
-                "version": VERSION,
-                "sha": None,
-                "docker_label": None,
-            },
-            dumps=_dumps,
+        return schemas.Info(
+            model_id=s.model_id,
+            model_sha=s.model_sha or None,
+            model_pipeline_tag="text-generation",
+            max_concurrent_requests=s.max_concurrent_requests,
+            max_best_of=s.max_best_of,
+            max_stop_sequences=s.max_stop_sequences,
+            max_input_tokens=s.max_input_tokens,
+            max_total_tokens=s.max_total_tokens,
+            validation_workers=s.validation_workers,
+            max_client_batch_size=s.max_client_batch_size,
+            router="switchyard",
+            version=VERSION,
+            sha=None,
+            docker_label=os.environ.get("DOCKER_LABEL") or None,
         )
 
+    async def info(self, request: web.Request) -> web.Response:
+        return json_response(self.info_struct())
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = schemas.ModelInfo(id=self.settings.model_id, object="model", created=0, owned_by=self.settings.model_id)
+        return json_response(schemas.ModelsInfo(object="list", data=[model]))
+
     async def metrics(self, request: web.Request) -> web.Response:
-        """Counters each process reports in its heartbeat (the full TGI metric set is its own issue)."""
-        lines = []
-        for role in ("router", "tokenizer", "scheduler", "detokenizer", "http"):
-            for hb in self.ingress.liveness.alive(role):
-                labels = f'role="{role}",index="{hb.index}"'
-                lines.append(f"switchyard_process_up{{{labels}}} 1")
-                for name, value in sorted(hb.counters.items()):
-                    lines.append(f'switchyard_{role}_{name}_total{{index="{hb.index}"}} {value}')
-                if role == "scheduler":
-                    lines.append(f'switchyard_kv_blocks_free{{replica="{hb.index}"}} {hb.free_blocks}')
-                    lines.append(f'switchyard_kv_blocks_total{{replica="{hb.index}"}} {hb.total_blocks}')
-                    lines.append(f'switchyard_queue_size{{replica="{hb.index}"}} {hb.queue}')
-                    lines.append(f'switchyard_batch_current_size{{replica="{hb.index}"}} {hb.running}')
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        return web.Response(text=self.render_metrics(self.ingress.liveness), content_type="text/plain")
+
+    async def docs(self, request: web.Request) -> web.Response:
+        return web.Response(text=SWAGGER_UI, content_type="text/html")
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        if self._openapi is None:
+            self._openapi = orjson.dumps(openapi.document(self.settings, VERSION))
+        return web.Response(body=self._openapi, content_type="application/json")

@@ -1,53 +1,84 @@
-"""Request bodies as TGI's router deserializes them, and TGI's response shapes.
+"""TGI's request bodies and response shapes, as typed structs, and the builders of the responses.
 
-Types follow TGI's serde structs: unknown fields are ignored, bools and `stop` are not nullable,
-every other parameter accepts null, unsigned fields reject negatives (a 422 before validation).
+Types follow TGI's serde structs: unknown fields are ignored, bools, `stop` and `parameters` are not
+nullable, every other parameter accepts null, unsigned fields reject negatives (a 422 before
+validation). The response structs are what the routes encode and what the OpenAPI document
+(services.http.openapi) is generated from, so the two cannot drift apart. Struct names are TGI's
+schema names. Fields with a default are omitted when empty (TGI's skip_serializing_if); fields
+without one are always written, as null when None.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import math
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-from libs.protocol.messages import FinalInfo, Parameters, TextRow
+from libs.protocol.messages import FinalInfo, Parameters, TextRow, TokenText
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
-U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec bounds stop at int64: the top is checked in __post_init__
+# usize/u64: msgspec bounds stop at int64, so the top is checked in __post_init__
+U64 = Annotated[int, msgspec.Meta(ge=0, extra_json_schema={"maximum": 2**64 - 1})]
 I32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
 
-class GenerateParameters(msgspec.Struct):
-    max_new_tokens: U32 | None = None
-    do_sample: bool = False
+# ---- requests ---------------------------------------------------------------------------------
+class GrammarType(msgspec.Struct):
+    """TGI's adjacently tagged grammar; checked (and for now refused) by the tokenizer."""
+
+    type: Literal["json", "json_object", "regex", "json_schema"]
+    value: Any
+
+
+class GenerateParameters(msgspec.Struct, kw_only=True):
+    best_of: U64 | None = None
     temperature: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
     top_k: I32 | None = None
     top_p: float | None = None
-    seed: U64 | None = None
-    stop: list[str] = []
-    details: bool = False
+    typical_p: float | None = None
+    do_sample: bool = False
+    max_new_tokens: U32 | None = None
     return_full_text: bool | None = None
-    truncate: U32 | None = None
+    stop: list[str] = []
+    truncate: U64 | None = None
+    watermark: bool = False
+    details: bool = False
+    decoder_input_details: bool = False
+    seed: U64 | None = None
+    top_n_tokens: U32 | None = None
+    grammar: GrammarType | None = None
+    adapter_id: str | None = None
 
     def __post_init__(self):
-        if self.seed is not None and self.seed >= 2**64:
-            raise ValueError("seed: invalid value, expected u64")  # msgspec reports it as a ValidationError
+        for name in ("best_of", "truncate", "seed"):
+            value = getattr(self, name)
+            if value is not None and value >= 2**64:  # msgspec reports it as a ValidationError
+                raise ValueError(f"{name}: invalid value: integer `{value}`, expected u64")
 
     def to_wire(self) -> Parameters:
-        return Parameters(**msgspec.structs.asdict(self))
+        fields = msgspec.structs.asdict(self)
+        fields["grammar"] = msgspec.to_builtins(self.grammar)
+        return Parameters(**fields)
 
 
-class GenerateBody(msgspec.Struct):
+class GenerateRequest(msgspec.Struct, kw_only=True):
     inputs: str
     # TGI quirk kept on purpose: an omitted `parameters` key means do_sample=true (its
-    # default_parameters()), while a present but empty object means greedy.
-    parameters: GenerateParameters | None = None
-    stream: bool = False  # only read on the compat route POST /
+    # default_parameters()), while a present but empty object means greedy; null is a 422.
+    parameters: GenerateParameters | msgspec.UnsetType = msgspec.UNSET
 
     def wire_parameters(self) -> Parameters:
-        if self.parameters is None:
+        if self.parameters is msgspec.UNSET:
             return GenerateParameters(do_sample=True).to_wire()
         return self.parameters.to_wire()
+
+
+class CompatGenerateRequest(GenerateRequest, kw_only=True):
+    stream: bool = False
 
 
 class BodyError(Exception):
@@ -56,7 +87,7 @@ class BodyError(Exception):
         self.status = status
 
 
-def parse_body(raw: bytes, kind: type[msgspec.Struct]):
+def parse_body(raw: bytes, kind: type):
     """Decode a JSON body; malformed JSON is a 400 and a wrong type a 422, as in TGI (axum)."""
     try:
         return msgspec.json.decode(raw, type=kind)
@@ -66,40 +97,193 @@ def parse_body(raw: bytes, kind: type[msgspec.Struct]):
         raise BodyError(400, f"Failed to parse the request body as JSON: {e}") from None
 
 
-def token_json(row: TextRow) -> dict:
-    return {"id": row.token_id, "text": row.text, "logprob": row.logprob, "special": row.special}
+# ---- responses --------------------------------------------------------------------------------
+class Token(msgspec.Struct):
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class PrefillToken(msgspec.Struct):
+    id: int
+    text: str
+    logprob: float | None  # null for the first prompt token
+
+
+class BestOfSequence(msgspec.Struct, kw_only=True, omit_defaults=True):
+    generated_text: str
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    top_tokens: list[list[Token]] = []
+
+
+class Details(msgspec.Struct, kw_only=True, omit_defaults=True):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    top_tokens: list[list[Token]] = []  # only with top_n_tokens > 0
+    best_of_sequences: list[BestOfSequence] | None = None  # only with best_of > 1
+
+
+class GenerateResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
+    generated_text: str
+    details: Details | None = None  # only with details or decoder_input_details
+
+
+class StreamDetails(msgspec.Struct, kw_only=True):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    input_length: int
+
+
+class StreamResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
+    index: int
+    token: Token
+    top_tokens: list[Token] = []
+    generated_text: str | None  # only on the last event
+    details: StreamDetails | None  # only on the last event, and only with details
+
+
+class ErrorResponse(msgspec.Struct):
+    error: str
+    error_type: str
+
+
+class SimpleToken(msgspec.Struct):
+    id: int
+    text: str
+    start: int  # byte offsets into `inputs`, as TGI
+    stop: int
+
+
+class Info(msgspec.Struct, kw_only=True):
+    model_id: str
+    model_sha: str | None
+    model_pipeline_tag: str | None
+    max_concurrent_requests: int
+    max_best_of: int
+    max_stop_sequences: int
+    max_input_tokens: int
+    max_total_tokens: int
+    validation_workers: int
+    max_client_batch_size: int
+    router: str
+    version: str
+    sha: str | None
+    docker_label: str | None
+
+
+class ModelInfo(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class ModelsInfo(msgspec.Struct):
+    object: str
+    data: list[ModelInfo]
+
+
+# ---- builders ---------------------------------------------------------------------------------
+def _logprob(value: float | None) -> float | None:
+    return None if value is None or math.isnan(value) else value
+
+
+def token(row: TextRow) -> Token:
+    return Token(id=row.token_id, text=row.text, logprob=_logprob(row.logprob), special=row.special)
+
+
+def alternative(t: TokenText) -> Token:
+    return Token(id=t.id, text=t.text, logprob=_logprob(t.logprob), special=t.special)
 
 
 def full_text(prompt: str, final: FinalInfo, return_full_text: bool) -> str:
     return prompt + final.generated_text if return_full_text else final.generated_text
 
 
-def generate_response(prompt: str, params: Parameters, rows: list[TextRow], return_full_text: bool) -> dict:
-    """TGI's GenerateResponse; `details` only when asked for."""
+def _token_rows(rows: list[TextRow]) -> list[TextRow]:
+    return [r for r in rows if r.token_id >= 0]  # a bare end row (token -1) carries no token
+
+
+def mean_logprob(rows: list[TextRow]) -> float:
+    """TGI's best_of score: the mean logprob of the generated tokens."""
+    logprobs = [r.logprob for r in _token_rows(rows)]
+    return sum(logprobs) / len(logprobs) if logprobs else -math.inf
+
+
+def _sequence(rows: list[TextRow], params: Parameters) -> dict:
     final = rows[-1].final
-    out = {"generated_text": full_text(prompt, final, return_full_text)}
-    if params.details:
-        out["details"] = {
-            "finish_reason": final.finish_reason,
-            "generated_tokens": final.generated_tokens,
-            "seed": final.seed,
-            "prefill": [],
-            "tokens": [token_json(r) for r in rows if r.token_id >= 0],
-        }
+    tokens = _token_rows(rows)
+    out = {
+        "finish_reason": final.finish_reason,
+        "generated_tokens": final.generated_tokens,
+        "seed": final.seed,
+        "prefill": [PrefillToken(id=t.id, text=t.text, logprob=_logprob(t.logprob)) for t in final.prefill],
+        "tokens": [token(r) for r in tokens],
+    }
+    if params.top_n_tokens:
+        out["top_tokens"] = [[alternative(t) for t in r.top_tokens] for r in tokens]
     return out
 
 
-def stream_event(row: TextRow, prompt: str, params: Parameters, return_full_text: bool) -> dict:
+def generate_response(
+    prompt: str,
+    params: Parameters,
+    rows: list[TextRow],
+    return_full_text: bool,
+    others: list[list[TextRow]] | None = None,
+) -> GenerateResponse:
+    """TGI's GenerateResponse; `others` are the best_of sequences that lost (best_of > 1)."""
+    final = rows[-1].final
+    out = GenerateResponse(generated_text=full_text(prompt, final, return_full_text))
+    if params.details or params.decoder_input_details:
+        out.details = Details(**_sequence(rows, params))
+        if others is not None:
+            out.details.best_of_sequences = [
+                BestOfSequence(generated_text=full_text(prompt, o[-1].final, return_full_text), **_sequence(o, params))
+                for o in others
+            ]
+    return out
+
+
+def stream_event(row: TextRow, prompt: str, params: Parameters, return_full_text: bool) -> StreamResponse:
     """TGI's StreamResponse for one token; the last one carries generated_text (and details)."""
     final = row.final
-    event = {"index": row.index, "token": token_json(row), "generated_text": None, "details": None}
+    event = StreamResponse(
+        index=row.index,
+        token=token(row),
+        top_tokens=[alternative(t) for t in row.top_tokens],
+        generated_text=None,
+        details=None,
+    )
     if final is not None:
-        event["generated_text"] = full_text(prompt, final, return_full_text)
+        event.generated_text = full_text(prompt, final, return_full_text)
         if params.details:
-            event["details"] = {
-                "finish_reason": final.finish_reason,
-                "generated_tokens": final.generated_tokens,
-                "seed": final.seed,
-                "input_length": final.input_length,
-            }
+            event.details = StreamDetails(
+                finish_reason=final.finish_reason,
+                generated_tokens=final.generated_tokens,
+                seed=final.seed,
+                input_length=final.input_length,
+            )
     return event
+
+
+def simple_tokens(text: str, ids, starts, stops) -> list[SimpleToken]:
+    """TGI's /tokenize answer from character offsets: TGI reports byte offsets (its Rust tokenizer's)."""
+    byte_at = [0]
+    for ch in text:
+        byte_at.append(byte_at[-1] + len(ch.encode()))
+    n = len(text)
+    out = []
+    for i, start, stop in zip(ids, starts, stops):
+        start, stop = min(int(start), n), min(int(stop), n)
+        out.append(SimpleToken(id=int(i), text=text[start:stop], start=byte_at[start], stop=byte_at[stop]))
+    return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import numpy as np
 import zmq
 
 from libs.protocol import Addresses, topics
@@ -20,13 +19,12 @@ from libs.protocol.messages import (
     StepPlan,
     StepResult,
     StopHit,
-    StreamOpen,
-    TokenBatch,
     TokenizedRequest,
 )
 from libs.runtime import bus, model_store, service
 from libs.runtime.settings import Settings
 from services.scheduler.batcher import Batcher, Emitted
+from services.scheduler.batches import token_batch
 
 ROLE = "scheduler"
 
@@ -96,32 +94,7 @@ class SchedulerService:
         for row in rows:
             by_detok[row.seq.req.detokenizer].append(row)
         for k, group in by_detok.items():
-            opens = []
-            for row in group:
-                if not row.seq.opened:
-                    row.seq.opened = True
-                    req = row.seq.req
-                    opens.append(
-                        StreamOpen(
-                            request_id=req.request_id,
-                            ingress=req.ingress,
-                            replica=self.replica,
-                            input_length=len(req.input_ids),
-                            prompt_tail=req.input_ids[-5:].tolist(),
-                            stop=req.stop,
-                            seed=req.seed,
-                        )
-                    )
-            batch = TokenBatch(
-                replica=self.replica,
-                request_ids=[row.seq.req.request_id for row in group],
-                opens=opens,
-                offsets=np.fromiter((row.offset for row in group), np.uint32, len(group)),
-                token_ids=np.fromiter((row.token_id for row in group), np.int32, len(group)),
-                logprobs=np.fromiter((row.logprob for row in group), np.float32, len(group)),
-                finish=np.fromiter((row.finish for row in group), np.uint8, len(group)),
-            )
-            self.events.publish(topics.tok(k), batch)
+            self.events.publish(topics.tok(k), token_batch(self.replica, group))
 
     def _fail_running(self, error: str) -> None:
         self.log.error("step failed: %s", error)

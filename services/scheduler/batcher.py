@@ -10,6 +10,7 @@ nothing needs preempting; new prefills join the running decodes in the same forw
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -35,10 +36,26 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     opened: bool = False  # the detokenizer has been told about it
+    # with sampling.prompt_logprobs: the logprob of each prompt token so far, gathered over prefill chunks
+    # until the StreamOpen carries them (then dropped: the detokenizer keeps them)
+    prompt_logprobs: list[float] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
         return len(self.req.input_ids)
+
+    def take_prompt_details(self) -> tuple[list[int], list[float]]:
+        """For the StreamOpen: all prompt ids and their logprobs, or ([], []) when the request asked for none.
+
+        A logprob the shard never sent (a short or missing run) is NaN, which the detokenizer reports as null;
+        the gathered list is handed over once and dropped here.
+        """
+        if not self.req.sampling.prompt_logprobs:
+            return [], []
+        n = self.prompt_len
+        logprobs = self.prompt_logprobs[:n] + [math.nan] * max(0, n - len(self.prompt_logprobs))
+        self.prompt_logprobs = []
+        return self.req.input_ids.tolist(), logprobs
 
 
 @dataclass
@@ -50,6 +67,13 @@ class Emitted:
     token_id: int
     logprob: float
     finish: int
+    top_ids: list[int] = field(default_factory=list)  # the step's alternatives (top_n_tokens), best first
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+def _frame(value) -> list:
+    """A result frame as a list; a hand-built StepResult may leave an optional frame None."""
+    return [] if value is None else value.tolist()
 
 
 class Batcher:
@@ -123,8 +147,16 @@ class Batcher:
 
     def apply(self, result: StepResult) -> list[Emitted]:
         """Append the sampled tokens; finish by length (checked first, as TGI) or EOS."""
-        rows = []
-        for seq, token, logprob in zip(result.seqs.tolist(), result.token_ids.tolist(), result.logprobs.tolist()):
+        self._gather_prompt_logprobs(result)
+        counts = _frame(result.top_counts)  # empty: no row has alternatives
+        top_ids, top_logprobs = _frame(result.top_ids), _frame(result.top_logprobs)
+        rows, start = [], 0
+        for i, (seq, token, logprob) in enumerate(
+            zip(result.seqs.tolist(), result.token_ids.tolist(), result.logprobs.tolist())
+        ):
+            end = start + (counts[i] if counts else 0)
+            alt_ids, alt_logprobs = top_ids[start:end], top_logprobs[start:end]
+            start = end
             s = self.running.get(seq)
             if s is None:
                 continue  # finished (aborted) while the step ran
@@ -136,10 +168,19 @@ class Batcher:
                 finish = FINISH_EOS
             else:
                 finish = FINISH_NONE
-            rows.append(Emitted(s, len(s.output) - 1, token, logprob, finish))
+            rows.append(Emitted(s, len(s.output) - 1, token, logprob, finish, alt_ids, alt_logprobs))
             if finish:
                 self._release(s)
         return rows
+
+    def _gather_prompt_logprobs(self, result: StepResult) -> None:
+        """Append each fed prompt chunk's logprobs to its sequence (only sequences that asked send any)."""
+        logprobs, start = _frame(result.prompt_logprobs), 0
+        for seq, count in zip(_frame(result.prompt_seqs), _frame(result.prompt_counts)):
+            s = self.running.get(seq)
+            if s is not None and not s.opened:  # after the open they could no longer reach the detokenizer
+                s.prompt_logprobs.extend(logprobs[start : start + count])
+            start += count
 
     def finish(self, request_id: str, code: int = FINISH_ABORTED) -> Emitted | None:
         """End a request from outside (abort, stop sequence, failure); the end row, if one is due."""

@@ -32,6 +32,8 @@ class ShardService:
             block_size=BLOCK_SIZE,
             dtype=getattr(torch, settings.dtype),
             device=device,
+            watermark_gamma=settings.watermark_gamma,
+            watermark_delta=settings.watermark_delta,
         )
         self.num_blocks = settings.num_blocks
 

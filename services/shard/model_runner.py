@@ -1,9 +1,10 @@
 """Runs one step plan: per-sequence state, the paged KV cache, one packed forward, sampling.
 
 The scheduler decides everything (which rows, which blocks); the runner only keeps what it was told: each
-sequence's sampling parameters, its seeded generator and its block table. A step is ONE forward over all rows
-packed into [1, T] — prefills and decodes mixed — with position ids restarting per row, and the batch layout
-(slots, row bounds) handed to `paged_attention` as the `paged` model kwarg.
+sequence's sampling parameters, its seeded generator, its block table and, for the sequences that need them, the
+token ids it was fed (penalties, watermark) and the last prompt chunk's log-softmax (prompt logprobs). A step is
+ONE forward over all rows packed into [1, T] — prefills and decodes mixed — with position ids restarting per row,
+and the batch layout (slots, row bounds) handed to `paged_attention` as the `paged` model kwarg.
 """
 
 from __future__ import annotations
@@ -17,7 +18,27 @@ from transformers import AutoModelForCausalLM
 
 from libs.protocol.messages import SamplingParams, StepPlan, StepResult
 from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch
-from services.shard.sampling import sample
+from services.shard.processors import needs_history
+from services.shard.prompt_logprobs import chunk_logprobs
+from services.shard.sampling import choose
+
+
+class _History:
+    """A sequence's fed token ids, in a buffer that doubles (amortised O(1) appends, one contiguous view)."""
+
+    def __init__(self) -> None:
+        self._buf = np.zeros(64, dtype=np.int64)
+        self._n = 0
+
+    def extend(self, tokens: np.ndarray) -> None:
+        need = self._n + len(tokens)
+        if need > len(self._buf):
+            self._buf = np.resize(self._buf, max(need, 2 * len(self._buf)))
+        self._buf[self._n : need] = tokens
+        self._n = need
+
+    def view(self) -> np.ndarray:
+        return self._buf[: self._n]
 
 
 @dataclass
@@ -25,6 +46,11 @@ class _Sequence:
     sampling: SamplingParams
     generator: torch.Generator
     blocks: list[int] = field(default_factory=list)
+    # every fed token (prompt chunks, then each decode's fed token), only for penalties and the watermark
+    history: _History | None = None
+    prefilling: bool = True  # until its first sampled row: only prefill rows report prompt logprobs
+    # prompt logprobs: the log-softmax at the previous chunk's last position (scores this chunk's first token)
+    carried: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -36,11 +62,15 @@ class ModelRunner:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        watermark_gamma: float = 0.5,
+        watermark_delta: float = 2.0,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.watermark_gamma = watermark_gamma
+        self.watermark_delta = watermark_delta
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
         ).to(self.device)
@@ -79,25 +109,19 @@ class ModelRunner:
         for new in plan.new:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(int(new.sampling.seed))
-            self.seqs[new.seq] = _Sequence(new.sampling, gen)
+            history = _History() if needs_history(new.sampling) else None
+            self.seqs[new.seq] = _Sequence(new.sampling, gen, history=history)
         for seq, blocks in plan.blocks.items():
             self._seq(seq).blocks.extend(int(b) for b in blocks)
 
-        seqs = np.zeros(0, np.int32)
-        token_ids = np.zeros(0, np.int32)
-        logprobs = np.zeros(0, np.float32)
+        result = StepResult(step=plan.step, **_empty_rows())
         if fed:
-            seqs, token_ids, logprobs = self._step(plan)
+            self._step(plan, result)
         for seq in plan.finished:
             if seq in fed:
                 self.seqs.pop(seq, None)
-        return StepResult(
-            step=plan.step,
-            seqs=seqs,
-            token_ids=token_ids,
-            logprobs=logprobs,
-            forward_s=time.perf_counter() - t0,
-        )
+        result.forward_s = time.perf_counter() - t0
+        return result
 
     def _seq(self, seq: int) -> _Sequence:
         try:
@@ -106,25 +130,27 @@ class ModelRunner:
             raise ValueError(f"plan refers to unknown sequence {seq}") from None
 
     @torch.inference_mode()
-    def _step(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _step(self, plan: StepPlan, result: StepResult) -> None:
         seqs = np.asarray(plan.seqs, dtype=np.int64)
         num_tokens = np.asarray(plan.num_tokens, dtype=np.int64)
         context_lens = np.asarray(plan.context_lens, dtype=np.int64)
         sample_rows = np.asarray(plan.sample, dtype=bool)
+        fed_ids = np.asarray(plan.token_ids, dtype=np.int64)
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(num_tokens, out=cu[1:])
-        if int(cu[-1]) != len(plan.token_ids) or (num_tokens < 1).any():
+        if int(cu[-1]) != len(fed_ids) or (num_tokens < 1).any():
             raise ValueError("plan rows do not match its token ids")
         # position of every fed token: its row's context length + its index within the row
         positions = np.arange(cu[-1]) - np.repeat(cu[:-1], num_tokens) + np.repeat(context_lens, num_tokens)
 
         bs = self.block_size
+        states = [self._seq(seq) for seq in seqs.tolist()]
         row_slots, new_slots, tables = [], [], []
-        for i, seq in enumerate(seqs.tolist()):
-            table = np.asarray(self._seq(seq).blocks, dtype=np.int64)
+        for i, state in enumerate(states):
+            table = np.asarray(state.blocks, dtype=np.int64)
             length = int(context_lens[i] + num_tokens[i])
             if len(table) * bs < length:
-                raise ValueError(f"sequence {seq} needs {length} slots but has {len(table)} blocks of {bs}")
+                raise ValueError(f"sequence {seqs[i]} needs {length} slots but has {len(table)} blocks of {bs}")
             pos = np.arange(length)
             slots = table[pos // bs] * bs + pos % bs  # slot of position p: table[p // bs] * bs + p % bs
             row_slots.append(slots)
@@ -144,22 +170,97 @@ class ModelRunner:
             row_bounds=[(int(cu[i]), int(cu[i + 1]), int(context_lens[i])) for i in range(len(seqs))],
             row_slots=[torch.from_numpy(s).to(dev) for s in row_slots],
         )
-        input_ids = torch.from_numpy(np.asarray(plan.token_ids, dtype=np.int64)).to(dev)[None]
+        input_ids = torch.from_numpy(fed_ids).to(dev)[None]
         position_ids = torch.from_numpy(positions).to(dev)[None]
-        # only the last position of each sampled row reaches the LM head
-        keep = torch.from_numpy(cu[1:][sample_rows] - 1).to(dev)
+        # rows still in their prompt that report prompt logprobs need the LM head on every fed position
+        prompt_rows = [i for i, st in enumerate(states) if st.prefilling and st.sampling.prompt_logprobs]
+        keep, sample_at, prompt_at = _kept_positions(cu, sample_rows, prompt_rows)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             use_cache=False,
-            logits_to_keep=keep,
+            logits_to_keep=torch.from_numpy(keep).to(dev),
             paged=batch,
         )
-        sampled = seqs[sample_rows]
-        states = [self.seqs[int(s)] for s in sampled]
-        ids, lps = sample(out.logits[0].float(), [s.sampling for s in states], [s.generator for s in states])
-        return (
-            sampled.astype(np.int32),
-            ids.cpu().numpy().astype(np.int32),
-            lps.cpu().numpy().astype(np.float32),
+        logits = out.logits[0]
+        for i, st in enumerate(states):  # the fed tokens join the history before the choice that reads it
+            if st.history is not None:
+                st.history.extend(fed_ids[cu[i] : cu[i + 1]])
+
+        if prompt_rows:
+            self._prompt_logprobs(result, seqs, cu, states, prompt_rows, prompt_at, logits, input_ids[0])
+            logits = logits[torch.from_numpy(sample_at).to(dev)]
+        sampled = states if sample_rows.all() else [st for st, s in zip(states, sample_rows) if s]
+        choice = choose(
+            logits,
+            [st.sampling for st in sampled],
+            [st.generator for st in sampled],
+            [None if st.history is None else st.history.view() for st in sampled],
+            watermark_gamma=self.watermark_gamma,
+            watermark_delta=self.watermark_delta,
         )
+        for st in sampled:  # a sampled row ends the prompt: later rows are decodes
+            st.prefilling, st.carried = False, None
+        result.seqs = seqs[sample_rows].astype(np.int32)
+        result.token_ids = choice.token_ids.cpu().numpy().astype(np.int32)
+        result.logprobs = choice.logprobs.cpu().numpy().astype(np.float32)
+        if choice.top_counts is not None:
+            result.top_counts = choice.top_counts.cpu().numpy().astype(np.int32)
+            result.top_ids = choice.top_ids.cpu().numpy().astype(np.int32)
+            result.top_logprobs = choice.top_logprobs.cpu().numpy().astype(np.float32)
+
+    def _prompt_logprobs(self, result, seqs, cu, states, prompt_rows, prompt_at, logits, fed) -> None:
+        """Fill the result's prompt logprobs: one run per prompt row, in row order."""
+        runs = []
+        for i, at in zip(prompt_rows, prompt_at):
+            st, n = states[i], int(cu[i + 1] - cu[i])
+            lps, last = chunk_logprobs(logits[at : at + n], fed[cu[i] : cu[i + 1]], st.carried)
+            st.carried = last  # dropped when the row samples (the prompt is over)
+            runs.append(lps)
+        result.prompt_seqs = seqs[prompt_rows].astype(np.int32)
+        result.prompt_counts = (cu[1:] - cu[:-1])[prompt_rows].astype(np.int32)
+        result.prompt_logprobs = torch.cat(runs).cpu().numpy().astype(np.float32)
+
+
+def _kept_positions(
+    cu: np.ndarray, sample_rows: np.ndarray, prompt_rows: list[int]
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Positions that reach the LM head, in order: (keep, where each sampled row's logits are among them,
+    where each prompt row's run of logits starts among them).
+
+    Without prompt rows only the last position of each sampled row is kept (the common, cheap case).
+    """
+    if not prompt_rows:
+        keep = cu[1:][sample_rows] - 1
+        return keep, np.arange(len(keep)), []
+    runs, sample_at, prompt_at = [], [], []
+    kept = 0
+    prompt = set(prompt_rows)
+    for i in range(len(cu) - 1):
+        if i in prompt:
+            runs.append(np.arange(cu[i], cu[i + 1]))
+            prompt_at.append(kept)
+        elif sample_rows[i]:
+            runs.append(cu[i + 1 : i + 2] - 1)
+        else:
+            continue
+        kept += len(runs[-1])
+        if sample_rows[i]:
+            sample_at.append(kept - 1)
+    return np.concatenate(runs), np.asarray(sample_at, dtype=np.int64), prompt_at
+
+
+def _empty_rows() -> dict[str, np.ndarray]:
+    """Every row frame of a StepResult, empty (a step with no rows, or no alternatives / prompt logprobs)."""
+    i4, f4 = np.zeros(0, np.int32), np.zeros(0, np.float32)
+    return dict(
+        seqs=i4,
+        token_ids=i4,
+        logprobs=f4,
+        top_counts=i4,
+        top_ids=i4,
+        top_logprobs=f4,
+        prompt_seqs=i4,
+        prompt_counts=i4,
+        prompt_logprobs=f4,
+    )

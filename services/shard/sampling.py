@@ -1,52 +1,152 @@
-"""Token choice, in TGI's order: temperature, top-k, top-p; then a seeded draw or argmax.
+"""Token choice, in TGI's order: processors (watermark, penalties); warpers temperature, top-k, top-p, typical-p;
+then a seeded draw or argmax; then the top-n alternatives.
 
-Like TGI's `NextTokenChooser`, a row samples when `do_sample` is set *or* any warper is active (a request with
-only `temperature=0.7` samples), and the reported logprob is the log-softmax of the *warped* scores at the
-chosen token. Rows without warpers and without `do_sample` are greedy: argmax of the raw logits.
+Like TGI's `HeterogeneousNextTokenChooser`, a row samples when `do_sample` is set *or* any warper is active (a
+request with only `temperature=0.7` samples), and the reported logprob is the log-softmax of the final processed
+and warped scores at the chosen token; the alternatives come from that same distribution.
 
-The warpers run on all rows at once (a neutral row is a no-op); only the draw is per row, because every
-request owns its generator (same seed → same tokens, whatever else shares the batch).
+The warpers run on all rows at once (a neutral row is a no-op); only the draw is per row, because every request
+owns its generator (same seed → same tokens, whatever else shares the batch). A batch where no row asks for
+anything (all greedy, no penalties, no alternatives) skips the processors and warpers altogether.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from libs.protocol.messages import SamplingParams
+from services.shard.processors import apply_processors, needs_history
 
 
 def _has_warpers(p: SamplingParams) -> bool:
-    return p.temperature != 1.0 or p.top_k > 0 or p.top_p < 1.0
+    return p.temperature != 1.0 or p.top_k > 0 or p.top_p < 1.0 or p.typical_p < 1.0
+
+
+def _samples(p: SamplingParams) -> bool:
+    return p.do_sample or _has_warpers(p)
+
+
+def _typical(scores: torch.Tensor, mass: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """HF/TGI's TypicalLogitsWarper per row: keep the tokens whose surprise is closest to the entropy."""
+    normalized = torch.log_softmax(scores, dim=-1)
+    probs = normalized.exp()
+    entropy = -(normalized * probs).nansum(-1, keepdim=True)  # -inf * 0 = nan: removed tokens add nothing
+    shifted = (-normalized - entropy).abs()
+    sorted_shifted, order = torch.sort(shifted, dim=-1, descending=False)
+    cum = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cum < mass[:, None]).sum(dim=1).clamp_(max=scores.shape[-1] - 1)
+    sorted_remove = sorted_shifted > sorted_shifted.gather(1, last[:, None])
+    sorted_remove[:, 0] = False  # min_tokens_to_keep = 1
+    sorted_remove &= active[:, None]  # mass 1.0 rows: float rounding must not cut them
+    return scores.masked_fill(sorted_remove.scatter(1, order, sorted_remove), float("-inf"))
 
 
 def warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Apply each row's temperature, top-k and top-p (HF/TGI warper semantics); removed tokens become -inf."""
+    """Each row's temperature, top-k, top-p, typical-p (HF/TGI warper semantics); removed tokens become -inf."""
     scores = logits.float()
     device = scores.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    if bool((temperature != 1.0).any()):
-        scores = scores / temperature[:, None]
+    temperature = [p.temperature for p in params]
+    if any(t != 1.0 for t in temperature):
+        scores = scores / torch.tensor(temperature, dtype=torch.float32, device=device)[:, None]
 
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
-    if bool((top_k > 0).any()):
+    if any(p.top_k > 0 for p in params):
         # TopKLogitsWarper: drop scores strictly below the k-th largest (ties at the k-th survive)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
         k = top_k.clamp(1, scores.shape[-1])
-        kth = torch.sort(scores, dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
-        remove = (scores < kth) & (top_k > 0)[:, None]
-        scores = scores.masked_fill(remove, float("-inf"))
+        kth = torch.topk(scores, int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
+        scores = scores.masked_fill((scores < kth) & (top_k > 0)[:, None], float("-inf"))
 
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    if bool((top_p < 1.0).any()):
+    if any(p.top_p < 1.0 for p in params):
         # TopPLogitsWarper: ascending sort, drop the low tail whose cumulative mass is <= 1 - top_p,
         # always keeping the best token
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
         cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
         sorted_remove = cum <= (1.0 - top_p)[:, None]
         sorted_remove[:, -1] = False
         sorted_remove &= (top_p < 1.0)[:, None]
-        remove = sorted_remove.scatter(1, order, sorted_remove)
-        scores = scores.masked_fill(remove, float("-inf"))
+        scores = scores.masked_fill(sorted_remove.scatter(1, order, sorted_remove), float("-inf"))
+
+    if any(p.typical_p < 1.0 for p in params):
+        mass = torch.tensor([p.typical_p for p in params], dtype=torch.float32, device=device)
+        scores = _typical(scores, mass, mass < 1.0)
     return scores
+
+
+@dataclass
+class Choice:
+    """One step's choice for n rows, on the logits' device."""
+
+    token_ids: torch.Tensor  # [n] long
+    logprobs: torch.Tensor  # [n] float32, log-softmax of the final scores at the chosen token
+    # alternatives, or None when no row asked for any: per row how many, then all rows' ids/logprobs, best first
+    top_counts: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def _top_n(logprobs: torch.Tensor, want: list[int]) -> tuple[torch.Tensor, ...]:
+    """The best `want[i]` tokens of each row (plain top-n: TGI's reference names no tie rule), best first.
+
+    Tokens a warper removed (-inf) are never alternatives: they cannot be drawn, and JSON has no -inf.
+    """
+    k = min(max(want), logprobs.shape[-1])
+    values, ids = torch.topk(logprobs, k, dim=-1, sorted=True)
+    n = torch.tensor(want, dtype=torch.long, device=logprobs.device)[:, None]
+    valid = (torch.arange(k, device=logprobs.device)[None] < n) & torch.isfinite(values)
+    return valid.sum(dim=1), ids[valid], values[valid]
+
+
+def final_scores(
+    logits: torch.Tensor,  # [n, vocab]
+    params: list[SamplingParams],
+    histories: list[np.ndarray | None] | None = None,  # per row: token ids so far, for rows with processors
+    *,
+    watermark_gamma: float = 0.5,
+    watermark_delta: float = 2.0,
+) -> torch.Tensor:
+    """The scores a row's token is chosen from: processors, then warpers (float32; `logits` itself when no row
+    asks for either)."""
+    scores = logits.float()
+    if any(needs_history(p) for p in params):
+        if scores is logits:  # processors write in place: never into the caller's tensor
+            scores = scores.clone()
+        histories = histories or [None] * len(params)
+        scores = apply_processors(scores, params, histories, gamma=watermark_gamma, delta=watermark_delta)
+    if any(_has_warpers(p) for p in params):
+        scores = warp(scores, params)
+    return scores
+
+
+def choose(
+    logits: torch.Tensor,  # [n, vocab]
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    histories: list[np.ndarray | None] | None = None,  # per row: token ids so far, for rows with processors
+    *,
+    watermark_gamma: float = 0.5,
+    watermark_delta: float = 2.0,
+) -> Choice:
+    """Pick one token per row and report its logprob (and the alternatives asked for)."""
+    n = logits.shape[0]
+    device = logits.device
+    if n == 0:
+        return Choice(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, device=device))
+    scores = final_scores(logits, params, histories, watermark_gamma=watermark_gamma, watermark_delta=watermark_delta)
+    sampled = [_samples(p) for p in params]
+    token_ids = torch.argmax(scores, dim=-1)  # greedy rows: argmax of the processed scores (TGI)
+    for i, gen in enumerate(generators):
+        if sampled[i]:
+            token_ids[i] = torch.multinomial(torch.softmax(scores[i], dim=-1), num_samples=1, generator=gen)[0]
+    logprobs = torch.log_softmax(scores, dim=-1)  # one tensor for the choice and its alternatives
+    choice = Choice(token_ids, logprobs.gather(-1, token_ids[:, None])[:, 0])
+    want = [p.top_n_tokens for p in params]
+    if max(want) > 0:
+        choice.top_counts, choice.top_ids, choice.top_logprobs = _top_n(logprobs, want)
+    return choice
 
 
 def sample(
@@ -54,14 +154,6 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; returns (token_ids [n] long, logprobs [n] float32) on the logits' device."""
-    if logits.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.long, device=logits.device), torch.zeros(0, device=logits.device)
-    scores = warp(logits, params)
-    logprobs = torch.log_softmax(scores, dim=-1)
-    token_ids = torch.argmax(logits, dim=-1)  # greedy rows: argmax of the raw logits
-    for i, (p, gen) in enumerate(zip(params, generators)):
-        if p.do_sample or _has_warpers(p):
-            probs = torch.softmax(scores[i], dim=-1)
-            token_ids[i] = torch.multinomial(probs, num_samples=1, generator=gen)[0]
-    return token_ids, logprobs.gather(-1, token_ids[:, None])[:, 0]
+    """(token_ids [n] long, logprobs [n] float32) for rows without processors; see `choose`."""
+    choice = choose(logits, params, generators)
+    return choice.token_ids, choice.logprobs

@@ -1,4 +1,4 @@
-"""`python -m services.tokenizer`: validate as TGI does, tokenize, forward to admit."""
+"""`python -m services.tokenizer`: render chat templates, validate as TGI does, tokenize, forward to admit."""
 
 from __future__ import annotations
 
@@ -8,15 +8,13 @@ import os
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np
 import zmq
-from tokenizers import Tokenizer
 
 from libs.protocol import Addresses, topics
 from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest
 from libs.runtime import bus, service
 from libs.runtime.settings import Settings
-from services.tokenizer import validation
+from services.tokenizer.processor import Processor
 
 ROLE = "tokenizer"
 
@@ -25,42 +23,24 @@ class TokenizerService:
     def __init__(self, settings: Settings):
         self.settings = settings
         addresses = Addresses.parse(settings.bus)
-        self.tokenizer = Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json"))
+        self.processor = Processor.from_settings(settings)
         self.inbox = bus.socket(zmq.PULL, connect=addresses.tokenize)
         self.admit = bus.socket(zmq.PUSH, connect=addresses.admit)
         self.events = bus.EventBus(addresses, ROLE, settings.index, subscribe=[])
-        self.handled = self.rejected = 0
+        self.handled = self.rejected = self.tokenized = 0
 
     def handle(self, req: GenerateRequest) -> None:
-        s = self.settings
-        try:
-            validation.check_parameters(
-                req.parameters,
-                inputs=req.inputs,
-                max_stop_sequences=s.max_stop_sequences,
-                max_input_tokens=s.max_input_tokens,
-            )
-            ids = self.tokenizer.encode(req.inputs, add_special_tokens=req.add_special_tokens).ids
-            ids, max_new_tokens, sampling, seed = validation.resolve(
-                req.parameters, ids, max_input_tokens=s.max_input_tokens, max_total_tokens=s.max_total_tokens
-            )
-        except validation.ValidationError as e:
-            self.rejected += 1
-            error = RequestError(request_id=req.request_id, message=e.full_message, error_type="validation")
-            self.events.publish(topics.out(req.ingress), error)
+        result = self.processor.process(req)
+        if isinstance(result, TokenizedRequest):
+            self.handled += 1
+            bus.send(self.admit, result)
             return
-        self.handled += 1
-        tokenized = TokenizedRequest(
-            request_id=req.request_id,
-            ingress=req.ingress,
-            input_ids=np.asarray(ids, dtype=np.int32),
-            sampling=sampling,
-            max_new_tokens=max_new_tokens,
-            stop=req.parameters.stop,
-            seed=seed,
-            received_at=req.received_at,
-        )
-        bus.send(self.admit, tokenized)
+        # a TokenizeResult or a RequestError: either ends the request, on its http process's topic
+        if isinstance(result, RequestError):
+            self.rejected += 1
+        else:
+            self.tokenized += 1
+        self.events.publish(topics.out(req.ingress), result)
 
     def run(self) -> None:
         self.events.start()
@@ -71,7 +51,9 @@ class TokenizerService:
                     self.handle(msg)
             while self.events.sub.poll(0):
                 self.events.recv()  # only our own heartbeats come back; drain them
-            self.events.heartbeat(counters={"handled": self.handled, "rejected": self.rejected})
+            self.events.heartbeat(
+                counters={"handled": self.handled, "rejected": self.rejected, "tokenized": self.tokenized}
+            )
 
 
 def main() -> None:

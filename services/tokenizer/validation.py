@@ -45,14 +45,57 @@ def _f32(x: float) -> float:
         return float(np.float32(x))
 
 
-def check_parameters(p: Parameters, inputs: str, *, max_stop_sequences: int, max_input_tokens: int) -> None:
-    """TGI's checks that need no tokens, in TGI's order; raises ValidationError on the first failure."""
+def _best_of(p: Parameters) -> int:
+    return p.best_of if p.best_of is not None else 1
+
+
+def check_parameters(
+    p: Parameters,
+    inputs: str,
+    *,
+    max_stop_sequences: int,
+    max_input_tokens: int,
+    max_best_of: int = 2,
+    max_top_n_tokens: int = 5,
+    stream: bool = False,
+) -> None:
+    """TGI's checks that need no tokens, in TGI's order; raises ValidationError on the first failure.
+
+    Order (reference §2.2): the stream route's own refusals (server.rs, before anything), validate_best_of
+    (generate_best_of, before validate()), then validate() up to `truncate`. http fans best_of=N out into N
+    requests that each keep best_of=N: each copy is checked here as one request, exactly as TGI checks each of
+    its N generate() calls.
+    """
+    best_of = _best_of(p)
+    if stream:
+        # generate_stream_internal refuses these before taking a permit or validating anything
+        if best_of != 1:  # 0 too: TGI compares with != 1 here
+            raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
+        if p.decoder_input_details:
+            raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
+    if best_of > 1 or best_of < 0:  # a negative one is a 422 deserialize error in TGI (usize); same message here
+        if max_best_of == 1:
+            raise ValidationError("`best_of` != 1 is not allowed for this endpoint")
+        if best_of > max_best_of or best_of < 0:
+            raise ValidationError(f"`best_of` must be > 0 and <= {max_best_of}. Given: {best_of}")
+    # TGI's router rule for best_of: a warper that is merely *set* counts as sampling (unlike the shard's rule)
+    sampling_set = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p))
+    if best_of > 1 and not sampling_set:
+        raise ValidationError("you must use sampling when `best_of` is > 1")
     if p.temperature is not None and _f32(p.temperature) <= 0.0:
         raise ValidationError("`temperature` must be strictly positive")
+    if p.repetition_penalty is not None and _f32(p.repetition_penalty) <= 0.0:
+        raise ValidationError("`repetition_penalty` must be strictly positive")
+    if p.frequency_penalty is not None and not -2.0 <= _f32(p.frequency_penalty) <= 2.0:
+        raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
     if p.top_p is not None:
         top_p = _f32(p.top_p)
         if top_p <= 0.0 or top_p >= 1.0:  # written as TGI writes it (a NaN passes there too)
             raise ValidationError("`top_p` must be > 0.0 and < 1.0")
+    if p.typical_p is not None:
+        typical_p = _f32(p.typical_p)
+        if typical_p <= 0.0 or typical_p >= 1.0:
+            raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
     if p.top_k is not None and p.top_k <= 0:
         raise ValidationError("`top_k` must be strictly positive")
     # TGI's u32 makes 0 the only bad value; a negative one (a 422 deserialize error there) gets the same message here.
@@ -60,12 +103,19 @@ def check_parameters(p: Parameters, inputs: str, *, max_stop_sequences: int, max
         raise ValidationError("`max_new_tokens` must be strictly positive")
     if len(p.stop) > max_stop_sequences:
         raise ValidationError(f"`stop` supports up to {max_stop_sequences} stop sequences. Given: {len(p.stop)}")
+    if p.seed is not None and best_of > 1:
+        raise ValidationError("`seed` must not be set when `best_of` > 1")
+    # u32 in TGI: a negative value is a deserialize error there; here it gets the range message
+    if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= max_top_n_tokens:
+        raise ValidationError(f"`top_n_tokens` must be >= 0 and <= {max_top_n_tokens}. Given: {p.top_n_tokens}")
     if inputs == "":  # TGI tests the string, so whitespace-only inputs pass
         raise ValidationError("`inputs` cannot be empty")
     if p.truncate is not None and (p.truncate <= 0 or p.truncate > max_input_tokens):
         raise ValidationError(
             f"`truncate` must be strictly positive and less than {max_input_tokens}. Given: {p.truncate}"
         )
+    # adapter_id: TGI's shard maps an unknown adapter id silently to the base model (ADAPTER_TO_INDEX.get(id, 0)),
+    # and we load no adapters, so every adapter_id serves the base model, without an error, as in TGI.
 
 
 class Resolved(NamedTuple):
@@ -79,19 +129,20 @@ def is_sampling(p: Parameters) -> bool:
     """Whether the shard samples, as TGI's HeterogeneousNextTokenChooser decides (reference §7.3).
 
     A warper makes a request sample only when it changes something: temperature != 1.0, top_k != 0,
-    top_p < 1.0. So `temperature=1.0` alone stays greedy, as in TGI (its router's looser "is set" rule
-    is only used for the best_of check, which Switchyard does not have).
+    top_p < 1.0, typical_p < 1.0. So `temperature=1.0` alone stays greedy, as in TGI (its router's looser
+    "is set" rule is only used for the best_of check, in check_parameters).
     """
     return (
         p.do_sample
         or (p.temperature is not None and _f32(p.temperature) != 1.0)
         or (p.top_k is not None and p.top_k != 0)
         or (p.top_p is not None and _f32(p.top_p) < 1.0)
+        or (p.typical_p is not None and _f32(p.typical_p) < 1.0)
     )
 
 
 def resolve(p: Parameters, input_ids: list[int], *, max_input_tokens: int, max_total_tokens: int) -> Resolved:
-    """Truncate, run TGI's length checks, and resolve max_new_tokens and sampling (call after check_parameters).
+    """Truncate, run TGI's length and grammar checks, resolve max_new_tokens and sampling (after check_parameters).
 
     max_new_tokens: None → max_total_tokens − input_length. TGI generates that in chunks of ≤1024 tokens
     (auto-continuation, reference §1.3); Switchyard generates the whole budget in one go. The ≤1024 chunk is
@@ -116,6 +167,10 @@ def resolve(p: Parameters, input_ids: list[int], *, max_input_tokens: int, max_t
         )
     if input_length > max_input_tokens:
         raise ValidationError(f"`inputs` must have less than {max_input_tokens} tokens. Given: {input_length}")
+    # TGI checks the grammar last; we implement no grammar yet, so any grammar is refused with TGI's message for
+    # an unsupported one (what --disable-grammar-support gives there).
+    if p.grammar is not None:
+        raise ValidationError("grammar is not supported")
     if max_new_tokens < 1:
         # Only reachable when max_input_tokens >= max_total_tokens (TGI's launcher forbids that): the prompt
         # fills the whole budget. TGI would still generate; we cannot, so report it as the budget error.
@@ -125,15 +180,26 @@ def resolve(p: Parameters, input_ids: list[int], *, max_input_tokens: int, max_t
         )
 
     max_new_tokens = min(max_new_tokens, max_total_tokens - input_length)
+    # Processors (penalties, watermark) and the reports (top-n, prompt logprobs) apply to greedy rows too.
+    common = dict(
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
+        frequency_penalty=p.frequency_penalty if p.frequency_penalty is not None else 0.0,
+        watermark=p.watermark,
+        top_n_tokens=p.top_n_tokens or 0,
+        prompt_logprobs=p.decoder_input_details,
+    )
     if not is_sampling(p):
-        return Resolved(ids, max_new_tokens, SamplingParams(do_sample=False), None)
-    # TGI draws a random u64 seed when none is given, and reports it only for sampled requests.
+        return Resolved(ids, max_new_tokens, SamplingParams(do_sample=False, **common), None)
+    # TGI draws a random u64 seed when none is given, and reports it only for sampled requests. Each copy of a
+    # best_of fan-out (seed must be null there) so gets its own seed.
     seed = p.seed if p.seed is not None else secrets.randbits(64)
     sampling = SamplingParams(
         do_sample=True,
         temperature=p.temperature if p.temperature is not None else 1.0,
         top_k=p.top_k if p.top_k is not None else 0,
         top_p=p.top_p if p.top_p is not None else 1.0,
+        typical_p=p.typical_p if p.typical_p is not None else 1.0,
         seed=seed,
+        **common,
     )
     return Resolved(ids, max_new_tokens, sampling, seed)

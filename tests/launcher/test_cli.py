@@ -59,3 +59,90 @@ def test_hostname_that_is_not_an_address_falls_back(model_dir):
 def test_settings_travel_through_the_environment():
     s = Settings(bus="ipc:///tmp/x", model_path="/m", port=1234, max_batch_size=7)
     assert Settings.from_env(s.to_env()) == s
+
+
+def test_api_flags_defaults(model_dir):
+    s = settings_from(parse(), model_dir)
+    assert (s.max_top_n_tokens, s.payload_limit, s.validation_workers) == (5, 2_000_000, 2)
+    assert (s.api_key, s.cors_allow_origin, s.chat_template, s.otlp_endpoint) == ("", "", "", "")
+    assert (s.watermark_gamma, s.watermark_delta) == (0.5, 2.0)
+    assert not s.disable_grammar_support and not s.json_output
+    assert s.otlp_service_name == "text-generation-inference.router"
+
+
+def test_api_flags_parse_into_settings(model_dir):
+    argv = [
+        *("--max-top-n-tokens", "3", "--payload-limit", "1000", "--api-key", "sekret"),
+        *("--cors-allow-origin", "https://a.example", "--cors-allow-origin", "https://b.example"),
+        *("--watermark-gamma", "0.25", "--watermark-delta", "1.5", "--validation-workers", "3"),
+        *("--disable-grammar-support", "--json-output", "--enable-prefill-logprobs"),
+        *("--otlp-endpoint", "http://otel:4317", "--otlp-service-name", "sy"),
+        *("--chat-template", "{{ messages[0]['content'] }}"),
+    ]
+    s = settings_from(parse(*argv), model_dir)
+    assert (s.max_top_n_tokens, s.payload_limit, s.api_key, s.validation_workers) == (3, 1000, "sekret", 3)
+    assert s.cors_allow_origin == "https://a.example,https://b.example"
+    assert (s.watermark_gamma, s.watermark_delta) == (0.25, 1.5)
+    assert s.disable_grammar_support and s.json_output
+    assert (s.otlp_endpoint, s.otlp_service_name) == ("http://otel:4317", "sy")
+    assert s.chat_template == "{{ messages[0]['content'] }}"
+    assert Settings.from_env(s.to_env()) == s  # every new field survives the trip to the services
+
+
+def test_api_flags_env_fallbacks(monkeypatch, model_dir):
+    for name, value in {
+        "MAX_TOP_N_TOKENS": "7",
+        "PAYLOAD_LIMIT": "42",
+        "API_KEY": "k",
+        "CORS_ALLOW_ORIGIN": "https://a.example, https://b.example",
+        "WATERMARK_GAMMA": "0.1",
+        "WATERMARK_DELTA": "4",
+        "DISABLE_GRAMMAR_SUPPORT": "true",
+        "JSON_OUTPUT": "1",
+        "OTLP_ENDPOINT": "http://otel:4317",
+        "OTLP_SERVICE_NAME": "svc",
+        "VALIDATION_WORKERS": "4",
+    }.items():
+        monkeypatch.setenv(name, value)
+    s = settings_from(parse(), model_dir)
+    assert (s.max_top_n_tokens, s.payload_limit, s.api_key, s.validation_workers) == (7, 42, "k", 4)
+    assert s.cors_allow_origin == "https://a.example,https://b.example"
+    assert (s.watermark_gamma, s.watermark_delta) == (0.1, 4.0)
+    assert s.disable_grammar_support and s.json_output
+    assert (s.otlp_endpoint, s.otlp_service_name) == ("http://otel:4317", "svc")
+    assert settings_from(parse("--cors-allow-origin", "https://c.example"), model_dir).cors_allow_origin == (
+        "https://c.example"
+    )  # the flag beats the variable
+    monkeypatch.setenv("JSON_OUTPUT", "false")  # clap's falsey values switch a flag off
+    assert not settings_from(parse(), model_dir).json_output
+
+
+def test_chat_template_from_a_file(tmp_path, model_dir):
+    path = tmp_path / "template.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    s = settings_from(parse("--chat-template", str(path)), model_dir)
+    assert s.chat_template == path.read_text()
+    with pytest.raises(SystemExit, match="no such file"):
+        settings_from(parse("--chat-template", str(tmp_path / "missing.jinja")), model_dir)
+
+
+def test_compatibility_flags_are_accepted_and_ignored(model_dir, caplog):
+    argv = [
+        *("--quantize", "gptq", "--speculate", "2", "--trust-remote-code", "--max-waiting-tokens", "10"),
+        *("--waiting-served-ratio", "1.2", "--cuda-graphs", "1,2,4", "--sharded", "false"),
+        *("--disable-custom-kernels", "--prometheus-port", "9001", "--usage-stats", "off"),
+        *("--kv-cache-dtype", "fp8_e5m2", "--cuda-memory-fraction", "0.8"),
+    ]
+    with caplog.at_level("WARNING", logger="switchyard.launcher"):
+        s = settings_from(parse(*argv), model_dir)
+    assert s == settings_from(parse(), model_dir)  # nothing changed
+    assert "--quantize is accepted for compatibility and ignored" in caplog.text
+    assert "--trust-remote-code" in caplog.text
+    with pytest.raises(SystemExit, match="not implemented"):
+        settings_from(parse("--sharded", "true"), model_dir)
+    with pytest.raises(SystemExit):
+        parse("--sharded", "maybe")
+    with pytest.raises(SystemExit, match="must be > 0"):
+        settings_from(parse("--validation-workers", "0"), model_dir)
+    helps = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions}
+    assert "ignored" in helps["quantize"] and "always computed" in helps["enable_prefill_logprobs"]

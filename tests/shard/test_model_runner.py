@@ -7,110 +7,18 @@ tables grown on demand from a shuffled pool, blocks of finished sequences reused
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer
 
 from libs.protocol.messages import NewSequence, SamplingParams, StepPlan
 from services.shard.model_runner import ModelRunner
 from tests.reference import _load, reference_generate
-from tests.tiny_models import ARCHS, CORPUS, EOS, SLIDING_WINDOW, build_model
+from tests.shard.driver import Request, drive
+from tests.shard.driver import prompts_for as _prompts
+from tests.tiny_models import ARCHS, EOS, SLIDING_WINDOW
 
 BLOCK_SIZE = {"llama": 16, "qwen2": 4, "gemma2": 16, "gemma3": 4}  # both page sizes get exercised
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models on a shared 2-core box: intra-op threads only spin against each other (~20x slower).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_models")
-    return {arch: build_model(root / arch, arch) for arch in ARCHS}
-
-
-def _prompts(model_dir) -> list[list[int]]:
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    text = CORPUS.read_text(encoding="utf-8")
-    spans = [(0, 5), (400, 41), (1500, 58), (2600, 17), (3700, 47)]  # (char offset, token count)
-    prompts = [tok.encode(text[start:]).ids[:n] for start, n in spans]
-    return prompts + [tok.encode(text[2000:2060]).ids]  # 25 tokens; the tiny llama answers it with EOS
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    max_new: int
-    join: int  # the step it is admitted at
-    chunk: int = 0  # prefill chunk size (0 = whole prompt in one step)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-
-
-def drive(runner: ModelRunner, requests: list[Request], pool_seed: int = 1) -> dict[int, list[int]]:
-    """A minimal scheduler: returns each request's generated tokens (stops on EOS or max_new, like generate)."""
-    bs = runner.block_size
-    free = [int(b) for b in np.random.default_rng(pool_seed).permutation(runner.num_blocks)]
-    out: dict[int, list[int]] = {}
-    ctx: dict[int, int] = {}
-    owned: dict[int, list[int]] = {}
-    finished: list[int] = []
-    step = 0
-    while step == 0 or ctx or any(r.join > step for r in requests):
-        step += 1
-        new = [NewSequence(seq, r.sampling) for seq, r in enumerate(requests) if r.join == step]
-        for ns in new:
-            out[ns.seq], ctx[ns.seq], owned[ns.seq] = [], 0, []
-        rows, blocks = [], {}
-        for seq in sorted(ctx):
-            prompt, chunk = requests[seq].prompt, requests[seq].chunk
-            if ctx[seq] < len(prompt):  # (a chunk of) the prefill
-                n = min(chunk or len(prompt), len(prompt) - ctx[seq])
-                toks, sample = prompt[ctx[seq] : ctx[seq] + n], ctx[seq] + n == len(prompt)
-            else:
-                toks, sample = [out[seq][-1]], True
-            need = -(-(ctx[seq] + len(toks)) // bs) - len(owned[seq])
-            if need > 0:
-                blocks[seq] = [free.pop() for _ in range(need)]
-                owned[seq] += blocks[seq]
-            rows.append((seq, len(toks), ctx[seq], toks, sample))
-        plan = StepPlan(
-            step=step,
-            new=new,
-            blocks=blocks,
-            finished=finished,
-            seqs=np.array([r[0] for r in rows], np.int32),
-            num_tokens=np.array([r[1] for r in rows], np.int32),
-            context_lens=np.array([r[2] for r in rows], np.int32),
-            token_ids=np.array([t for r in rows for t in r[3]], np.int32),
-            sample=np.array([r[4] for r in rows], np.uint8),
-        )
-        plan.check()
-        result = runner.execute(plan)
-        result.check()
-        assert result.step == step
-        assert result.seqs.dtype == np.int32 and result.token_ids.dtype == np.int32
-        assert result.logprobs.dtype == np.float32 and (result.logprobs <= 0).all()
-        assert result.seqs.tolist() == [r[0] for r in rows if r[4]]
-        finished = []
-        for seq, n, *_ in rows:
-            ctx[seq] += n
-        for seq, tok in zip(result.seqs.tolist(), result.token_ids.tolist()):
-            out[seq].append(tok)
-            if tok == EOS or len(out[seq]) == requests[seq].max_new:
-                finished.append(seq)
-                free += owned.pop(seq)  # reused at once by later joiners: stale KV must not leak
-                del ctx[seq]
-    runner.execute(StepPlan(step=step + 1, finished=finished))  # flush the last finished seqs
-    assert runner.seqs == {}
-    return out
 
 
 def _schedule(prompts: list[list[int]]) -> list[Request]:

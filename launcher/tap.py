@@ -1,0 +1,198 @@
+"""`switchyard tap` (also `python -m launcher.tap`): watch a running server's event bus, live.
+
+It is one more SUB on the router's event proxy (DESIGN §2), so attaching and detaching never
+disturb the server: a PUB drops messages for a subscriber that is slow or gone, it never waits for
+one. It prints, per row:
+  - token batches (tok.*): request id, offset, token id, logprob, finish reason;
+  - text batches (out.*): request id, index, text (and the final info on a request's last row);
+  - anything else on the chosen topics (heartbeats, aborts, errors …): one summary line.
+
+    switchyard tap                         # token and text events of the only local server
+    switchyard tap --request 5f0c…         # one request
+    switchyard tap --topic hb. --json      # heartbeats, as JSON lines
+    switchyard tap --bus ipc:///tmp/switchyard-abc123   (or tcp://host:port)
+
+The tap confirms its subscription before it prints "attached" (its own hello comes back through
+the proxy on a topic only it hears), so every event after that line is seen. Ctrl-C detaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from libs.protocol import Addresses, ProtocolError, codec
+from libs.protocol.messages import FINISH_NAMES, FINISH_NONE, Heartbeat, Hello, TextBatch, TokenBatch
+
+DEFAULT_TOPICS = ("tok.", "out.")
+TAP_TOPIC = b"tap."  # nothing in the server subscribes to it: our hello disturbs no one
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bus", help="ipc:///run/dir or tcp://host:port (default: the one local server's run dir)")
+    p.add_argument("--request", help="only this request id")
+    p.add_argument(
+        "--topic", action="append", help="only topics starting with this prefix (tok., out., hb., ctl.); repeatable"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per event row")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the subscription (default 10)")
+
+
+def find_bus(tmp: str = "/tmp") -> str:
+    """The bus of the only running server of this user: its run directory, /tmp/switchyard-*."""
+    found = []
+    for d in sorted(Path(tmp).glob("switchyard-*")):
+        try:
+            if d.is_dir() and d.stat().st_uid == os.getuid() and (d / "events-out").exists():
+                found.append(d)
+        except OSError:
+            continue
+    if len(found) == 1:
+        return f"ipc://{found[0]}"
+    if not found:
+        raise SystemExit(f"error: no running Switchyard found (no {tmp}/switchyard-*/events-out); give --bus")
+    listing = "\n  ".join(f"ipc://{d}" for d in found)
+    raise SystemExit(f"error: several Switchyard servers are running; pick one with --bus:\n  {listing}")
+
+
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else round(float(x), 6)
+
+
+def rows(topic: bytes, msg, request: str | None = None) -> list[dict]:
+    """The printable rows of one event, as dicts (filtered by request id when given)."""
+    t = topic.decode(errors="replace")
+    out = []
+    if isinstance(msg, TokenBatch):
+        cols = zip(msg.request_ids, msg.offsets.tolist(), msg.token_ids.tolist(), msg.logprobs.tolist())
+        for (rid, offset, token, logprob), finish in zip(cols, msg.finish.tolist()):
+            if request is None or rid == request:
+                reason = None if finish == FINISH_NONE else FINISH_NAMES.get(finish, "error")
+                out.append(
+                    {
+                        "topic": t,
+                        "event": "token",
+                        "request_id": rid,
+                        "offset": offset,
+                        "token_id": token,
+                        "logprob": _num(logprob),
+                        "finish": reason,
+                    }
+                )
+    elif isinstance(msg, TextBatch):
+        for r in msg.rows:
+            if request is None or r.request_id == request:
+                row = {"topic": t, "event": "text", "request_id": r.request_id, "index": r.index}
+                row |= {"token_id": r.token_id, "text": r.text}
+                if r.final is not None:
+                    row["final"] = {
+                        "finish_reason": r.final.finish_reason,
+                        "generated_tokens": r.final.generated_tokens,
+                        "generated_text": r.final.generated_text,
+                    }
+                out.append(row)
+    elif isinstance(msg, Heartbeat):
+        if request is None:
+            keep = ("role", "index", "pid", "ready", "queue", "running", "free_blocks", "total_blocks", "counters")
+            out.append({"topic": t, "event": "hb", **{k: getattr(msg, k) for k in keep}})
+    elif not isinstance(msg, Hello):
+        rid = getattr(msg, "request_id", None)
+        if request is None or rid == request:
+            body = {f: getattr(msg, f) for f in msg.__struct_fields__ if f not in ("v",) and f not in dict(msg.FRAMES)}
+            out.append({"topic": t, "event": type(msg).__name__, **body})
+    return out
+
+
+def render(row: dict) -> str:
+    """One human-readable line for a row (control characters in texts shown escaped)."""
+    head = f"{row['topic']} {row.get('request_id', '-')}"
+    ev = row["event"]
+    if ev == "token":
+        fin = f" finish={row['finish']}" if row["finish"] else ""
+        return f"{head} offset={row['offset']} token={row['token_id']} logprob={row['logprob']}{fin}"
+    if ev == "text":
+        line = f"{head} index={row['index']} token={row['token_id']} text={json.dumps(row['text'], ensure_ascii=False)}"
+        if "final" in row:
+            f = row["final"]
+            line += f" final={f['finish_reason']} tokens={f['generated_tokens']}"
+        return line
+    rest = {k: v for k, v in row.items() if k not in ("topic", "event", "request_id")}
+    return f"{head} {ev} {json.dumps(rest, ensure_ascii=False, default=str)}"
+
+
+def attach(bus_spec: str, prefixes: list[bytes], timeout: float) -> tuple[zmq.Socket, zmq.Socket]:
+    """A SUB on the events-out of `bus_spec` with its subscriptions confirmed, and the PUB used to
+    confirm them (kept open: closing a socket is what detaching is)."""
+    addresses = Addresses.parse(bus_spec)
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 100_000)
+    nonce = secrets.token_hex(8)
+    hello_topic = TAP_TOPIC + nonce.encode()
+    for p in [*prefixes, hello_topic]:
+        sub.setsockopt(zmq.SUBSCRIBE, p)
+    sub.connect(addresses.events_out)
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(addresses.events_in)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pub.send_multipart(codec.encode_pub(hello_topic, Hello(nonce=nonce)))
+        while sub.poll(100):
+            if sub.recv_multipart()[0] == hello_topic:
+                return sub, pub
+            # events before our hello are dropped: only what follows "attached" is promised
+    sub.close()
+    pub.close()
+    raise SystemExit(f"error: no answer from the event bus at {bus_spec} within {timeout:g}s: is the server running?")
+
+
+def run(args: argparse.Namespace) -> int:
+    bus_spec = args.bus or find_bus()
+    prefixes = [p.encode() for p in (args.topic or DEFAULT_TOPICS)]
+    sub, pub = attach(bus_spec, prefixes, args.timeout)
+    out = sys.stdout
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill detaches as cleanly as Ctrl-C
+    try:
+        print(f"# attached to {bus_spec} (topics: {', '.join(p.decode() for p in prefixes)})", file=sys.stderr)
+        while True:
+            frames = sub.recv_multipart(copy=False)
+            topic = bytes(frames[0])
+            if topic.startswith(TAP_TOPIC):
+                continue
+            try:
+                _, msg = codec.decode_pub([f.buffer for f in frames])
+            except ProtocolError as e:
+                print(f"# malformed event on {topic!r}: {e}", file=sys.stderr)
+                continue
+            for row in rows(topic, msg, args.request):
+                out.write((json.dumps(row, ensure_ascii=False, default=str) if args.json else render(row)) + "\n")
+            out.flush()
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # `switchyard tap | head`: the reader left; silence the final flush too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    finally:
+        sub.close()
+        pub.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="switchyard tap", description="Print a running server's token and text events.")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

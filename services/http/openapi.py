@@ -1,0 +1,441 @@
+"""Our own OpenAPI 3.1 document: every route we serve, with the schemas of what it takes and answers.
+
+The TGI shapes are the very structs the routes encode (services.http.schemas); the OpenAI shapes
+are described here from TGI's API (the OpenAI routes build plain dicts), kept lenient where TGI's
+output varies (optional keys are not `required`). JSON Schema comes from msgspec, whose 2020-12
+dialect is OpenAPI 3.1's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from libs.runtime.settings import Settings
+from services.http import schemas
+from services.http.middleware import PROTECTED
+
+REF = "#/components/schemas/{name}"
+U32 = schemas.U32
+U64 = schemas.U64
+
+
+# ---- OpenAI shapes, for the document only -----------------------------------------------------
+class TextChunk(msgspec.Struct, tag="text", tag_field="type"):
+    text: str
+
+
+class Url(msgspec.Struct):
+    url: str
+
+
+class ImageUrlChunk(msgspec.Struct, tag="image_url", tag_field="type"):
+    image_url: Url
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    arguments: Any = None  # a JSON value, or a JSON string in responses
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str
+    function: FunctionDefinition
+
+
+class Message(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[TextChunk | ImageUrlChunk] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: str
+    function: dict[str, Any]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    messages: list[Message]
+    model: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None  # repetition_penalty = presence_penalty + 2 (TGI)
+    logit_bias: list[float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: U32 | None = None
+    max_tokens: U32 | None = None
+    max_completion_tokens: U32 | None = None
+    n: U32 | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: U64 | None = None
+    temperature: float | None = None  # 0 = greedy
+    top_p: float | None = None
+    tools: list[Tool] | None = None
+    tool_prompt: str | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: schemas.GrammarType | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(msgspec.Struct, kw_only=True):
+    prompt: str | list[str]
+    model: str | None = None
+    max_tokens: U32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    seed: U64 | None = None
+    suffix: str | None = None  # refused, as TGI
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    echo: bool | None = None
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionTopLogprob(msgspec.Struct):
+    token: str
+    logprob: float | None
+
+
+class ChatCompletionLogprob(msgspec.Struct):
+    token: str
+    logprob: float | None
+    top_logprobs: list[ChatCompletionTopLogprob]
+
+
+class ChatCompletionLogprobs(msgspec.Struct):
+    content: list[ChatCompletionLogprob]
+
+
+class OutputToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str
+    function: FunctionDefinition
+
+
+class OutputMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | None = None
+    tool_calls: list[OutputToolCall] | None = None
+
+
+class ChatCompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: OutputMessage
+    logprobs: ChatCompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    object: Literal["chat.completion"]
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage | None
+
+
+class DeltaFunction(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    arguments: str
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True):
+    index: int
+    id: str
+    type: str
+    function: DeltaFunction
+
+
+class ChatCompletionDelta(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatCompletionDelta
+    logprobs: ChatCompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    object: Literal["chat.completion.chunk"]
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionComplete(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: Any = None
+    finish_reason: str | None
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """A whole completion, and the last event of a completion stream (TGI's CompletionFinal)."""
+
+    object: Literal["text_completion"]
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionComplete]
+    usage: Usage | None = None
+
+
+class ChatTokenizeResponse(msgspec.Struct):
+    tokenize_response: list[schemas.SimpleToken]
+    templated_text: str
+
+
+class OpenAIErrorBody(msgspec.Struct):
+    message: str
+    http_status_code: int
+
+
+class OpenAIStreamError(msgspec.Struct):
+    """An error inside an OpenAI stream; `data: [DONE]` follows."""
+
+    error: OpenAIErrorBody
+
+
+TYPES = (
+    schemas.GenerateRequest,
+    schemas.CompatGenerateRequest,
+    schemas.GenerateResponse,
+    schemas.StreamResponse,
+    schemas.ErrorResponse,
+    schemas.SimpleToken,
+    schemas.Info,
+    schemas.ModelsInfo,
+    ChatRequest,
+    CompletionRequest,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    ChatTokenizeResponse,
+    OpenAIStreamError,
+)
+
+
+# ---- paths ------------------------------------------------------------------------------------
+def _ref(name: str) -> dict:
+    return {"$ref": REF.format(name=name)}
+
+
+def _one_of(*names: str) -> dict:
+    return {"oneOf": [_ref(n) for n in names]}
+
+
+ERROR = {"application/json": {"schema": _ref("ErrorResponse")}}
+ERRORS = {
+    "400": {"description": "Malformed JSON", "content": ERROR},
+    "413": {"description": "Payload too large", "content": ERROR},
+    "422": {"description": "Input validation error", "content": ERROR},
+    "424": {"description": "Generation error", "content": ERROR},
+    "429": {"description": "Model is overloaded", "content": ERROR},
+    "500": {"description": "Incomplete generation", "content": ERROR},
+    "503": {"description": "No tokenizer is available", "content": ERROR},
+}
+BODY_ERRORS = {k: ERRORS[k] for k in ("400", "413", "422")}
+TIMING_HEADERS = {
+    name: {"description": text, "schema": {"type": "string"}}
+    for name, text in (
+        ("x-compute-type", "COMPUTE_TYPE, or gpu+optimized / cpu"),
+        ("x-compute-time", "total seconds"),
+        ("x-compute-characters", "characters of the inputs"),
+        ("x-total-time", "milliseconds"),
+        ("x-validation-time", "milliseconds until the request was placed"),
+        ("x-queue-time", "milliseconds from placement to the first token (queue and prefill)"),
+        ("x-inference-time", "milliseconds from the first token to the last"),
+        ("x-time-per-token", "milliseconds"),
+        ("x-prompt-tokens", "prompt tokens"),
+        ("x-generated-tokens", "generated tokens"),
+    )
+}
+
+
+def _op(op_id: str, summary: str, ok: dict, request: str | dict | None = None, errors: dict | None = None) -> dict:
+    op: dict = {"operationId": op_id, "summary": summary, "responses": {"200": ok, **(errors or {})}}
+    if request is not None:
+        schema = _ref(request) if isinstance(request, str) else request
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+    return op
+
+
+def _json(description: str, schema: dict, headers: dict | None = None) -> dict:
+    out = {"description": description, "content": {"application/json": {"schema": schema}}}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+def _sse(description: str, schema: dict) -> dict:
+    return {"description": description, "content": {"text/event-stream": {"schema": schema}}}
+
+
+def _both(description: str, json_schema: dict, sse_schema: dict, headers: dict | None = None) -> dict:
+    out = _json(description, json_schema, headers)
+    out["content"]["text/event-stream"] = {"schema": sse_schema}
+    return out
+
+
+def _paths() -> dict:
+    generated_list = {"type": "array", "items": _ref("GenerateResponse")}
+    tgi_events = _one_of("StreamResponse", "ErrorResponse")  # errors arrive in-stream, with 200
+    chat_events = _one_of("ChatCompletionChunk", "OpenAIStreamError")  # then `data: [DONE]`
+    completion_events = _one_of("Completion", "OpenAIStreamError")
+    health = {
+        "get": _op(
+            "health",
+            "200 when every process is alive and the model is loaded",
+            {"description": "Healthy (empty body)"},
+            errors={"503": {"description": "Unhealthy", "content": ERROR}},
+        )
+    }
+    return {
+        "/": {
+            "get": {**health["get"], "operationId": "health_root"},
+            "post": _op(
+                "compat_generate",
+                "TGI's compat route: a JSON list, or SSE when `stream` is true",
+                _both("Generated text", generated_list, tgi_events, TIMING_HEADERS),
+                "CompatGenerateRequest",
+                ERRORS,
+            ),
+        },
+        "/generate": {
+            "post": _op(
+                "generate",
+                "Generate tokens",
+                _json("Generated text", _ref("GenerateResponse"), TIMING_HEADERS),
+                "GenerateRequest",
+                ERRORS,
+            )
+        },
+        "/generate_stream": {
+            "post": _op(
+                "generate_stream",
+                "Generate a stream of tokens (Server-Sent Events; errors in-stream)",
+                _sse("One event per token; the last carries generated_text", tgi_events),
+                "GenerateRequest",
+                BODY_ERRORS,
+            )
+        },
+        "/invocations": {
+            "post": _op(
+                "sagemaker_compatibility",
+                "SageMaker: a compat generate, chat or completion body, told apart by its keys",
+                _both(
+                    "As the route the body belongs to",
+                    {"anyOf": [generated_list, _ref("ChatCompletion"), _ref("Completion")]},
+                    {"anyOf": [tgi_events, chat_events, completion_events]},
+                ),
+                _one_of("CompatGenerateRequest", "ChatRequest", "CompletionRequest"),
+                ERRORS,
+            )
+        },
+        "/tokenize": {
+            "post": _op(
+                "tokenize",
+                "Tokenize the inputs (byte offsets)",
+                _json("Tokens", {"type": "array", "items": _ref("SimpleToken")}),
+                "GenerateRequest",
+                {**BODY_ERRORS, "503": ERRORS["503"]},
+            )
+        },
+        "/chat_tokenize": {
+            "post": _op(
+                "chat_tokenize",
+                "Render the chat template and tokenize it",
+                _json("Tokens and the rendered prompt", _ref("ChatTokenizeResponse")),
+                "ChatRequest",
+                {**BODY_ERRORS, "503": ERRORS["503"]},
+            )
+        },
+        "/v1/chat/completions": {
+            "post": _op(
+                "chat_completions",
+                "OpenAI chat completions",
+                _both("Chat completion, or chunks then `data: [DONE]`", _ref("ChatCompletion"), chat_events),
+                "ChatRequest",
+                ERRORS,
+            )
+        },
+        "/v1/completions": {
+            "post": _op(
+                "completions",
+                "OpenAI completions",
+                _both("Completion, or chunks then `data: [DONE]`", _ref("Completion"), completion_events),
+                "CompletionRequest",
+                ERRORS,
+            )
+        },
+        "/health": health,
+        "/ping": {"get": {**health["get"], "operationId": "ping"}},
+        "/info": {"get": _op("get_model_info", "Model and server limits", _json("Info", _ref("Info")))},
+        "/v1/models": {"get": _op("openai_get_model_info", "The served model", _json("Models", _ref("ModelsInfo")))},
+        "/metrics": {
+            "get": _op(
+                "metrics",
+                "Prometheus metrics",
+                {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            )
+        },
+        "/docs": {
+            "get": _op(
+                "docs",
+                "Swagger UI for this document",
+                {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}},
+            )
+        },
+        "/api-doc/openapi.json": {
+            "get": _op("openapi", "This document", _json("OpenAPI 3.1", {"type": "object"})),
+        },
+    }
+
+
+def document(settings: Settings, version: str) -> dict:
+    """The OpenAPI document of a server run with `settings`."""
+    _, components = msgspec.json.schema_components(TYPES, ref_template=REF)
+    doc = {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Switchyard",
+            "description": "Text generation with TGI's HTTP API and OpenAI's chat/completions API",
+            "version": version,
+        },
+        "paths": _paths(),
+        "components": {"schemas": components},
+    }
+    if settings.api_key:  # TGI's protected routes need the key; the rest never do
+        doc["components"]["securitySchemes"] = {"BearerAuth": {"type": "http", "scheme": "bearer"}}
+        for method, path in PROTECTED:
+            op = doc["paths"].get(path, {}).get(method.lower())
+            if op is not None:
+                op["security"] = [{"BearerAuth": []}]
+                op["responses"]["401"] = {"description": "Missing or wrong API key (empty body)"}
+    return doc

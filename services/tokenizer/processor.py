@@ -1,0 +1,95 @@
+"""One request in, one message out: the tokenizer service's work without its sockets.
+
+`Processor.process` turns a GenerateRequest into exactly one of:
+- a TokenizedRequest (validated; the service PUSHes it to admit),
+- a TokenizeResult (mode="tokenize": the ids and offsets, published to out.<ingress>; nothing is generated),
+- a RequestError (published to out.<ingress>; it ends the request).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest, TokenizeResult
+from libs.runtime.settings import Settings
+from services.tokenizer import validation
+from services.tokenizer.chat_template import ChatTemplates, TemplateError
+
+Result = TokenizedRequest | TokenizeResult | RequestError
+
+
+class Processor:
+    def __init__(self, settings: Settings, tokenizer: Tokenizer, templates: ChatTemplates) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.templates = templates
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Processor:
+        tokenizer = Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json"))
+        return cls(settings, tokenizer, ChatTemplates.load(settings.model_path, settings.chat_template))
+
+    def process(self, req: GenerateRequest) -> Result:
+        try:
+            if req.mode == "tokenize":
+                return self._tokenize(req)
+            return self._generate(req)
+        except (validation.ValidationError, TemplateError) as e:
+            return RequestError(request_id=req.request_id, message=e.full_message, error_type=e.error_type)
+
+    def _prompt(self, req: GenerateRequest) -> tuple[str, bool]:
+        """The text to tokenize and whether to add special tokens. A chat request's text is its rendered template,
+        tokenized without special tokens (the template holds them, as in TGI)."""
+        if req.messages is None:
+            return req.inputs, req.add_special_tokens
+        return self.templates.render(req.messages, req.tools, req.chat_template_kwargs), False
+
+    def _encode(self, text: str, add_special_tokens: bool):
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # TGI's ValidationError::Tokenizer
+            raise validation.ValidationError(f"tokenizer error {e}") from e
+
+    def _tokenize(self, req: GenerateRequest) -> TokenizeResult:
+        """TGI's /tokenize and /chat_tokenize: no parameter validation, no truncation (reference §1.8)."""
+        text, special = self._prompt(req)
+        encoding = self._encode(text, special)
+        offsets = np.asarray(encoding.offsets, dtype=np.uint32).reshape(-1, 2)
+        return TokenizeResult(
+            request_id=req.request_id,
+            text=text,
+            ids=np.asarray(encoding.ids, dtype=np.int32),
+            starts=np.ascontiguousarray(offsets[:, 0]),
+            stops=np.ascontiguousarray(offsets[:, 1]),
+        )
+
+    def _generate(self, req: GenerateRequest) -> TokenizedRequest:
+        s, p = self.settings, req.parameters
+        # TGI applies the chat template before it validates anything (try_into_generate), so a template error
+        # wins over every validation error of the same request.
+        text, special = self._prompt(req)
+        validation.check_parameters(
+            p,
+            inputs=text,
+            max_stop_sequences=s.max_stop_sequences,
+            max_input_tokens=s.max_input_tokens,
+            max_best_of=s.max_best_of,
+            max_top_n_tokens=s.max_top_n_tokens,
+            stream=req.stream,
+        )
+        ids = self._encode(text, special).ids
+        resolved = validation.resolve(p, ids, max_input_tokens=s.max_input_tokens, max_total_tokens=s.max_total_tokens)
+        return TokenizedRequest(
+            request_id=req.request_id,
+            ingress=req.ingress,
+            input_ids=np.asarray(resolved.input_ids, dtype=np.int32),
+            sampling=resolved.sampling,
+            max_new_tokens=resolved.max_new_tokens,
+            stop=p.stop,
+            seed=resolved.seed,
+            received_at=req.received_at,
+            traceparent=req.traceparent,
+        )

@@ -1,0 +1,219 @@
+"""OpenAI request bodies → TGI Parameters (reference §1.6/§1.7), body errors, tool grammar."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from services.http import openai_schemas as oa
+
+MODEL = "org/tiny"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields) -> oa.ChatBody:
+    return oa.parse(orjson.dumps({"messages": MESSAGES, **fields}), oa.ChatBody)
+
+
+def chat_params(**fields):
+    body = chat(**fields)
+    _, grammar = oa.tool_grammar(body)
+    return oa.chat_parameters(body, grammar, MODEL)
+
+
+def completion_params(**fields):
+    return oa.completion_parameters(oa.parse(orjson.dumps({"prompt": "x", **fields}), oa.CompletionBody), MODEL)
+
+
+@pytest.mark.parametrize("build", [chat_params, completion_params])
+def test_temperature_zero_is_greedy_anything_else_samples(build):
+    p = build(temperature=0)
+    assert (p.do_sample, p.temperature) == (False, None)
+    p = build(temperature=0.0)
+    assert (p.do_sample, p.temperature) == (False, None)
+    p = build()  # absent: TGI samples
+    assert (p.do_sample, p.temperature) == (True, None)
+    p = build(temperature=None)
+    assert (p.do_sample, p.temperature) == (True, None)
+    p = build(temperature=0.7)
+    assert (p.do_sample, p.temperature) == (True, 0.7)
+
+
+def test_chat_fixed_values():
+    p = chat_params()
+    assert p.details is True and p.decoder_input_details is False and p.return_full_text is False
+    assert p.best_of is None and p.top_k is None and p.typical_p is None and p.truncate is None
+    assert p.watermark is False and p.grammar is None and p.top_n_tokens is None and p.stop == []
+
+
+def test_chat_presence_penalty_is_repetition_penalty_plus_two():
+    assert chat_params(presence_penalty=0.0).repetition_penalty == 2.0
+    assert chat_params(presence_penalty=-2.0).repetition_penalty == 0.0  # the tokenizer refuses it, as TGI
+    assert chat_params(presence_penalty=0.5).repetition_penalty == 2.5
+    assert chat_params().repetition_penalty is None
+    assert chat_params(frequency_penalty=0.3).frequency_penalty == 0.3
+
+
+def test_chat_max_tokens_and_its_new_name():
+    assert chat_params(max_tokens=7).max_new_tokens == 7
+    assert chat_params(max_completion_tokens=9).max_new_tokens == 9
+    assert chat_params(max_tokens=7, max_completion_tokens=9).max_new_tokens == 7
+    assert chat_params().max_new_tokens is None
+
+
+def test_chat_other_fields():
+    p = chat_params(top_p=0.9, seed=42, stop=["\n", "END"], top_logprobs=3, logprobs=True)
+    assert (p.top_p, p.seed, p.stop, p.top_n_tokens) == (0.9, 42, ["\n", "END"], 3)
+    assert chat_params(stop="END").stop == ["END"]  # a bare string too (TGI wants a list)
+    assert chat_params(n=3, logit_bias=[0.5]).max_new_tokens is None  # accepted, ignored
+
+
+def test_model_becomes_adapter_id_unless_tgi_or_the_served_model():
+    assert chat_params(model="tgi").adapter_id is None
+    assert chat_params(model=MODEL).adapter_id is None
+    assert chat_params().adapter_id is None
+    assert chat_params(model="my-lora").adapter_id == "my-lora"
+    assert completion_params(model="my-lora").adapter_id == "my-lora"
+
+
+def test_response_format_is_the_grammar():
+    fmt = {"type": "json", "value": {"properties": {"a": {"type": "string"}}}}
+    assert chat_params(response_format=fmt).grammar == fmt
+    assert chat_params(response_format={"type": "text"}).grammar is None
+
+
+def test_completion_parameters():
+    p = completion_params(max_tokens=5, top_p=0.5, seed=3, stop="x", repetition_penalty=1.2, frequency_penalty=0.1)
+    assert (p.max_new_tokens, p.top_p, p.seed, p.stop) == (5, 0.5, 3, ["x"])
+    assert (p.repetition_penalty, p.frequency_penalty) == (1.2, 0.1)
+    assert p.details is True and p.return_full_text is False and p.top_n_tokens is None
+
+
+def test_completion_prompts():
+    assert oa.parse(b'{"prompt": "a"}', oa.CompletionBody).prompts == ["a"]
+    assert oa.parse(b'{"prompt": ["a", "b"]}', oa.CompletionBody).prompts == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "raw, status, words",
+    [
+        (b"{not json", 400, "Failed to parse the request body as JSON"),
+        (b'{"prompt": []}', 422, "Empty array detected. Do not use an empty array for the prompt."),
+        (b'{"prompt": 3}', 422, "Failed to deserialize the JSON body into the target type"),
+        (b'{"prompt": "a", "max_tokens": -1}', 422, "Failed to deserialize"),
+        (b'{"prompt": "a", "seed": -1}', 422, "Failed to deserialize"),
+    ],
+)
+def test_completion_body_errors(raw, status, words):
+    with pytest.raises(oa.OpenAIError) as e:
+        oa.parse(raw, oa.CompletionBody)
+    assert e.value.status == status and words in e.value.message
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"messages": [{"role": "user", "content": None}]},  # null content and no tool_calls
+        {"messages": [{"role": "user"}]},
+        {"messages": [{"content": "no role"}]},
+        {"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]},
+        {"messages": MESSAGES, "logit_bias": {"50256": -100}},  # TGI's type is a list
+        {"messages": MESSAGES, "tools": [{"type": "function"}]},
+        {"messages": MESSAGES, "stream": None},
+        {},
+    ],
+)
+def test_chat_body_errors(fields):
+    with pytest.raises(oa.OpenAIError) as e:
+        oa.parse(orjson.dumps(fields), oa.ChatBody)
+    assert e.value.status == 422
+    assert e.value.message.startswith("Failed to deserialize the JSON body into the target type: ")
+
+
+def test_chat_bodies_accepted():
+    parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    body = chat(
+        messages=[
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": parts},
+            {"role": "assistant", "tool_calls": [{"id": "0", "type": "function", "function": {"name": "f"}}]},
+            {"role": "tool", "content": "3", "tool_call_id": "0"},
+        ],
+        stream_options=None,
+        chat_template_kwargs={"enable_thinking": False},
+        unknown_field=1,
+    )
+    assert body.messages[1]["content"] == parts  # forwarded as sent
+    assert body.messages[3]["tool_call_id"] == "0"
+    assert body.include_usage is False
+    assert chat(stream_options={"include_usage": True}).include_usage is True
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"location": {"type": "string"}},
+                "required": ["location"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "noop", "arguments": {"type": "object"}}},
+]
+
+
+def test_tool_grammar_choices():
+    tools, grammar = oa.tool_grammar(chat(tools=TOOLS))  # auto: every tool and no_tool
+    assert [t["function"]["name"] for t in tools] == ["get_weather", "noop", "no_tool"]
+    schema = grammar["value"]
+    assert grammar["type"] == "json"
+    assert schema["properties"]["function"]["anyOf"] == [
+        {"$ref": "#/$functions/get_weather"},
+        {"$ref": "#/$functions/noop"},
+        {"$ref": "#/$functions/no_tool"},
+    ]
+    weather = schema["$functions"]["get_weather"]
+    assert weather["properties"]["_name"] == {"type": "string", "const": "get_weather"}
+    assert weather["properties"]["location"] == {"type": "string"}
+    assert weather["required"] == ["_name", "location"]
+
+    assert oa.tool_grammar(chat(tools=TOOLS, tool_choice="none")) == (None, None)
+    tools, _ = oa.tool_grammar(chat(tools=TOOLS, tool_choice="required"))
+    assert len(tools) == 2
+    tools, grammar = oa.tool_grammar(chat(tools=TOOLS, tool_choice="noop"))
+    assert [t["function"]["name"] for t in tools] == ["noop"] and list(grammar["value"]["$functions"]) == ["noop"]
+    obj = {"type": "function", "function": {"name": "get_weather"}}
+    tools, _ = oa.tool_grammar(chat(tools=TOOLS, tool_choice=obj))
+    assert [t["function"]["name"] for t in tools] == ["get_weather"]
+    assert oa.tool_grammar(chat()) == (None, None)
+
+
+def test_tool_errors():
+    with pytest.raises(oa.OpenAIError) as e:
+        oa.tool_grammar(chat(tools=TOOLS, tool_choice="nope"))
+    assert (e.value.status, e.value.error_type) == (422, "tool_error")
+    assert e.value.message == "Tool error: Tool with name nope not found"
+    with pytest.raises(oa.OpenAIError) as e:
+        oa.tool_grammar(chat(tools=TOOLS, response_format={"type": "json", "value": {}}))
+    assert e.value.message == "Tool error: Grammar and tools are mutually exclusive"
+
+
+def test_parse_tool_call():
+    calls = oa.parse_tool_call('{"function": {"_name": "get_weather", "location": "Paris"}}')
+    assert calls == [
+        {
+            "id": "0",
+            "type": "function",
+            "function": {"description": None, "name": "get_weather", "arguments": '{"location":"Paris"}'},
+        }
+    ]
+    text = '{"function": {"_name": "no_tool", "content": "Just words."}}'
+    assert oa.parse_tool_call(text) is None and oa.no_tool_content(text) == "Just words."
+    for bad in ("not json", '{"x": 1}', '{"function": {"location": 1}}'):
+        with pytest.raises(oa.OpenAIError) as e:
+            oa.parse_tool_call(bad)
+        assert e.value.error_type == "tool_error"

@@ -1,0 +1,23 @@
+"""Fixtures of the shard tests: the tiny models (built once per session) and one torch thread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import ARCHS, build_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models on a shared 2-core box: intra-op threads only spin against each other (~20x slower).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: build_model(root / arch, arch) for arch in ARCHS}
