@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launcher import supervise
+from launcher import supervise, tap
 from libs.protocol import Addresses
 from libs.runtime import model_store
 from libs.runtime.settings import Settings
@@ -73,6 +73,7 @@ IGNORED = [
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="switchyard", description="A TGI-compatible text-generation server.")
     sub = p.add_subparsers(dest="command", required=True)
+    tap.add_arguments(sub.add_parser("tap", help="print a running server's live token and text events"))
     s = sub.add_parser("serve", help="run every service under supervisord, in the foreground")
 
     def flag(name: str, type=str, default=None, help=None):
@@ -246,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "tap":
+        return tap.run(args)
     return 2
 
 

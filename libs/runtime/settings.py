@@ -46,10 +46,15 @@ class Settings:
     max_client_batch_size: int = 4
     replicas: int = 1  # model replicas: one scheduler each, with num_shard shards
     num_shard: int = 1  # shards (tensor-parallel ranks) per replica
+    tokenizer_workers: int = 1
+    detokenizer_workers: int = 1
+    http_workers: int = 1  # http processes sharing the port (SO_REUSEPORT)
+    max_waiting_tokens: int = 20  # TGI: decode steps a waiting request may wait before a prefill is forced in
+    waiting_served_ratio: float = 1.2  # TGI: waiting/running ratio above which prefills join early
     max_top_n_tokens: int = 5
     payload_limit: int = 2_000_000  # bytes of a request body; larger → 413
     api_key: str = ""  # when set, generation routes need `Authorization: Bearer <key>`
-    cors_allow_origin: str = ""  # comma-separated origins, or "" for no CORS headers
+    cors_allow_origin: str = ""  # comma-separated origins, or "" for any origin (TGI)
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
     chat_template: str = ""  # overrides the model's chat template (a Jinja string)
