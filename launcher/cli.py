@@ -5,6 +5,11 @@ Every flag also reads its environment variable as TGI's launcher does (`--model-
 makes a private run directory for the bus sockets, and runs supervisord with the six programs of
 `supervisord.conf`. Ctrl-C (or SIGTERM) stops supervisord, which stops every program; the run
 directory is removed on the way out.
+
+Scale-out: --tokenizer-workers, --detokenizer-workers, --http-workers, --replicas (× --num-shard)
+set how many processes each program runs; --bus-address puts the bus on tcp instead of the run
+directory's ipc sockets, and --only runs a subset of the programs, so one host can run the router
+and the http side while another runs the schedulers and shards (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launcher import supervise, tap
+from launcher import bench, supervise, tap
 from libs.protocol import Addresses
 from libs.runtime import model_store
 from libs.runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
+ROLES = ("router", "scheduler", "shard", "tokenizer", "detokenizer", "http")  # supervisord.conf's programs
 log = logging.getLogger("switchyard.launcher")
 
 
@@ -74,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="switchyard", description="A TGI-compatible text-generation server.")
     sub = p.add_subparsers(dest="command", required=True)
     tap.add_arguments(sub.add_parser("tap", help="print a running server's live token and text events"))
+    bench.add_arguments(sub.add_parser("bench", help="measure: the in-process limit, end to end, the peers"))
     s = sub.add_parser("serve", help="run every service under supervisord, in the foreground")
 
     def flag(name: str, type=str, default=None, help=None):
@@ -93,7 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     flag("max-batch-prefill-tokens", type=int, help="default: max(4096, max-input-tokens)")
     flag("max-batch-total-tokens", type=int, help="KV cache size in tokens (default: max(65536, max-total-tokens))")
     flag("max-batch-size", type=int, default=256)
-    flag("num-shard", type=int, default=1, help="only 1 for now")
+    flag("num-shard", type=int, default=1, help="shards per replica; only 1 for now")
+    flag("replicas", type=int, default=1, help="model replicas: a scheduler and num-shard shards each")
+    flag("tokenizer-workers", type=int, default=1, help="tokenizer processes")
+    flag("detokenizer-workers", type=int, default=1, help="detokenizer processes")
+    flag("http-workers", type=int, default=1, help="http processes, all on --port (SO_REUSEPORT)")
+    flag(
+        "bus-address",
+        help="tcp://host:port[?replicas=host:port[,…]]: the bus on tcp (router on port…port+4, replica r on "
+        "port+10+3r…, or where ?replicas says) instead of ipc sockets in the run directory",
+    )
+    flag("only", help=f"comma-separated programs to run here (default: all of {','.join(ROLES)})")
     flag("max-client-batch-size", type=int, default=4)
     flag("validation-workers", type=int, default=2, help="reported in /info; must be > 0")
     flag("max-top-n-tokens", type=int, default=5, help="the largest top_n_tokens a request may ask for")
@@ -160,6 +177,9 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         hostname = "0.0.0.0"
     if args.num_shard != 1 or args.sharded:
         raise SystemExit("error: --num-shard > 1 (tensor parallel) is not implemented yet")
+    for name in ("replicas", "tokenizer_workers", "detokenizer_workers", "http_workers"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1")
     if args.validation_workers < 1:
         raise SystemExit("error: `validation_workers` must be > 0")
     for name, _, default, _ in IGNORED:
@@ -180,6 +200,11 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         max_batch_prefill_tokens=prefill,
         max_batch_total_tokens=total,
         max_batch_size=args.max_batch_size,
+        replicas=args.replicas,
+        num_shard=args.num_shard,
+        tokenizer_workers=args.tokenizer_workers,
+        detokenizer_workers=args.detokenizer_workers,
+        http_workers=args.http_workers,
         max_client_batch_size=args.max_client_batch_size,
         validation_workers=args.validation_workers,
         max_top_n_tokens=args.max_top_n_tokens,
@@ -194,6 +219,23 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         otlp_endpoint=args.otlp_endpoint or "",
         otlp_service_name=args.otlp_service_name,
     )
+
+
+def programs(args: argparse.Namespace) -> dict[str, int]:
+    """How many processes each supervisord program runs here (0: not on this host)."""
+    only = [r.strip() for r in (args.only or ",".join(ROLES)).split(",") if r.strip()]
+    unknown = sorted(set(only) - set(ROLES))
+    if unknown or not only:
+        raise SystemExit(f"error: --only takes programs among {','.join(ROLES)}; got {args.only!r}")
+    counts = {
+        "router": 1,
+        "scheduler": args.replicas,
+        "shard": args.replicas * args.num_shard,  # shard i: replica i // num_shard, rank i % num_shard
+        "tokenizer": args.tokenizer_workers,
+        "detokenizer": args.detokenizer_workers,
+        "http": args.http_workers,
+    }
+    return {role: n if role in only else 0 for role, n in counts.items()}
 
 
 def _origins(given: list[str] | None) -> str:
@@ -223,20 +265,29 @@ def serve(args: argparse.Namespace) -> int:
     except model_store.ModelNotAvailableError as e:
         raise SystemExit(f"error: {e}") from None
     settings = settings_from(args, model_path)
-    run_dir = tempfile.mkdtemp(prefix="switchyard-", dir="/tmp")  # mkdtemp makes it 0700
+    counts = programs(args)
+    if args.bus_address and not args.bus_address.startswith("tcp://"):
+        raise SystemExit(f"error: --bus-address must be tcp://host:port, got {args.bus_address!r}")
+    run_dir = tempfile.mkdtemp(prefix="switchyard-", dir="/tmp")  # mkdtemp makes it 0700 (and holds supervisord's)
     try:
-        settings = settings.replace(bus=f"ipc://{run_dir}")
-        Addresses.parse(settings.bus)  # fail now, not in six processes, if the path is unusable
+        settings = settings.replace(bus=args.bus_address or f"ipc://{run_dir}")
+        try:  # fail now, not in every process, if the address is unusable
+            Addresses.parse(settings.bus).replica(settings.replicas - 1, "results")
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
         env = {
             **os.environ,
             **settings.to_env(),
+            **{f"SWITCHYARD_PROCS_{role.upper()}": str(n) for role, n in counts.items()},
             "SWITCHYARD_RUN_DIR": run_dir,
             "SWITCHYARD_PYTHON": sys.executable,
             "SWITCHYARD_ROOT": str(ROOT),
             "PYTHONUNBUFFERED": "1",
         }
         host, port = settings.hostname, settings.port
+        here = ", ".join(f"{role}×{n}" for role, n in counts.items() if n)
         log.info("serving %s on %s:%d (run directory %s)", settings.model_id, host, port, run_dir)
+        log.info("programs: %s; bus %s", here, settings.bus)
         return supervise.run(ROOT / "supervisord.conf", env, ROOT, Path(run_dir))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -249,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "tap":
         return tap.run(args)
+    if args.command == "bench":
+        return bench.run(args)
     return 2
 
 

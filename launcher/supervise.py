@@ -21,11 +21,12 @@ POLL_S = 2.0
 
 
 def fatal_programs(socket_path: Path) -> list[str]:
-    """Programs supervisord gave up on; [] while it is not answering yet."""
+    """Programs (process groups) supervisord gave up on, once each; [] while it is not answering yet."""
     transport = SupervisorTransport(None, None, f"unix://{socket_path}")
     try:
         rpc = xmlrpc.client.ServerProxy("http://localhost", transport=transport)
-        return [p["name"] for p in rpc.supervisor.getAllProcessInfo() if p["statename"] == "FATAL"]
+        infos = rpc.supervisor.getAllProcessInfo()
+        return sorted({p["group"] for p in infos if p["statename"] == "FATAL"})
     except (OSError, xmlrpc.client.Error):
         return []
     finally:

@@ -3,9 +3,16 @@
 - `ipc:///path/to/run-dir`: one socket file per address inside a private (0700) run directory,
   for everything on one host;
 - `tcp://host:port`: the router's addresses on port, port+1, …, port+4 and replica r's on
-  port+10+3r … port+12+3r, for services spread over hosts.
+  port+10+3r … port+12+3r, for services spread over hosts;
+- `tcp://host:port?replicas=host2:port2`: the schedulers elsewhere: replica r's on host2 at
+  port2+3r … port2+3r+2; or `?replicas=h0:p0,h1:p1,…`, one host:port per replica (in, plan and
+  results on p, p+1, p+2), e.g. one Kubernetes Service per replica.
 
-Only the router and the schedulers bind; everyone else connects.
+Only the router and the schedulers bind; everyone else connects. A binding process names an
+address of its own host: an IP of one of its interfaces, 0.0.0.0 for all of them, or a name that
+resolves to one (ZeroMQ resolves names on bind too). So on a multi-host deployment each process's
+spec may differ: the router binds `tcp://0.0.0.0:5550` while the others connect to
+`tcp://router-host:5550` (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ class Addresses:
     scheme: str  # "ipc" or "tcp"
     where: str  # run directory (ipc) or host (tcp)
     port: int = 0  # base port (tcp)
+    # where the replicas' schedulers are, when not on `where`: (host, port) per replica, or one
+    # (host, base port) for all of them (replica r on base + 3r)
+    replica_hosts: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def parse(cls, spec: str) -> Addresses:
@@ -35,17 +45,23 @@ class Addresses:
                 raise ValueError(f"run directory path too long for ipc sockets ({len(path)} > {MAX_IPC_DIR})")
             return cls("ipc", path)
         if spec.startswith("tcp://"):
-            host, sep, port = spec[len("tcp://") :].rpartition(":")
-            if not sep or not port.isdigit() or not host:
-                raise ValueError(f"tcp bus needs host:port: {spec!r}")
-            return cls("tcp", host.strip("[]"), int(port))
+            main, _, query = spec[len("tcp://") :].partition("?")
+            host, port = _host_port(main, spec)
+            replicas: tuple[tuple[str, int], ...] = ()
+            if query:
+                key, eq, value = query.partition("=")
+                if key != "replicas" or not eq or not value:
+                    raise ValueError(f"tcp bus: the only option is ?replicas=host:port[,host:port…]: {spec!r}")
+                replicas = tuple(_host_port(item, spec) for item in value.split(","))
+            return cls("tcp", host, port, replicas)
         raise ValueError(f"bus address must start with ipc:// or tcp://: {spec!r}")
 
-    def _addr(self, name: str, offset: int) -> str:
+    def _addr(self, name: str, offset: int, where: tuple[str, int] | None = None) -> str:
         if self.scheme == "ipc":
             return f"ipc://{self.where}/{name}"
-        host = f"[{self.where}]" if ":" in self.where else self.where
-        return f"tcp://{host}:{self.port + offset}"
+        host, port = where or (self.where, self.port)
+        host = f"[{host}]" if ":" in host else host
+        return f"tcp://{host}:{port + offset}"
 
     def router(self, name: str) -> str:
         """One of the router's addresses: intake, tokenize, admit, events-in, events-out."""
@@ -73,4 +89,18 @@ class Addresses:
 
     def replica(self, r: int, name: str) -> str:
         """Replica r's scheduler addresses: in, plan, results."""
-        return self._addr(f"replica-{r}-{name}", 10 + 3 * r + _REPLICA_NAMES.index(name))
+        offset = _REPLICA_NAMES.index(name)
+        if len(self.replica_hosts) == 1:  # one base for all replicas
+            return self._addr("", 3 * r + offset, self.replica_hosts[0])
+        if self.replica_hosts:
+            if r >= len(self.replica_hosts):
+                raise ValueError(f"replica {r}: the bus names only {len(self.replica_hosts)} replica addresses")
+            return self._addr("", offset, self.replica_hosts[r])
+        return self._addr(f"replica-{r}-{name}", 10 + 3 * r + offset)
+
+
+def _host_port(text: str, spec: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host.strip("[]"):
+        raise ValueError(f"tcp bus needs host:port: {spec!r}")
+    return host.strip("[]"), int(port)

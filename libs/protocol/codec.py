@@ -24,7 +24,17 @@ class ProtocolError(ValueError):
 
 
 def encode(msg: Message) -> list[bytes | memoryview]:
-    """The frames of one message: the msgpack body, then one raw buffer per FRAMES field."""
+    """The frames of one message: the msgpack body, then one raw buffer per FRAMES field.
+
+    Raises ProtocolError for a value msgpack cannot carry (an int beyond 64 bits in a client's chat
+    message or tool, say): the sender refuses that request instead of failing on it."""
+    try:
+        return _encode(msg)
+    except (OverflowError, TypeError, msgspec.EncodeError) as e:
+        raise ProtocolError(f"{type(msg).__name__} cannot be encoded: {e}") from None
+
+
+def _encode(msg: Message) -> list[bytes | memoryview]:
     if not msg.FRAMES:
         return [_encoder.encode(msg)]
     arrays = []
@@ -43,6 +53,8 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
         msg = _decoder.decode(frames[0])
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(f"bad message body: {e}") from None
+    except RecursionError:  # deeply nested msgpack in an `Any` field (e.g. grammar): msgspec recurses in C
+        raise ProtocolError("bad message body: nested too deeply") from None
     if msg.v != WIRE_VERSION:
         raise ProtocolError(f"wire version {msg.v}, expected {WIRE_VERSION}")
     if len(frames) - 1 != len(msg.FRAMES):

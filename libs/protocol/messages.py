@@ -123,6 +123,9 @@ class NewSequence(msgspec.Struct, array_like=True):
 
     seq: int  # the scheduler's small integer handle for the request
     sampling: SamplingParams
+    # token ids already in the KV cache when the sequence starts (a prefix-cache hit, or a recompute after
+    # preemption), sent only for sequences whose penalties/watermark need the whole token history
+    prefix_ids: list[int] = []
 
 
 class StepPlan(Message, tag="plan", kw_only=True):
@@ -226,6 +229,7 @@ class Accepted(Message, tag="accepted", kw_only=True):
     request_id: str
     replica: int
     input_length: int
+    max_new_tokens: int = 0  # the resolved max_new_tokens, for tgi_request_max_new_tokens (0: unknown)
 
 
 class RequestError(Message, tag="error", kw_only=True):
@@ -249,6 +253,7 @@ class StreamOpen(msgspec.Struct, kw_only=True, array_like=True):
     # decoder_input_details: every prompt id and its logprob (NaN for the first), for TGI's `prefill`
     prompt_ids: list[int] = []
     prompt_logprobs: list[float] = []
+    traceparent: str | None = None  # W3C trace context of the scheduler span the detokenizer's span continues
 
 
 # finish codes in TokenBatch.finish

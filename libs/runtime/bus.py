@@ -12,6 +12,7 @@ import os
 import secrets
 import signal
 import time
+from dataclasses import dataclass
 
 import zmq
 
@@ -30,12 +31,62 @@ def context() -> zmq.Context:
     return zmq.Context.instance()
 
 
-def socket(kind: int, *, bind: str | None = None, connect: str | None = None, ctx: zmq.Context | None = None):
-    """A socket with the bus's options; `ctx` may be a zmq.asyncio.Context (http)."""
+@dataclass(frozen=True)
+class Curve:
+    """ZeroMQ CURVE encryption for bus links that leave the host (opt-in; ipc needs none: the run
+    directory is 0700). The binding side (router, schedulers) holds the secret key; a connecting
+    process needs only the binder's public key and makes a fresh keypair of its own per socket.
+    This encrypts and authenticates the server; clients are not authenticated (no ZAP handler)."""
+
+    server_public: str  # Z85, 40 characters
+    server_secret: str = ""  # Z85; only on processes that bind
+
+    @classmethod
+    def from_settings(cls, settings) -> Curve | None:
+        """From Settings.curve_secret_key / curve_server_key (SWITCHYARD_CURVE_*); None when neither is set."""
+        secret, public = settings.curve_secret_key, settings.curve_server_key
+        if not secret and not public:
+            return None
+        if secret and not public:
+            public = zmq.curve_public(secret.encode()).decode()
+        return cls(server_public=public, server_secret=secret)
+
+
+def curve_keypair() -> tuple[str, str]:
+    """A new (public, secret) CURVE keypair, Z85 text, for --curve-* settings."""
+    public, secret = zmq.curve_keypair()
+    return public.decode(), secret.decode()
+
+
+def secure(sock: zmq.Socket, curve: Curve, *, server: bool) -> None:
+    """Turn CURVE on for `sock`; must come before bind/connect."""
+    if server:
+        if not curve.server_secret:
+            raise ValueError("a CURVE server socket needs the secret key")
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.server_secret.encode())
+        return
+    public, secret = zmq.curve_keypair()
+    sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public.encode())
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+
+
+def socket(
+    kind: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    ctx: zmq.Context | None = None,
+    curve: Curve | None = None,
+):
+    """A socket with the bus's options; `ctx` may be a zmq.asyncio.Context (http); `curve` encrypts it."""
     sock = (ctx or context()).socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
+    if curve is not None:
+        secure(sock, curve, server=bool(bind))
     if bind:
         sock.bind(bind)
     if connect:

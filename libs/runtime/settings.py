@@ -63,6 +63,10 @@ class Settings:
     otlp_endpoint: str = ""  # OpenTelemetry collector (gRPC), "" = no tracing export
     otlp_service_name: str = "text-generation-inference.router"
     index: int = 0  # this process's index within its role (supervisord's process_num)
+    # CURVE on tcp bus links (libs.runtime.bus.Curve), Z85 text; "" = off. Binders hold the secret;
+    # connectors need the binders' public key (derived from the secret when only that is given)
+    curve_secret_key: str = ""
+    curve_server_key: str = ""
 
     @property
     def num_blocks(self) -> int:

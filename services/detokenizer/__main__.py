@@ -7,8 +7,10 @@ import os
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -22,7 +24,7 @@ from libs.protocol.messages import (
     TextRow,
     TokenBatch,
 )
-from libs.runtime import bus, service
+from libs.runtime import bus, metrics, service, tracing
 from libs.runtime.settings import Settings
 from services.detokenizer.details import TokenTexts
 from services.detokenizer.incremental import IncrementalDecoder
@@ -38,6 +40,7 @@ class Stream:
     decoder: IncrementalDecoder
     stops: StopMatcher
     next_offset: int = 0
+    span: Any = None  # the detokenizer's span of this request, from its open to its end (tracing on only)
 
 
 class Detokenizer:
@@ -53,7 +56,10 @@ class Detokenizer:
         for o in batch.opens:
             if o.request_id not in self.streams and o.request_id not in self.ended:
                 decoder = IncrementalDecoder(self.tokenizer, o.prompt_tail)
-                self.streams[o.request_id] = Stream(o, decoder, StopMatcher(o.stop))
+                span = (
+                    tracing.start("detokenizer", o.traceparent, request_id=o.request_id) if tracing.enabled() else None
+                )
+                self.streams[o.request_id] = Stream(o, decoder, StopMatcher(o.stop), span=span)
         out: dict[int, list[TextRow]] = defaultdict(list)
         hits = []
         rows = zip(batch.request_ids, batch.offsets.tolist(), batch.token_ids.tolist(), batch.logprobs.tolist())
@@ -68,7 +74,7 @@ class Detokenizer:
             if st is None or offset < st.next_offset:
                 continue  # ended already, or a duplicate
             if token < 0:  # an end without a token (abort, failure)
-                self._end(rid)
+                self._end(rid, FINISH_NAMES.get(finish, "error"))
                 if finish in FINISH_NAMES:
                     out[st.open.ingress].append(self._final_row(st, offset, FINISH_NAMES[finish], token, "", 0.0))
                 continue
@@ -90,7 +96,7 @@ class Detokenizer:
                 )
             else:  # the end: bytes still held back go out now, so the deltas add up to the text
                 row = self._final_row(st, offset + 1, reason, token, text + st.decoder.flush(), logprob)
-                self._end(rid)
+                self._end(rid, reason)
             if end > start:
                 row.top_tokens = self.texts.alternatives(top_ids[start:end], top_logprobs[start:end])
             out[st.open.ingress].append(row)
@@ -117,8 +123,11 @@ class Detokenizer:
             final=final,
         )
 
-    def _end(self, rid: str) -> None:
-        self.streams.pop(rid, None)
+    def _end(self, rid: str, reason: str) -> None:
+        st = self.streams.pop(rid, None)
+        if st is not None and st.span is not None:
+            st.span.set_attributes({"finish_reason": reason, "generated_tokens": st.next_offset})
+            st.span.end()
         self.ended[rid] = None
         if len(self.ended) > FORGET_AFTER:
             self.ended.popitem(last=False)
@@ -129,16 +138,22 @@ def main() -> None:
         detok = Detokenizer(Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json")))
         events = bus.EventBus(Addresses.parse(settings.bus), ROLE, settings.index, [topics.tok(settings.index)])
         events.start()
+        m = metrics.get()
         log.info("detokenizer %d ready", settings.index)
         while True:
             if events.sub.poll(500):
                 got = events.recv()
                 if got and isinstance(got[1], TokenBatch):
+                    started, tokens = time.perf_counter(), detok.tokens
                     out, hits = detok.handle(got[1])
                     for ingress, rows in out.items():
                         events.publish(topics.out(ingress), TextBatch(rows=rows))
                     for hit in hits:
+                        log.debug("stop sequence hit", extra={"request_id": hit.request_id})
                         events.publish(topics.ctl(got[1].replica), hit)
+                    m.detokenized_tokens.inc(detok.tokens - tokens)
+                    # one token batch (a scheduler step's rows for this shard), in and out
+                    m.hop_duration.labels(hop="detokenizer").observe(time.perf_counter() - started)
             events.heartbeat(running=len(detok.streams), counters={"tokens": detok.tokens})
 
     service.run(ROLE, body)

@@ -37,9 +37,11 @@ async def serve(settings: Settings, log: logging.Logger) -> None:
     # a client that disconnects cancels its handler, which aborts its request (Ingress.generate)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, settings.hostname, settings.port)
+    # --http-workers processes share the port: the kernel spreads connections over them (SO_REUSEPORT);
+    # each has its own ingress index, so the events of its requests come back to it alone (out.<index>)
+    site = web.TCPSite(runner, settings.hostname, settings.port, reuse_port=True)
     await site.start()
-    log.info("listening on http://%s:%d", settings.hostname, settings.port)
+    log.info("listening on http://%s:%d (ingress %d)", settings.hostname, settings.port, settings.index)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

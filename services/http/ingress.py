@@ -2,6 +2,7 @@
 
 One reader task takes everything addressed to this ingress (`out.<n>`) and every heartbeat, and
 hands each event to the asyncio queue of its request; handlers only ever await their own queue.
+Every heartbeat heard also feeds the metrics Aggregator behind /metrics (`metrics_text`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from libs.protocol.messages import (
     TextRow,
     TokenizeResult,
 )
-from libs.runtime import bus
+from libs.runtime import bus, metrics, tracing
 from libs.runtime.liveness import Liveness
+from libs.runtime.settings import Settings
+from services.http import observe
 
 log = logging.getLogger("switchyard.http")
 
@@ -77,8 +80,13 @@ class Timing:
 
 
 class Ingress:
-    def __init__(self, bus_spec: str, index: int):
+    def __init__(self, bus_spec: str, index: int, settings: Settings | None = None):
         self.index = index
+        # http does not run through service.run: its metrics and tracing start here
+        settings = settings if settings is not None else Settings.from_env()
+        metrics.init("http", index, settings)
+        self.agg = metrics.Aggregator("http", index)
+        tracing.init(settings.otlp_service_name, settings.otlp_endpoint, role="http", index=str(index))
         self.out_topic = topics.out(index)
         self.hb_topic = topics.hb("http", index)
         addresses = Addresses.parse(bus_spec)
@@ -95,6 +103,8 @@ class Ingress:
         self._hello = secrets.token_hex(8)
         self._confirmed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        # request ids not to count as requests of their own (best_of's other sequences, as TGI)
+        self.quiet: set[str] = set()
 
     async def publish(self, topic: bytes, msg) -> None:
         await self.pub.send_multipart(codec.encode_pub(topic, msg), copy=False)
@@ -111,10 +121,17 @@ class Ingress:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        tracing.shutdown()
 
     async def _heartbeat(self) -> None:
         while True:
-            hb = Heartbeat(role="http", index=self.index, pid=os.getpid(), running=len(self.queues))
+            hb = Heartbeat(
+                role="http",
+                index=self.index,
+                pid=os.getpid(),
+                running=len(self.queues),
+                metrics=metrics.exposition(),  # for the other http processes' /metrics
+            )
             await self.publish(self.hb_topic, hb)
             await asyncio.sleep(1.0)
 
@@ -133,6 +150,7 @@ class Ingress:
                         q.put_nowait(row)
             elif isinstance(msg, Heartbeat):
                 self.liveness.record(msg)
+                self.agg.observe(msg)
             elif isinstance(msg, Accepted):
                 if msg.request_id in self.abandoned:
                     self.abandoned.discard(msg.request_id)
@@ -146,6 +164,10 @@ class Ingress:
                     q.put_nowait(msg)
             elif isinstance(msg, Hello) and msg.nonce == self._hello:
                 self._confirmed.set()
+
+    def metrics_text(self) -> str:
+        """/metrics: every process's registry merged, then what heartbeats say of each process."""
+        return self.agg.render() + observe.legacy_text(self.liveness)
 
     def healthy(self) -> bool:
         lv = self.liveness
@@ -172,11 +194,18 @@ class Ingress:
     async def generate(self, req: GenerateRequest, timing: Timing | None = None) -> AsyncIterator[TextRow]:
         """Submit `req` and yield its text rows up to the final one; raises Failure.
 
-        `timing`, when given, is filled in as the request passes each point (see Timing).
+        `timing`, when given, is filled in as the request passes each point (see Timing). Every request
+        is recorded here (observe.RequestRecord): TGI's request metrics, the http span, the log line.
         """
-        if not self.liveness.alive("tokenizer"):
-            raise Failure("No tokenizer is available", "unavailable")
         rid = req.request_id
+        if timing is None:  # a stream: its clock starts when http read it
+            now = time.monotonic()
+            timing = Timing(start=now - max(0.0, time.time() - req.received_at) if req.received_at else now)
+        record = observe.RequestRecord(req, timing, quiet=rid in self.quiet)
+        self.quiet.discard(rid)
+        if not self.liveness.alive("tokenizer"):
+            record.failure("No tokenizer is available", "unavailable")
+            raise Failure("No tokenizer is available", "unavailable")
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
         done = False
@@ -185,24 +214,27 @@ class Ingress:
             try:
                 first = await asyncio.wait_for(q.get(), ADMIT_TIMEOUT)
             except TimeoutError:
+                record.failure("Request was not admitted in time", "unavailable")
                 raise Failure("Request was not admitted in time", "unavailable") from None
             while True:
                 event = first if first is not None else await q.get()
                 first = None
                 if isinstance(event, RequestError):
                     done = True
+                    record.failure(event.message, event.error_type)
                     raise Failure(event.message, event.error_type)
-                if timing is not None:
-                    now = time.monotonic()
-                    if isinstance(event, Accepted):
-                        timing.accepted, timing.input_length = now, event.input_length
-                    elif isinstance(event, TextRow):
-                        timing.accepted = timing.accepted or now  # rows may overtake Accepted (other topics)
-                        timing.first = timing.first or now
-                        timing.last = now
-                if isinstance(event, TextRow):
+                now = time.monotonic()
+                if isinstance(event, Accepted):
+                    timing.accepted, timing.input_length = now, event.input_length
+                    record.accepted(event.input_length, event.max_new_tokens)
+                elif isinstance(event, TextRow):
+                    timing.accepted = timing.accepted or now  # rows may overtake Accepted (other topics)
+                    timing.first = timing.first or now
+                    timing.last = now
+                    record.row(now)
                     if event.final is not None:
                         done = True
+                        record.success(event.final)
                     yield event
                     if done:
                         return
@@ -210,6 +242,7 @@ class Ingress:
             self.queues.pop(rid, None)
             replica = self.replica_of.pop(rid, None)
             if not done:  # the client went away (or we failed): stop the work
+                record.dropped()
                 if replica is None:
                     self.abandoned.add(rid)
                 else:

@@ -12,22 +12,31 @@ Choices:
   (TGI sends it as plain text, which its own client cannot parse).
 - x-compute-type: env COMPUTE_TYPE as TGI; without it "gpu+optimized" (TGI's default) when an
   NVIDIA device is present, else "cpu".
+- Errors no handler expected (e.g. JSON nested deeper than the decoder recurses) still answer in
+  TGI's JSON error shape, never aiohttp's plain-text 500: nesting is TGI's 400 (serde_json's
+  recursion limit), a body the bus cannot carry (an int past 64 bits inside chat messages or tools,
+  which are passed on as sent) a 422, anything else a logged 500 `internal`.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import math
 import os
 import time
 
 from aiohttp import web
 
+from libs.protocol import ProtocolError
 from libs.protocol.messages import FinalInfo
+from libs.runtime.logs import escape
 from libs.runtime.settings import Settings
 from services.http.ingress import Timing
 
 PAYLOAD_MESSAGE = "Failed to buffer the request body: length limit exceeded"
+DEPTH_MESSAGE = "Failed to parse the request body as JSON: recursion limit exceeded"
+log = logging.getLogger("switchyard.http")
 # TGI's "base routes": the only ones behind --api-key
 PROTECTED = {
     ("POST", "/"),
@@ -105,7 +114,31 @@ def middlewares(settings: Settings) -> list:
         except web.HTTPRequestEntityTooLarge:
             return _error(413, PAYLOAD_MESSAGE, "payload_too_large")
 
-    return [cors, api_key, payload_limit]
+    @web.middleware
+    async def errors(request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except ConnectionResetError:  # the client left (e.g. while a stream's headers were sent): no one to answer
+            return web.Response(status=499)  # aiohttp's write of it fails quietly on the closed transport
+        except Exception as e:
+            if _response_started(request):  # mid-stream: nothing left to answer with; aiohttp closes it
+                raise
+            if isinstance(e, RecursionError):
+                return _error(400, DEPTH_MESSAGE, "validation")
+            if isinstance(e, ProtocolError):  # the body holds what the bus cannot carry, e.g. an int past 64 bits
+                return _error(422, f"Failed to deserialize the JSON body into the target type: {e}", "validation")
+            log.exception("unexpected error on %s %s", request.method, escape(request.path))
+            return _error(500, "Internal server error", "internal")
+
+    return [cors, api_key, payload_limit, errors]
+
+
+def _response_started(request: web.Request) -> bool:
+    """Whether a (streamed) response already sent or queued its headers (aiohttp keeps this private)."""
+    writer = request.writer
+    return bool(getattr(writer, "_headers_written", False) or getattr(writer, "_headers_buf", None))
 
 
 def stream_headers(inputs: str) -> dict[str, str]:

@@ -14,12 +14,13 @@ import orjson
 from aiohttp import web
 
 from libs.protocol.messages import GenerateRequest, TextRow
-from libs.runtime.liveness import Liveness
+from libs.runtime import metrics
 from libs.runtime.settings import Settings
-from services.http import middleware, openapi, schemas
+from services.http import middleware, observe, openapi, schemas
 from services.http.ingress import Failure, Ingress, Timing
 
 VERSION = "3.3.6-dev0"  # the TGI API version we implement
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SAGEMAKER_MISMATCH = (
     "Failed to deserialize the JSON body into the target type: "
     "data did not match any variant of untagged enum SagemakerRequest"
@@ -60,21 +61,9 @@ def sse(obj) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
-def heartbeat_metrics(liveness: Liveness) -> str:
-    """Counters each process reports in its heartbeat (the full TGI metric set is its own issue)."""
-    lines = []
-    for role in ("router", "tokenizer", "scheduler", "detokenizer", "http"):
-        for hb in liveness.alive(role):
-            labels = f'role="{role}",index="{hb.index}"'
-            lines.append(f"switchyard_process_up{{{labels}}} 1")
-            for name, value in sorted(hb.counters.items()):
-                lines.append(f'switchyard_{role}_{name}_total{{index="{hb.index}"}} {value}')
-            if role == "scheduler":
-                lines.append(f'switchyard_kv_blocks_free{{replica="{hb.index}"}} {hb.free_blocks}')
-                lines.append(f'switchyard_kv_blocks_total{{replica="{hb.index}"}} {hb.total_blocks}')
-                lines.append(f'switchyard_queue_size{{replica="{hb.index}"}} {hb.queue}')
-                lines.append(f'switchyard_batch_current_size{{replica="{hb.index}"}} {hb.running}')
-    return "\n".join(lines) + "\n"
+def local_metrics() -> str:
+    """This process's registry alone, for an ingress without an aggregator (tests' stand-ins)."""
+    return metrics.merge([metrics.exposition()])
 
 
 class Routes:
@@ -83,7 +72,6 @@ class Routes:
         self.ingress = ingress
         self.in_flight = 0
         self.openai = None  # the OpenAIRoutes, set by __main__: /invocations dispatches chat/completions to it
-        self.render_metrics = heartbeat_metrics  # replaceable: (liveness) -> Prometheus text
         self._openapi: bytes | None = None
 
     def install(self, app: web.Application) -> None:
@@ -121,6 +109,7 @@ class Routes:
     def permit(self, n: int = 1):
         """TGI's semaphore: no waiting, an immediate 429 when full; best_of N takes N permits."""
         if self.in_flight + n > self.settings.max_concurrent_requests:
+            observe.count_overloaded(n)  # TGI counts a 429 as a request and a failure{err="overloaded"}
             raise Failure("Model is overloaded", "overloaded")
         self.in_flight += n
         try:
@@ -138,6 +127,9 @@ class Routes:
         Returns (best rows, the other sequences' rows in their order)."""
         copies = [msgspec.structs.replace(wire, request_id=uuid.uuid4().hex) for _ in range(n)]
         with self.permit(n):
+            quiet = getattr(self.ingress, "quiet", None)
+            if quiet is not None:  # TGI counts best_of as one request: the other sequences go unrecorded
+                quiet.update(c.request_id for c in copies[1:])
             tasks = [asyncio.create_task(self._collect(c, timing if i == 0 else None)) for i, c in enumerate(copies)]
             try:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -266,7 +258,8 @@ class Routes:
         return json_response(schemas.ModelsInfo(object="list", data=[model]))
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.render_metrics(self.ingress.liveness), content_type="text/plain")
+        render = getattr(self.ingress, "metrics_text", local_metrics)
+        return web.Response(body=render().encode(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
 
     async def docs(self, request: web.Request) -> web.Response:
         return web.Response(text=SWAGGER_UI, content_type="text/html")

@@ -95,6 +95,8 @@ def parse_body(raw: bytes, kind: type):
         raise BodyError(422, f"Failed to deserialize the JSON body into the target type: {e}") from None
     except msgspec.DecodeError as e:
         raise BodyError(400, f"Failed to parse the request body as JSON: {e}") from None
+    except RecursionError:  # nesting deeper than msgspec recurses: serde_json's limit in TGI, a 400 there too
+        raise BodyError(400, "Failed to parse the request body as JSON: recursion limit exceeded") from None
 
 
 # ---- responses --------------------------------------------------------------------------------

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 
 import zmq
 
 from libs.protocol import Addresses, topics
 from libs.protocol.messages import Accepted, Heartbeat, RequestError, TokenizedRequest
-from libs.runtime import bus, service
+from libs.runtime import bus, metrics, service, tracing
 from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
 from services.router.placement import Placement
 
 ROLE = "router"
+log = logging.getLogger("switchyard.router")
 
 
 def proxy(frontend: zmq.Socket, backend: zmq.Socket) -> None:
@@ -46,12 +49,26 @@ class Router:
         self.liveness = Liveness()
         self.placement = Placement(len(self.replicas))
         self.placed = [0] * len(self.replicas)
+        self._states: dict[tuple[str, int], tuple[int, bool]] = {}  # (role, index) → (pid, ready) last seen
 
     def _fail(self, req: TokenizedRequest, message: str) -> None:
+        log.warning("cannot place request: %s", message, extra={"request_id": req.request_id})
         error = RequestError(request_id=req.request_id, message=message, error_type="unavailable")
         self.events.publish(topics.out(req.ingress), error)
 
     def place(self, req: TokenizedRequest) -> None:
+        """Place one request, in the router's span (a child of the tokenizer's)."""
+        started = time.perf_counter()
+        with tracing.span("router", req.traceparent, request_id=req.request_id) as sp:
+            req.traceparent = tracing.traceparent_of(sp) or req.traceparent
+            self._place(req)
+            if sp.is_recording():
+                sp.set_attributes({"replica": req.replica, "detokenizer": req.detokenizer})
+        m = metrics.get()
+        if m is not None:
+            m.hop_duration.labels(hop="router").observe(time.perf_counter() - started)
+
+    def _place(self, req: TokenizedRequest) -> None:
         # sticky per request: the whole stream goes through this one detokenizer
         detokenizer = self.placement.choose_detokenizer(self.liveness.alive("detokenizer"))
         if detokenizer is None:
@@ -60,8 +77,20 @@ class Router:
         req.detokenizer, req.replica = detokenizer, replica
         bus.send(self.replicas[replica], req)
         self.placed[replica] += 1
-        accepted = Accepted(request_id=req.request_id, replica=req.replica, input_length=len(req.input_ids))
+        accepted = Accepted(
+            request_id=req.request_id,
+            replica=req.replica,
+            input_length=len(req.input_ids),
+            max_new_tokens=req.max_new_tokens,
+        )
         self.events.publish(topics.out(req.ingress), accepted)
+
+    def _log_change(self, hb: Heartbeat) -> None:
+        """A process that appears, restarts (new pid) or changes readiness is worth a line."""
+        key, state = (hb.role, hb.index), (hb.pid, hb.ready)
+        if self._states.get(key) != state:
+            self._states[key] = state
+            log.info("%s.%d is up (pid %d)%s", hb.role, hb.index, hb.pid, "" if hb.ready else ", not ready yet")
 
     def run(self) -> None:
         self.events.start()
@@ -77,6 +106,7 @@ class Router:
                 else:
                     got = self.events.recv()
                     if got and isinstance(got[1], Heartbeat):
+                        self._log_change(got[1])
                         self.liveness.record(got[1])
                         self.placement.observe(got[1])
             self.events.heartbeat(counters={f"placed_replica_{r}": n for r, n in enumerate(self.placed)})

@@ -6,6 +6,7 @@ takes in new requests and control messages, so the next plan is ready when the t
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import zmq
@@ -25,6 +26,7 @@ from libs.runtime import bus, model_store, service
 from libs.runtime.settings import Settings
 from services.scheduler.batcher import Batcher, Emitted
 from services.scheduler.batches import token_batch
+from services.scheduler.observe import StepObserver
 
 ROLE = "scheduler"
 
@@ -42,9 +44,13 @@ class SchedulerService:
             settings.num_blocks,
             max_batch_size=settings.max_batch_size,
             max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
+            max_waiting_tokens=settings.max_waiting_tokens,
+            waiting_served_ratio=settings.waiting_served_ratio,
             eos_ids=set(model_store.model_info(settings.model_path)["eos_token_ids"]),
         )
+        self.observer = StepObserver(self.batcher)  # metrics and the per-request spans
         self.ready = False  # shards answered the probe plan
+        self.shard_ranks: set[int] = {0}  # shards do not heartbeat: their process_up is ours to report
         self.step = 0
         self.pending_ctl: list[Abort | StopHit] = []
         self.poller = zmq.Poller()
@@ -61,10 +67,13 @@ class SchedulerService:
             return None
         msg = bus.recv(sock)
         if isinstance(msg, TokenizedRequest):
+            if msg.request_id not in self.batcher.by_request:
+                self.observer.arrived(msg)
             self.batcher.add(msg)
         elif isinstance(msg, ShardReady):
             # a (re)started shard holds no KV: whatever was running is lost (until issue 7's re-prefill)
             self.log.info("shard %d ready (pid %d); probing", msg.rank, msg.pid)
+            self.shard_ranks.add(msg.rank)
             self.ready = False
             if self.batcher.running:
                 self._fail_running("the model shard restarted")
@@ -91,16 +100,22 @@ class SchedulerService:
     def _publish(self, rows: list[Emitted]) -> None:
         """One columnar token batch per detokenizer shard."""
         by_detok: dict[int, list[Emitted]] = defaultdict(list)
+        self.observer.emitted(rows)
         for row in rows:
             by_detok[row.seq.req.detokenizer].append(row)
         for k, group in by_detok.items():
-            self.events.publish(topics.tok(k), token_batch(self.replica, group))
+            batch = token_batch(self.replica, group)
+            for o in batch.opens:  # the detokenizer's span continues from ours
+                o.traceparent = self.observer.traceparent(o.request_id)
+            self.events.publish(topics.tok(k), batch)
+        self.observer.ended(rows)
 
     def _fail_running(self, error: str) -> None:
         self.log.error("step failed: %s", error)
         rows = []
         for s in list(self.batcher.running.values()):
             req = s.req
+            self.log.error("request failed: %s", error, extra={"request_id": req.request_id})
             message = f"Request failed during generation: Server error: {error}"
             err = RequestError(request_id=req.request_id, message=message, error_type="generation")
             self.events.publish(topics.out(req.ingress), err)
@@ -109,10 +124,13 @@ class SchedulerService:
 
     # ---- the loop -------------------------------------------------------------------------
     def run_step(self) -> bool:
+        obs = self.observer
+        obs.plan_started()
         plan = self.batcher.plan(self.step + 1)
         if plan is None:
             return False
         self.step = plan.step
+        obs.planned(plan)
         bus.send(self.plans, plan)
         result = None
         while result is None or result.step != self.step:
@@ -122,16 +140,25 @@ class SchedulerService:
                     result = got
             self.events.heartbeat(**self.load())
             if not self.ready:  # the shard restarted mid-step: its requests have been failed
+                obs.result(None)
                 return True
+        obs.result(result)
         if result.error:
             self._fail_running(result.error)
         else:
-            self._publish(self.batcher.apply(result))
+            rows = self.batcher.apply(result)
+            obs.applied()
+            started = time.perf_counter()
+            self._publish(rows)
+            obs.step_done(True, time.perf_counter() - started)
         self._apply_ctl()
         return True
 
     def load(self) -> dict:
         b = self.batcher
+        self.observer.gauges()  # read on the same beat as the heartbeat that carries them
+        for rank in self.shard_ranks:  # shard index as the launcher numbers them: replica-major
+            self.observer.shard_up(self.replica * self.settings.num_shard + rank, self.ready)
         return {
             "ready": self.ready,
             "queue": len(b.waiting),

@@ -1,10 +1,20 @@
 """Continuous batching: which sequences run in the next step, and what their tokens mean.
 
-Pure bookkeeping, no sockets (the loop in `__main__` does IO), so it is tested on its own.
-Policy, TGI-like for now: FIFO admission; a request is admitted only when KV blocks for its
-whole length (prompt + max_new_tokens) are free, so a running request never runs out of KV and
-nothing needs preempting; new prefills join the running decodes in the same forward, within
-`max_batch_prefill_tokens` and `max_batch_size`; a finished request leaves at once.
+Pure bookkeeping, no sockets (the loop in `__main__` does IO), so it is tested on its own. Policy (TGI v3's
+chunking path, plus what TGI lacks):
+- FIFO admission; the head waits until it fits (no overtaking). A request is admitted when the KV blocks for
+  its next chunk are free (plus a small watermark), not for its whole length: KV is allocated as it grows.
+- Chunked prefill: one step feeds at most `max_batch_prefill_tokens` tokens (decodes count one each); a prompt
+  that does not fit is fed in chunks over several steps, in the same forward as the running decodes.
+- Prefix caching: full blocks are indexed by chain hashes of their tokens once computed; a new prompt takes the
+  blocks of its longest cached prefix (shared, reference counted) and is fed only from there. Unheld cached
+  blocks are reused LRU when blocks run out. No lookup for requests that want prompt logprobs (TGI), since the
+  shard can only score tokens it is fed.
+- Preemption by recompute: when a running sequence needs a block and none is free, the newest running sequence
+  gives its blocks back and waits at the head of the queue; readmitted, it is fed its prompt and the tokens it
+  already generated (often mostly from the prefix cache), and goes on from there. Nothing is streamed twice.
+- TGI's `waiting_served_ratio` / `max_waiting_tokens`: while a batch is running, waiting requests join only if
+  at least floor(running * ratio) of them can, or once `max_waiting_tokens` steps have passed since the last join.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from libs.protocol.messages import (
@@ -22,16 +33,25 @@ from libs.protocol.messages import (
     FINISH_LENGTH,
     FINISH_NONE,
     NewSequence,
+    SamplingParams,
     StepPlan,
     StepResult,
     TokenizedRequest,
 )
+from libs.runtime.settings import BLOCK_SIZE
 from services.scheduler.block_allocator import BlockAllocator, blocks_for
+from services.scheduler.prefix_cache import extend_hashes
+
+
+def needs_history(p: SamplingParams) -> bool:
+    """Whether the shard keeps the sequence's token ids (penalties, watermark): as services.shard.processors,
+    restated here so the scheduler does not import torch."""
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.watermark
 
 
 @dataclass
 class Sequence:
-    seq: int  # small integer handle shared with the shard
+    seq: int  # small integer handle shared with the shard (a new one each time it is (re)admitted)
     req: TokenizedRequest
     output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
@@ -39,10 +59,28 @@ class Sequence:
     # with sampling.prompt_logprobs: the logprob of each prompt token so far, gathered over prefill chunks
     # until the StreamOpen carries them (then dropped: the detokenizer keeps them)
     prompt_logprobs: list[float] = field(default_factory=list)
+    computed: int = 0  # tokens (prompt, then generated) whose KV is in its blocks, once the planned step ran
+    hashes: list[bytes] = field(default_factory=list)  # chain hashes of its first full blocks (lookup, index)
+    registered: int = 0  # its first blocks that are in the prefix index (or came from it)
+    planned_blocks: int = 0  # its blocks the shard has been told about
+    preempted: int = 0  # times it gave its blocks back
 
     @property
     def prompt_len(self) -> int:
         return len(self.req.input_ids)
+
+    @property
+    def total(self) -> int:
+        """Tokens the sequence consists of now: prompt + generated (the last one not yet fed)."""
+        return self.prompt_len + len(self.output)
+
+    def tokens(self, start: int, end: int) -> np.ndarray:
+        """Token ids [start, end) of prompt + generated."""
+        n = self.prompt_len
+        if end <= n:
+            return self.req.input_ids[start:end]
+        gen = np.asarray(self.output[max(0, start - n) : end - n], dtype=np.int32)
+        return gen if start >= n else np.concatenate((self.req.input_ids[start:], gen))
 
     def take_prompt_details(self) -> tuple[list[int], list[float]]:
         """For the StreamOpen: all prompt ids and their logprobs, or ([], []) when the request asked for none.
@@ -77,61 +115,98 @@ def _frame(value) -> list:
 
 
 class Batcher:
-    def __init__(self, num_blocks: int, *, max_batch_size: int, max_batch_prefill_tokens: int, eos_ids: set[int]):
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        max_batch_size: int,
+        max_batch_prefill_tokens: int,
+        eos_ids: set[int],
+        max_waiting_tokens: int = 20,
+        waiting_served_ratio: float = 1.2,
+        prefix_caching: bool = True,
+        block_size: int = BLOCK_SIZE,
+    ):
         self.allocator = BlockAllocator(num_blocks)
         self.max_batch_size = max_batch_size
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.eos_ids = eos_ids
+        self.max_waiting_tokens = max_waiting_tokens
+        self.waiting_served_ratio = waiting_served_ratio
+        self.prefix_caching = prefix_caching
+        self.block_size = block_size
+        # blocks kept free at admission, so the running decodes can grow a while before anything is preempted
+        self.watermark = max(1, num_blocks // 100)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.by_request: dict[str, Sequence] = {}
-        self._to_drop: list[int] = []  # finished seqs the shard has not been told about
+        self._to_drop: list[int] = []  # finished or preempted seqs the shard has not been told about
         self._handles = itertools.count(1)
-        self.counters = {"steps": 0, "prefill_rows": 0, "decode_rows": 0, "joined_steps": 0, "generated": 0}
+        self._inflight: list[tuple[Sequence, int, int]] = []  # the last plan's rows: (seq, handle, computed after)
+        self._since_join = 0  # steps since waiting requests last joined a running batch
+        self.counters = {
+            "steps": 0,
+            "prefill_rows": 0,
+            "decode_rows": 0,
+            "joined_steps": 0,
+            "generated": 0,
+            "prefix_queried_tokens": 0,  # prompt tokens looked up in the prefix cache
+            "prefix_hit_tokens": 0,  # of them, found (not recomputed)
+            "preemptions": 0,
+            "chunked_prefills": 0,  # prefill rows that fed only part of what remained
+        }
 
     def add(self, req: TokenizedRequest) -> None:
         if req.request_id in self.by_request:
             return  # a duplicate delivery: the request is already here
-        s = Sequence(next(self._handles), req)
+        s = Sequence(0, req)
         self.by_request[req.request_id] = s
         self.waiting.append(s)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    # ---- planning -------------------------------------------------------------------------------
     def plan(self, step: int) -> StepPlan | None:
-        """The next step: every running decode, plus the waiting prefills that fit."""
-        seqs, num_tokens, context_lens, token_ids = [], [], [], []
-        for s in self.running.values():
-            seqs.append(s.seq)
-            num_tokens.append(1)
-            context_lens.append(s.prompt_len + len(s.output) - 1)
-            token_ids.append(s.output[-1])
-        decodes = len(seqs)
-        new, blocks, budget = [], {}, self.max_batch_prefill_tokens
-        while self.waiting and len(self.running) < self.max_batch_size:
-            s = self.waiting[0]
-            need = blocks_for(s.prompt_len + s.req.max_new_tokens)
-            if s.prompt_len > budget or not self.allocator.can_allocate(need):
-                break  # FIFO: the head waits until it fits, as in TGI
-            self.waiting.popleft()
-            budget -= s.prompt_len
-            s.blocks = self.allocator.allocate(need)
-            self.running[s.seq] = s
-            new.append(NewSequence(s.seq, s.req.sampling))
-            blocks[s.seq] = s.blocks
-            seqs.append(s.seq)
-            num_tokens.append(s.prompt_len)
-            context_lens.append(0)
-            token_ids.extend(s.req.input_ids.tolist())
-        if not seqs:
+        """The next step: every running sequence's next token or chunk, plus the waiting prefills that fit."""
+        rows: list[tuple[Sequence, int]] = []  # (sequence, tokens fed)
+        budget = self.max_batch_prefill_tokens - sum(1 for s in self.running.values() if s.total - s.computed == 1)
+        for s in list(self.running.values()):  # oldest first; preemption takes the newest
+            if s.seq not in self.running:
+                continue  # preempted below for an older sequence
+            left = s.total - s.computed
+            n = 1 if left == 1 else min(left, max(budget, 0))
+            if n == 0:
+                continue  # a chunked prefill waits for budget
+            if not self._grow(s, s.computed + n):
+                break  # s itself was preempted: so was everything newer
+            if left > 1:
+                budget -= n
+            rows.append((s, n))
+        new, blocks = self._admit(rows, budget)
+        if not rows:
             return None
-        prefills = len(seqs) - decodes
+        for s, _ in rows:
+            if s.seq not in blocks and len(s.blocks) > s.planned_blocks:
+                blocks[s.seq] = s.blocks[s.planned_blocks :]
+            s.planned_blocks = len(s.blocks)
+        seqs, num_tokens, context_lens, token_ids, sample = [], [], [], [], []
+        self._inflight = []
+        for s, n in rows:
+            seqs.append(s.seq)
+            num_tokens.append(n)
+            context_lens.append(s.computed)
+            token_ids.append(s.tokens(s.computed, s.computed + n))
+            s.computed += n
+            sample.append(s.computed == s.total)
+            self._inflight.append((s, s.seq, s.computed))
         c = self.counters
+        decodes = sum(1 for s, n in rows if n == 1 and s.output and s.computed == s.total)
+        prefills = len(rows) - decodes
         c["steps"] += 1
         c["prefill_rows"] += prefills
         c["decode_rows"] += decodes
-        c["joined_steps"] += bool(prefills and decodes)
+        c["joined_steps"] += bool(new and decodes)
         finished, self._to_drop = self._to_drop, []
         return StepPlan(
             step=step,
@@ -141,12 +216,98 @@ class Batcher:
             seqs=np.asarray(seqs, np.int32),
             num_tokens=np.asarray(num_tokens, np.int32),
             context_lens=np.asarray(context_lens, np.int32),
-            token_ids=np.asarray(token_ids, np.int32),
-            sample=np.ones(len(seqs), np.uint8),
+            token_ids=np.concatenate(token_ids).astype(np.int32, copy=False),
+            sample=np.asarray(sample, np.uint8),
         )
 
+    def _grow(self, s: Sequence, tokens: int) -> bool:
+        """Give `s` the blocks for `tokens`, preempting newer sequences if needed; False if `s` itself went."""
+        need = blocks_for(tokens, self.block_size) - len(s.blocks)
+        while need > self.allocator.free:
+            victim = next(reversed(self.running.values()))
+            self._preempt(victim)
+            if victim is s:
+                return False
+        if need > 0:
+            s.blocks += self.allocator.allocate(need)
+        return True
+
+    def _preempt(self, s: Sequence) -> None:
+        """Recompute later: give the blocks back (full ones stay cached) and wait at the head of the queue."""
+        self._release(s)
+        self.by_request[s.req.request_id] = s
+        s.blocks, s.hashes, s.computed, s.registered = [], [], 0, 0
+        if not s.opened:
+            s.prompt_logprobs = []  # the prompt is scored again from its start
+        s.preempted += 1
+        self.counters["preemptions"] += 1
+        self.waiting.appendleft(s)
+
+    def _admit(self, rows: list[tuple[Sequence, int]], budget: int) -> tuple[list[NewSequence], dict]:
+        """Move waiting sequences that fit into the running batch, with a row each; FIFO, all-or-none gating."""
+        # the watermark keeps room for running decodes to grow; with none running, the whole cache is there
+        picks, free = [], self.allocator.free - (self.watermark if self.running else 0)
+        for s in self.waiting:
+            if len(self.running) + len(picks) >= self.max_batch_size or budget <= 0:
+                break
+            cached = self._lookup(s)
+            n = min(s.total - len(cached) * self.block_size, budget)
+            need = blocks_for(len(cached) * self.block_size + n, self.block_size) - len(cached)
+            need += self.allocator.unheld(cached)  # held now, they no longer count as free
+            if need > free:
+                break  # FIFO: the head waits until it fits, as in TGI
+            picks.append((s, cached, n))
+            free -= need
+            budget -= n
+            if n < s.total - len(cached) * self.block_size:
+                break  # a partial (chunked) prefill ends the batch, as in TGI
+        if self.running:
+            self._since_join += 1
+            enough = len(picks) >= math.floor(len(self.running) * self.waiting_served_ratio)
+            if not enough and self._since_join < self.max_waiting_tokens:
+                return [], {}
+        if not picks:
+            return [], {}
+        self._since_join = 0
+        new, blocks = [], {}
+        for s, cached, n in picks:
+            self.waiting.popleft()
+            s.seq = next(self._handles)
+            self.allocator.acquire(cached)
+            s.blocks = cached + self.allocator.allocate(
+                blocks_for(len(cached) * self.block_size + n, self.block_size) - len(cached)
+            )
+            s.computed = len(cached) * self.block_size
+            s.registered = len(cached)
+            s.planned_blocks = len(s.blocks)
+            self.running[s.seq] = s
+            sampling = s.req.sampling
+            if s.opened and sampling.prompt_logprobs:  # a recompute: its prompt logprobs were sent already
+                sampling = msgspec.structs.replace(sampling, prompt_logprobs=False)
+            prefix = s.tokens(0, s.computed).tolist() if s.computed and needs_history(sampling) else []
+            new.append(NewSequence(s.seq, sampling, prefix))
+            blocks[s.seq] = s.blocks
+            self.counters["chunked_prefills"] += n < s.total - s.computed
+            rows.append((s, n))
+        return new, blocks
+
+    def _lookup(self, s: Sequence) -> list[int]:
+        """The cached blocks of the longest prefix of `s` (always leaving at least one token to feed)."""
+        if not self.prefix_caching or (s.req.sampling.prompt_logprobs and not s.opened):
+            return []
+        usable = s.total - 1  # the last token must be fed: its logits give the next token
+        if not s.hashes:
+            extend_hashes(s.hashes, s.tokens(0, usable), usable, self.block_size)
+        cached = self.allocator.lookup(s.hashes[: usable // self.block_size])
+        if not s.preempted:  # a recompute is not a query of the prompt's prefix
+            self.counters["prefix_queried_tokens"] += usable // self.block_size * self.block_size
+            self.counters["prefix_hit_tokens"] += len(cached) * self.block_size
+        return cached
+
+    # ---- results --------------------------------------------------------------------------------
     def apply(self, result: StepResult) -> list[Emitted]:
-        """Append the sampled tokens; finish by length (checked first, as TGI) or EOS."""
+        """Index the newly full blocks; append the sampled tokens; finish by length (first, as TGI) or EOS."""
+        self._register_blocks()
         self._gather_prompt_logprobs(result)
         counts = _frame(result.top_counts)  # empty: no row has alternatives
         top_ids, top_logprobs = _frame(result.top_ids), _frame(result.top_logprobs)
@@ -159,7 +320,7 @@ class Batcher:
             start = end
             s = self.running.get(seq)
             if s is None:
-                continue  # finished (aborted) while the step ran
+                continue  # finished (aborted) or preempted while the step ran
             s.output.append(token)
             self.counters["generated"] += 1
             if len(s.output) >= s.req.max_new_tokens:
@@ -172,6 +333,22 @@ class Batcher:
             if finish:
                 self._release(s)
         return rows
+
+    def _register_blocks(self) -> None:
+        """The last step wrote its rows' KV: index every block it filled, for later prefix hits."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        for s, handle, computed in self._inflight:
+            full = computed // bs
+            if s.seq != handle or handle not in self.running or full <= s.registered:
+                continue
+            if len(s.hashes) < full:
+                extend_hashes(s.hashes, s.tokens(0, full * bs), full * bs, bs)
+            for i in range(s.registered, full):
+                self.allocator.register(s.blocks[i], s.hashes[i])
+            s.registered = full
+        self._inflight = []
 
     def _gather_prompt_logprobs(self, result: StepResult) -> None:
         """Append each fed prompt chunk's logprobs to its sequence (only sequences that asked send any)."""
@@ -187,7 +364,7 @@ class Batcher:
         s = self.by_request.get(request_id)
         if s is None:
             return None
-        if s.seq in self.running:
+        if s.seq in self.running and self.running[s.seq] is s:
             self._release(s)
         else:
             self.waiting.remove(s)

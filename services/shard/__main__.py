@@ -17,15 +17,16 @@ ROLE = "shard"
 
 
 class ShardService:
-    def __init__(self, settings: Settings, rank: int = 0):
-        self.rank = rank
+    def __init__(self, settings: Settings, replica: int = 0, rank: int = 0):
+        self.replica, self.rank = replica, rank
         addresses = Addresses.parse(settings.bus)
-        replica = 0  # one replica for now; its index comes with scale-out
-        self.plans = bus.socket(zmq.SUB, connect=addresses.replica(replica, "plan"))
+        curve = bus.Curve.from_settings(settings)  # None unless the bus is encrypted (tcp across hosts)
+        self.plans = bus.socket(zmq.SUB, connect=addresses.replica(replica, "plan"), curve=curve)
         self.plans.setsockopt(zmq.SUBSCRIBE, b"")
-        self.results = bus.socket(zmq.PUSH, connect=addresses.replica(replica, "results"))
-        # one accelerator per shard when there is one (rank r takes device r), else the CPU
-        device = f"cuda:{rank}" if torch.cuda.is_available() else "cpu"
+        self.results = bus.socket(zmq.PUSH, connect=addresses.replica(replica, "results"), curve=curve)
+        # one accelerator per shard when there is one (shard process i takes device i), else the CPU
+        index = replica * settings.num_shard + rank
+        device = f"cuda:{index % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
         self.runner = ModelRunner(
             settings.model_path,
             num_blocks=settings.num_blocks,
@@ -63,10 +64,18 @@ class ShardService:
 
 def main() -> None:
     def body(settings: Settings, log) -> None:
-        torch.set_num_threads(int(os.environ.get("SWITCHYARD_TORCH_THREADS", os.cpu_count() or 1)))
-        shard = ShardService(settings, rank=settings.index)
+        # the host's cores shared by the shards it runs (the launcher says how many), unless told
+        local_shards = max(1, int(os.environ.get("SWITCHYARD_PROCS_SHARD", "1")))
+        threads = os.environ.get("SWITCHYARD_TORCH_THREADS") or max(1, (os.cpu_count() or 1) // local_shards)
+        torch.set_num_threads(int(threads))
+        # supervisord numbers the replicas × num_shard shard processes 0…; process i serves replica
+        # i // num_shard as rank i % num_shard
+        replica, rank = divmod(settings.index, max(1, settings.num_shard))
+        shard = ShardService(settings, replica=replica, rank=rank)
         log.info(
-            "model loaded from %s (%s on %s); %d KV blocks",
+            "replica %d rank %d: model loaded from %s (%s on %s); %d KV blocks",
+            replica,
+            rank,
             settings.model_path,
             settings.dtype,
             shard.runner.device,

@@ -7,18 +7,39 @@ context, gathered from its blocks. transformers builds no mask for an implementa
 (masking_utils skips names missing from `AttentionMaskInterface`), so `attention_mask` is always None here.
 
 The math mirrors transformers' eager attention (matmul, scale, soft-cap, mask, float32 softmax, matmul) so
-float32 output matches `generate()` token for token. One Python loop per row for now; a varlen kernel
-(flash-attn on CUDA) can replace `_attend_rows` without touching the rest.
+float32 output matches `generate()` token for token. Rows are not looped over in Python: they are bucketed into
+a few groups of similar (query, key) lengths, and each group runs as one batched matmul over its rows' KV,
+gathered from the pages and padded to the group's longest row (the padding is masked). The gather indices and
+masks depend only on the batch layout and the layer's sliding window, so they are built once per step and window
+and shared by every layer. GQA runs without copying K/V: the query heads that share a KV head are folded into
+the query-length dimension.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "switchyard_paged"
+
+# A group's padded work (rows x queries x keys) may exceed its real work by this factor before a row starts a new
+# group: bounds the waste of padding while keeping the number of groups (batched matmuls per layer) small.
+PAD_SLACK = 2.0
+
+
+@dataclass
+class _Group:
+    """Rows attended in one batched matmul: where their queries are, which slots they read, what they see."""
+
+    q_index: torch.Tensor  # [R, Q] long: packed token index of each query (padding: 0)
+    kv_blocks: torch.Tensor  # [R, NB] long: the blocks holding the row's keys (padding: block 0, masked)
+    hidden: torch.Tensor  # [R, 1, 1, Q, NB * block_size] bool: True where a query must not see a key
+    out_rows: torch.Tensor  # [N] long: packed token index of each real query, in (row, query) order
+    q_valid: torch.Tensor | None  # [R, Q] bool, None when every row has Q queries
+    whole: bool = False  # the group is every row, one query each, in packed order: its output is the output
 
 
 @dataclass
@@ -28,14 +49,89 @@ class PagedBatch:
     Built once per step by the model runner and shared by every layer.
     """
 
-    kv_cache: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [num_slots, kv_heads, head_dim]
-    slot_mapping: torch.Tensor  # [T] long: the cache slot of each new token
+    kv_cache: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [blocks, kv_heads, block_size, D]
+    slot_mapping: torch.Tensor  # [T] long: the cache slot (block * block_size + offset) of each new token
     cu_seqlens_q: torch.Tensor  # [rows + 1] int32: row i's queries are tokens cu[i]:cu[i+1]
     context_lens: torch.Tensor  # [rows] int32: tokens in the cache before this step
     block_tables: torch.Tensor  # [rows, max_blocks] int32, padded with -1 (for varlen kernels)
-    # Host-side copies for the per-row loop (no device sync per layer):
-    row_bounds: list[tuple[int, int, int]]  # per row (q_start, q_end, context_len)
-    row_slots: list[torch.Tensor]  # per row: cache slots of positions 0 .. context_len + num_tokens - 1
+    # Host-side copies, to build the gather plans without a device sync:
+    block_size: int = 16
+    host_cu: np.ndarray = None  # [rows + 1] int64
+    host_context: np.ndarray = None  # [rows] int64
+    host_tables: np.ndarray = None  # [rows, max_blocks] int64, padded with -1
+    _groups: dict = field(default_factory=dict)  # sliding window (0 = none) -> list[_Group]
+
+    def write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of each new token's slot."""
+        got = self._groups.get("write")
+        if got is None:
+            got = self._groups["write"] = (self.slot_mapping // self.block_size, self.slot_mapping % self.block_size)
+        return got
+
+    def groups(self, window: int, device: torch.device) -> list[_Group]:
+        """The row groups for layers with this sliding window (0: full attention), built on first use."""
+        got = self._groups.get(window)
+        if got is None:
+            got = self._groups[window] = _build_groups(self, window, device)
+        return got
+
+
+def _bucket(q_lens: np.ndarray, k_lens: np.ndarray) -> list[np.ndarray]:
+    """Row indices grouped so that each group's padded work stays within PAD_SLACK of its real work."""
+    order = np.lexsort((q_lens, k_lens))[::-1]  # longest first: a group's first row sets its key length
+    groups, current, real, q_max = [], [], 0, 0
+    for i in order.tolist():
+        q, k = int(q_lens[i]), int(k_lens[i])
+        if current:
+            padded = (len(current) + 1) * max(q_max, q) * int(k_lens[current[0]])
+            if padded > PAD_SLACK * (real + q * k):
+                groups.append(np.sort(current))  # packed order within a group
+                current, real, q_max = [], 0, 0
+        current.append(i)
+        real += q * k
+        q_max = max(q_max, q)
+    if current:
+        groups.append(np.sort(current))
+    return groups
+
+
+def _build_groups(paged: PagedBatch, window: int, device: torch.device) -> list[_Group]:
+    cu, ctx, tables, bs = paged.host_cu, paged.host_context, paged.host_tables, paged.block_size
+    n_q = cu[1:] - cu[:-1]
+    # A sliding-window layer never looks further back than the window: gather only what the first query can see.
+    first = np.maximum(0, ctx - window + 1) if window else np.zeros_like(ctx)
+    out = []
+    first_block = first // bs
+    n_b = -(-(ctx + n_q) // bs) - first_block  # blocks a row reads
+    for rows in _bucket(n_q, n_b * bs):
+        nq, c, fb = n_q[rows], ctx[rows], first_block[rows]
+        Q, NB = int(nq.max()), int(n_b[rows].max())
+        jb = np.arange(NB)
+        b_valid = jb[None, :] < n_b[rows][:, None]
+        blocks = np.where(b_valid, np.take_along_axis(tables[rows], np.where(b_valid, fb[:, None] + jb, 0), 1), 0)
+        # position of every gathered key; padding blocks lie past the row's last query: hidden by causality
+        k_pos = fb[:, None] * bs + np.arange(NB * bs)[None, :]  # [R, L]
+        qi = np.arange(Q)
+        q_valid = qi[None, :] < nq[:, None]  # [R, Q]
+        q_pos = c[:, None] + qi[None, :]
+        visible = k_pos[:, None, :] <= q_pos[:, :, None]
+        if window:  # as masking_utils.sliding_window_overlay: kv_idx > q_idx - sliding_window
+            visible &= k_pos[:, None, :] > q_pos[:, :, None] - window
+        visible[~q_valid] = False
+        visible[~q_valid, 0] = True  # padding queries see one key: no all -inf softmax row (NaN)
+        q_index = np.where(q_valid, cu[rows][:, None] + qi[None, :], 0)
+        all_valid = bool(q_valid.all())
+        out.append(
+            _Group(
+                q_index=torch.from_numpy(q_index).to(device),
+                kv_blocks=torch.from_numpy(blocks).to(device),
+                hidden=torch.from_numpy(~visible).to(device)[:, None, None],
+                out_rows=torch.from_numpy(q_index[q_valid]).to(device),
+                q_valid=None if all_valid else torch.from_numpy(q_valid).to(device),
+                whole=Q == 1 and len(rows) == len(n_q),
+            )
+        )
+    return out
 
 
 def paged_attention(
@@ -56,47 +152,47 @@ def paged_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     k_cache, v_cache = paged.kv_cache[module.layer_idx]
-    # [1, kv_heads, T, D] -> [T, kv_heads, D], the cache's slot-major layout
-    k_cache[paged.slot_mapping] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache[paged.slot_mapping] = value[0].transpose(0, 1).to(v_cache.dtype)
-    out = _attend_rows(query[0], k_cache, v_cache, paged, scaling, softcap, sliding_window)
+    block, offset = paged.write_index()
+    # [1, kv_heads, T, D] -> [T, kv_heads, D] into cache[block, :, offset]
+    k_cache[block, :, offset] = key[0].transpose(0, 1).to(k_cache.dtype)
+    v_cache[block, :, offset] = value[0].transpose(0, 1).to(v_cache.dtype)
+    groups = paged.groups(int(sliding_window or 0), query.device)
+    out = _attend(query[0], k_cache, v_cache, groups, scaling, softcap)
     return out.unsqueeze(0), None  # [1, T, heads, D], like eager's transposed output
 
 
-def _attend_rows(
+def _attend(
     query: torch.Tensor,  # [heads, T, D]
-    k_cache: torch.Tensor,
+    k_cache: torch.Tensor,  # [blocks, kv_heads, block_size, D]
     v_cache: torch.Tensor,
-    paged: PagedBatch,
+    groups: list[_Group],
     scaling: float,
     softcap: float | None,
-    sliding_window: int | None,
 ) -> torch.Tensor:
-    heads, _, head_dim = query.shape
-    n_rep = heads // k_cache.shape[1]
-    outs = []
-    for (q_start, q_end, ctx), slots in zip(paged.row_bounds, paged.row_slots):
-        q = query[:, q_start:q_end]  # [heads, n, D]
-        n = q_end - q_start
-        # A sliding-window layer never looks further back than the window: gather only what it can see.
-        first = max(0, ctx - sliding_window + 1) if sliding_window else 0
-        k = k_cache[slots[first:]].transpose(0, 1)  # [kv_heads, L, D]
-        v = v_cache[slots[first:]].transpose(0, 1)
-        if n_rep > 1:  # GQA: each kv head serves n_rep consecutive query heads (transformers' repeat_kv)
-            k = k.repeat_interleave(n_rep, dim=0)
-            v = v.repeat_interleave(n_rep, dim=0)
-        scores = torch.matmul(q, k.transpose(1, 2)) * scaling  # [heads, n, L]
+    heads, total, head_dim = query.shape
+    kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    n_rep = heads // kv_heads
+    out = None if groups[0].whole else query.new_empty(total, heads, head_dim)
+    for g in groups:
+        rows, q_len = g.q_index.shape
+        keys = g.kv_blocks.shape[1] * block_size
+        # [heads, R, Q, D] -> [R, kv_heads, n_rep * Q, D]: query heads sharing a KV head (transformers'
+        # repeat_kv order: kv head j serves heads j*n_rep .. j*n_rep+n_rep-1) become extra query rows
+        q = query[:, g.q_index].permute(1, 0, 2, 3).reshape(rows, kv_heads, n_rep * q_len, head_dim)
+        # [R, NB, kv_heads, bs, D] -> [R, kv_heads, NB * bs, D]: whole pages copied
+        k = k_cache[g.kv_blocks].transpose(1, 2).reshape(rows, kv_heads, keys, head_dim)
+        v = v_cache[g.kv_blocks].transpose(1, 2).reshape(rows, kv_heads, keys, head_dim)
+        scores = torch.matmul(q, k.transpose(2, 3)) * scaling  # [R, kv_heads, n_rep * Q, L]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        q_pos = torch.arange(ctx, ctx + n, device=q.device)[:, None]
-        k_pos = torch.arange(first, ctx + n, device=q.device)[None, :]
-        visible = k_pos <= q_pos
-        if sliding_window:  # as masking_utils.sliding_window_overlay: kv_idx > q_idx - sliding_window
-            visible = visible & (k_pos > q_pos - sliding_window)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = scores.view(rows, kv_heads, n_rep, q_len, keys).masked_fill(g.hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        outs.append(torch.matmul(probs, v).transpose(0, 1))  # [n, heads, D]
-    return torch.cat(outs, dim=0) if outs else query.new_zeros(0, heads, head_dim)
+        o = torch.matmul(probs.view(rows, kv_heads, n_rep * q_len, keys), v)  # [R, kv_heads, n_rep * Q, D]
+        o = o.view(rows, heads, q_len, head_dim).transpose(1, 2)  # [R, Q, heads, D]
+        if out is None:
+            return o.reshape(total, heads, head_dim)
+        out[g.out_rows] = o[g.q_valid] if g.q_valid is not None else o.reshape(-1, heads, head_dim)
+    return out
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

@@ -79,15 +79,11 @@ class ModelRunner:
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        # Per layer K and V: block-major, so a block id picks a contiguous [block_size, kv_heads, head_dim] page.
+        shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)
+        # Per layer K and V, block-major and head-major inside a block: gathering a row's blocks copies contiguous
+        # [block_size, head_dim] pages, and each head's keys come out contiguous for the matmul.
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
-        # the attention function addresses slots: flat views of the same memory
-        self._flat_kv = [
-            (k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim))
-            for k, v in zip(self.k_cache, self.v_cache)
-        ]
         self.seqs: dict[int, _Sequence] = {}
 
     @property
@@ -109,7 +105,12 @@ class ModelRunner:
         for new in plan.new:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(int(new.sampling.seed))
-            history = _History() if needs_history(new.sampling) else None
+            history = None
+            if needs_history(new.sampling):
+                history = _History()
+                # a prefix-cache hit (or a recompute after preemption) starts past tokens this shard never fed:
+                # the scheduler sends them so penalties and the watermark see the whole sequence
+                history.extend(np.asarray(new.prefix_ids, dtype=np.int64))
             self.seqs[new.seq] = _Sequence(new.sampling, gen, history=history)
         for seq, blocks in plan.blocks.items():
             self._seq(seq).blocks.extend(int(b) for b in blocks)
@@ -145,30 +146,30 @@ class ModelRunner:
 
         bs = self.block_size
         states = [self._seq(seq) for seq in seqs.tolist()]
-        row_slots, new_slots, tables = [], [], []
-        for i, state in enumerate(states):
-            table = np.asarray(state.blocks, dtype=np.int64)
+        n_blocks = np.fromiter((len(st.blocks) for st in states), np.int64, len(states))
+        short = np.flatnonzero(n_blocks * bs < context_lens + num_tokens)
+        if len(short):
+            i = int(short[0])
             length = int(context_lens[i] + num_tokens[i])
-            if len(table) * bs < length:
-                raise ValueError(f"sequence {seqs[i]} needs {length} slots but has {len(table)} blocks of {bs}")
-            pos = np.arange(length)
-            slots = table[pos // bs] * bs + pos % bs  # slot of position p: table[p // bs] * bs + p % bs
-            row_slots.append(slots)
-            new_slots.append(slots[length - num_tokens[i] :])
-            tables.append(table)
-        block_tables = np.full((len(tables), max(len(t) for t in tables)), -1, dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
+            raise ValueError(f"sequence {seqs[i]} needs {length} slots but has {n_blocks[i]} blocks of {bs}")
+        tables = np.full((len(states), int(n_blocks.max())), -1, dtype=np.int64)
+        for i, st in enumerate(states):
+            tables[i, : n_blocks[i]] = st.blocks
+        # slot of position p in row r: tables[r, p // bs] * bs + p % bs
+        rows = np.repeat(np.arange(len(seqs)), num_tokens)
+        slot_mapping = tables[rows, positions // bs] * bs + positions % bs
 
         dev = self.device
         batch = PagedBatch(
-            kv_cache=self._flat_kv,
-            slot_mapping=torch.from_numpy(np.concatenate(new_slots)).to(dev),
+            kv_cache=list(zip(self.k_cache, self.v_cache)),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev),
             context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            row_bounds=[(int(cu[i]), int(cu[i + 1]), int(context_lens[i])) for i in range(len(seqs))],
-            row_slots=[torch.from_numpy(s).to(dev) for s in row_slots],
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
+            block_size=bs,
+            host_cu=cu,
+            host_context=context_lens,
+            host_tables=tables,
         )
         input_ids = torch.from_numpy(fed_ids).to(dev)[None]
         position_ids = torch.from_numpy(positions).to(dev)[None]

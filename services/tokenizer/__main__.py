@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 # one process = one core's worth of tokenizing: the Rust pool would fight the shard for cores
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import zmq
+from opentelemetry.trace import Status, StatusCode
 
 from libs.protocol import Addresses, topics
 from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest
-from libs.runtime import bus, service
+from libs.runtime import bus, metrics, service, tracing
 from libs.runtime.settings import Settings
 from services.tokenizer.processor import Processor
 
 ROLE = "tokenizer"
+log = logging.getLogger("switchyard.tokenizer")
 
 
 class TokenizerService:
@@ -30,7 +34,14 @@ class TokenizerService:
         self.handled = self.rejected = self.tokenized = 0
 
     def handle(self, req: GenerateRequest) -> None:
-        result = self.processor.process(req)
+        started = time.perf_counter()
+        # the tokenizer's span is a child of http's; the request carries it on to the router
+        with tracing.span("tokenizer", req.traceparent, request_id=req.request_id, mode=req.mode) as sp:
+            req.traceparent = tracing.traceparent_of(sp) or req.traceparent
+            result = self.processor.process(req)
+            if isinstance(result, RequestError) and sp.is_recording():
+                sp.set_status(Status(StatusCode.ERROR, result.message))
+        self._record(result, time.perf_counter() - started)
         if isinstance(result, TokenizedRequest):
             self.handled += 1
             bus.send(self.admit, result)
@@ -38,9 +49,22 @@ class TokenizerService:
         # a TokenizeResult or a RequestError: either ends the request, on its http process's topic
         if isinstance(result, RequestError):
             self.rejected += 1
+            log.info("rejected (%s): %s", result.error_type, result.message, extra={"request_id": req.request_id})
         else:
             self.tokenized += 1
         self.events.publish(topics.out(req.ingress), result)
+
+    @staticmethod
+    def _record(result, seconds: float) -> None:
+        m = metrics.get()
+        if m is None:
+            return
+        m.hop_duration.labels(hop="tokenizer").observe(seconds)
+        ids = getattr(result, "input_ids", None)
+        if ids is None:
+            ids = getattr(result, "ids", None)  # a TokenizeResult
+        if ids is not None:
+            m.tokenized_tokens.inc(len(ids))
 
     def run(self) -> None:
         self.events.start()

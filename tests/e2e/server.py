@@ -73,14 +73,23 @@ class Server:
         assert m, "the launcher did not log its run directory"
         return m.group(1)
 
-    def pid(self, program: str) -> int:
-        """The pid of a running program, from supervisord (0 while it is not running)."""
+    def rpc(self, method: str, *args):
+        """Call supervisord's XML-RPC interface (supervisor.<method>)."""
         transport = SupervisorTransport(None, None, f"unix://{self.run_dir()}/supervisor.sock")
         try:
             rpc = xmlrpc.client.ServerProxy("http://localhost", transport=transport)
-            return rpc.supervisor.getProcessInfo(program)["pid"]
+            return getattr(rpc.supervisor, method)(*args)
         finally:
             transport.close()
+
+    def pid(self, program: str, n: int = 0) -> int:
+        """The pid of process n of a program (its group), from supervisord (0 while it is not running)."""
+        return self.rpc("getProcessInfo", f"{program}:{program}_{n}")["pid"]
+
+    def env(self, program: str, n: int = 0) -> dict[str, str]:
+        """The environment a running process was started with (to start one more by hand)."""
+        raw = Path(f"/proc/{self.pid(program, n)}/environ").read_bytes()
+        return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
     def supervisord_sid(self) -> int | None:
         pid_file = Path(self.run_dir()) / "supervisord.pid"

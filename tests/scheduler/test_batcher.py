@@ -55,16 +55,19 @@ def test_length_before_eos_and_blocks_freed():
     assert row.finish == FINISH_EOS
 
 
-def test_admission_respects_budgets_in_fifo_order():
-    b = Batcher(4, max_batch_size=2, max_batch_prefill_tokens=30, eos_ids={EOS})
-    b.add(req("a", 20, 12))  # 2 blocks
-    b.add(req("b", 20, 12))  # prefill budget: waits for the next step
-    b.add(req("c", 1, 1))  # FIFO: never overtakes b
+def test_admission_chunks_within_the_prefill_budget_in_fifo_order():
+    b = Batcher(8, max_batch_size=2, max_batch_prefill_tokens=30, eos_ids={EOS})
+    b.add(req("a", 20, 12))
+    b.add(req("b", 20, 12))  # only 10 tokens of budget left: a first chunk, not sampled
+    b.add(req("c", 1, 1))  # a partial prefill ends the batch (TGI); FIFO: never overtakes b
     p = b.plan(1)
-    assert p.num_tokens.tolist() == [20]
-    b.apply(result(p, {int(p.seqs[0]): 5}))
+    assert p.num_tokens.tolist() == [20, 10] and p.sample.tolist() == [1, 0]
+    assert b.counters["chunked_prefills"] == 1
+    a, bb = p.seqs.tolist()
+    b.apply(result(p, {a: 5}))
     p = b.plan(2)
-    assert p.num_tokens.tolist() == [1, 20]
+    assert p.seqs.tolist() == [a, bb] and p.num_tokens.tolist() == [1, 10] and p.context_lens.tolist() == [20, 10]
+    assert p.sample.tolist() == [1, 1] and p.token_ids[1:].tolist() == list(range(20, 30))
     assert len(b.running) == 2 and [s.req.request_id for s in b.waiting] == ["c"]  # max_batch_size
 
 

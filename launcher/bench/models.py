@@ -1,0 +1,159 @@
+"""The benchmark's models: built locally (no Hub), cached under ~/.cache/switchyard/bench-models/.
+
+- `smollm2`: LlamaForCausalLM with SmolLM2-135M's config (hidden 576, 30 layers, 9 heads / 3 KV heads,
+  intermediate 1536, vocab 49152, tied embeddings), random weights, and a byte-level BPE tokenizer of the same
+  vocabulary size trained on Python's own standard library (the only sizeable text on an offline machine), so
+  every id the model can emit decodes to real text, as with a trained model.
+- `tiny`: the same tokenizer under a 2-layer, 64-wide Llama: the model costs almost nothing, so tokenizing,
+  detokenizing and the hops between processes are what a benchmark of it measures.
+- `gemma`: the default model (the embedded Gemma-3-270M), resolved by the model store.
+
+Every benchmark model is served through a "no-EOS" view (symlinks + a generation_config without EOS), so each
+request generates exactly `max_new_tokens` on every engine and the token counts compare.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+CACHE = Path(os.environ.get("SWITCHYARD_BENCH_CACHE", Path.home() / ".cache/switchyard/bench-models"))
+VOCAB = 49152
+SMOLLM2 = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,  # head_dim 32: vLLM's CPU attention has no kernel for head_dim 16
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
+SHAPES = {"smollm2": SMOLLM2, "tiny": TINY}
+BOS, EOS = "<|bos|>", "<|eos|>"
+TRAIN_BYTES = 24_000_000  # enough text for 49152 merges; ~1 min of training, once
+
+
+def _corpus():
+    """Python's standard library sources, in a fixed order (deterministic across runs on one machine)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    seen = 0
+    for path in sorted(stdlib.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        seen += len(text)
+        yield text
+        if seen >= TRAIN_BYTES:
+            return
+
+
+def build_tokenizer(out: Path) -> Path:
+    """A byte-level BPE tokenizer with exactly VOCAB ids (BOS prepended), written for AutoTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "tokenizer.json").exists():
+        return out
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|pad|>", BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB:
+        raise RuntimeError(f"the BPE reached only {tok.get_vocab_size()} of {VOCAB} ids: too little text")
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 1)])
+    tmp = out / "tokenizer.json.tmp"
+    tok.save(str(tmp))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": "<|pad|>",
+        "add_bos_token": True,
+        "model_max_length": 8192,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(out / "tokenizer.json")
+    return out
+
+
+def build_llama(name: str) -> Path:
+    """Build (once) the random-weight Llama `name` (a key of SHAPES) with the benchmark tokenizer."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out = CACHE / name
+    if (out / "model.safetensors").exists():
+        return out
+    tok_dir = build_tokenizer(CACHE / "tokenizer")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((tok_dir / f).read_bytes())
+    config = LlamaConfig(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, **SHAPES[name])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)  # transformers' own init (std 0.02): realistic magnitudes
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def no_eos_view(folder: Path) -> Path:
+    """A folder of symlinks to `folder` whose config and generation_config name no EOS token.
+
+    Benchmarks need every request to run to `max_new_tokens` on every engine (ours, transformers, vLLM);
+    a random or real model may emit EOS at any step, which would make token counts differ between runs.
+    """
+    folder = Path(folder).resolve()
+    view = CACHE / "views" / f"{folder.name}-{hashlib.sha1(str(folder).encode()).hexdigest()[:8]}"
+    view.mkdir(parents=True, exist_ok=True)
+    for item in folder.iterdir():
+        if item.name in ("config.json", "generation_config.json"):
+            continue
+        link = view / item.name
+        if not link.exists():
+            link.symlink_to(item)
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = None
+    if "text_config" in config:
+        config["text_config"]["eos_token_id"] = None
+    (view / "config.json").write_text(json.dumps(config, indent=2))
+    gen = {}
+    if (folder / "generation_config.json").exists():
+        gen = json.loads((folder / "generation_config.json").read_text())
+    gen["eos_token_id"] = []
+    (view / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return view
+
+
+def resolve(model: str) -> tuple[str, Path]:
+    """(label, no-EOS folder) for `smollm2`, `tiny`, `gemma`, or a local folder."""
+    if model in SHAPES:
+        return model, no_eos_view(build_llama(model))
+    if model == "gemma":
+        from libs.runtime import model_store
+
+        return "gemma-3-270m", no_eos_view(model_store.resolve_model(None))
+    return Path(model).name, no_eos_view(Path(model))

@@ -1,0 +1,185 @@
+"""Clients that go away: a stream closed mid-generation frees its KV blocks at once, a request whose client left
+before it was placed never generates, and after many random disconnects nothing is left behind (no running or
+queued request, every KV block free). The scheduler's own counters and gauges (its heartbeat, via /metrics) are
+the evidence. The 1,000-disconnect soak is in tests/faults (make test-faults)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import time
+
+import pytest
+import requests
+
+pytestmark = pytest.mark.e2e
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
+
+
+def scheduler_state(url: str) -> dict[str, int]:
+    """The scheduler's gauges and counters from its last heartbeat (at most ~1 s old); the load gauges are
+    switchyard_<name>{replica} or switchyard_replica_<name>{replica}, depending on the /metrics version."""
+    text = requests.get(url + "/metrics", timeout=10).text
+    state = {m[0]: int(m[1]) for m in re.findall(r'^switchyard_(?:replica_)?(\w+)\{replica="0"\} (\d+)$', text, re.M)}
+    for name, value in re.findall(r'^switchyard_scheduler_(\w+)_total\{index="0"\} (\d+)$', text, re.M):
+        state[name] = int(value)
+    return state
+
+
+def settled(url: str, timeout: float = 30.0) -> dict[str, int]:
+    """The scheduler state once two heartbeats in a row show the same counters and nothing running."""
+    last, deadline = None, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(1.1)
+        state = scheduler_state(url)
+        if state == last and state["batch_current_size"] == 0 and state["queue_size"] == 0:
+            return state
+        last = state
+    raise AssertionError(f"the scheduler did not settle: {last}")
+
+
+def assert_no_ghosts(state: dict[str, int]) -> None:
+    assert state["batch_current_size"] == 0 and state["queue_size"] == 0, state
+    assert state["kv_blocks_free"] == state["kv_blocks_total"] > 0, state
+
+
+def long_prompt(url: str, tokens: int = 300) -> str:
+    """A prompt the tiny model continues for `tokens` tokens without hitting EOS."""
+    for i in range(60):
+        text = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(5 + i % 13))
+        body = {"inputs": text, "parameters": {"max_new_tokens": tokens, "details": True}}
+        out = requests.post(url + "/generate", json=body, timeout=120).json()
+        if out["details"]["finish_reason"] == "length":
+            return text
+    raise AssertionError("no prompt runs to the length limit")
+
+
+def _http_request(port: int, path: str, body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+    return head.encode() + f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data
+
+
+async def disconnect_once(port: int, kind: str, text: str, rng: random.Random, max_new_tokens: int = 300) -> str:
+    """One client that leaves early, in one of several ways; returns the kind."""
+    path = "/generate_stream" if kind in ("stream", "immediate_stream") else "/generate"
+    if kind == "chat":
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "stream": True}
+        body["max_tokens"] = max_new_tokens
+    else:
+        body = {"inputs": text, "parameters": {"max_new_tokens": max_new_tokens}}
+    raw = _http_request(port, path, body)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        if kind == "partial_body":  # headers and half the body, then gone
+            writer.write(raw[: len(raw) - rng.randint(1, len(json.dumps(body)) // 2)])
+            await writer.drain()
+            return kind
+        writer.write(raw)
+        await writer.drain()
+        if kind.startswith("immediate"):
+            return kind
+        if kind == "blocking":  # a non-streamed /generate abandoned after a while
+            await asyncio.sleep(rng.uniform(0.0, 0.3))
+            return kind
+        events = rng.randint(1, 5)  # stream, chat: leave after a few events
+        while events:
+            line = await asyncio.wait_for(reader.readline(), 60)
+            if not line:
+                break
+            events -= line.startswith(b"data:")
+        return kind
+    finally:
+        writer.transport.abort()  # a RST-free close without waiting for the server
+
+
+KINDS = ["stream", "chat", "immediate", "immediate_stream", "blocking", "partial_body"]
+
+
+async def random_disconnects(port: int, text: str, n: int, concurrency: int, seed: int = 0) -> dict[str, int]:
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(concurrency)
+    done: dict[str, int] = {}
+
+    async def one(i: int):
+        async with sem:
+            kind = await disconnect_once(port, rng.choice(KINDS), text, rng)
+            done[kind] = done.get(kind, 0) + 1
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    return done
+
+
+def test_stream_closed_mid_generation_frees_its_blocks(tiny_server):
+    url = tiny_server.url
+    text = long_prompt(url)
+    before = settled(url)
+    assert_no_ghosts(before)
+    port = tiny_server.port
+
+    async def scenario():
+        # several streams at once, each closed after a few events: their blocks must all come back
+        await asyncio.gather(*(disconnect_once(port, "stream", text, random.Random(i)) for i in range(8)))
+
+    asyncio.run(scenario())
+    after = settled(url)
+    assert_no_ghosts(after)
+    generated = after["generated"] - before["generated"]
+    assert generated < 8 * 300 // 4, f"aborted streams ran on: {generated} tokens"
+
+
+@pytest.mark.xfail(
+    reason="known bug (scheduler): an Abort that overtakes its request (events proxy vs. the router's PUSH) is "
+    "dropped as unknown, and the request then runs to max_new_tokens; a plain test once the scheduler keeps "
+    "tombstones of unknown aborted ids",
+    strict=False,
+)
+def test_abort_before_placement_never_runs_to_the_end(tiny_server):
+    """Clients that close right after sending: the http process aborts as soon as the router places the
+    request, so none of them generates more than a handful of tokens (not the 300 asked for)."""
+    url = tiny_server.url
+    text = long_prompt(url)
+    before = settled(url)
+    n = 20
+
+    async def scenario():
+        await asyncio.gather(
+            *(disconnect_once(tiny_server.port, "immediate", text, random.Random(i)) for i in range(n))
+        )
+
+    asyncio.run(scenario())
+    after = settled(url)
+    assert_no_ghosts(after)
+    generated = after["generated"] - before["generated"]
+    assert generated < n * 300 // 10, f"requests whose client left ran on: {generated} tokens"
+
+
+@pytest.mark.xfail(
+    reason="the abort of a request whose client left before Accepted races the request into the scheduler "
+    "(router forwards and publishes Accepted at once); see the report for issue 7",
+    strict=False,
+)
+def test_abort_before_placement_never_prefills(tiny_server):
+    url = tiny_server.url
+    text = long_prompt(url, 50)
+    before = settled(url)
+
+    async def scenario():
+        for i in range(10):
+            await disconnect_once(tiny_server.port, "immediate", text, random.Random(i))
+
+    asyncio.run(scenario())
+    after = settled(url)
+    assert after["prefill_rows"] == before["prefill_rows"], (before, after)
+
+
+def test_fifty_random_disconnects_leave_no_ghost(tiny_server):
+    url = tiny_server.url
+    text = long_prompt(url)
+    asyncio.run(random_disconnects(tiny_server.port, text, n=50, concurrency=10, seed=7))
+    assert_no_ghosts(settled(url))
+    ok = requests.post(url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 2}}, timeout=60)
+    assert ok.status_code == 200, ok.text

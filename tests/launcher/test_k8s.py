@@ -1,0 +1,109 @@
+"""deploy/k8s: the manifests parse, and their wiring agrees with the code (they cannot be applied here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from libs.protocol import Addresses
+from libs.runtime.settings import Settings
+
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+ROLES = ("router", "tokenizer", "detokenizer", "http", "scheduler", "shard")
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[dict]:
+    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    return [d for name in listed for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+
+
+def find(docs, kind: str, name: str) -> dict:
+    [doc] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def containers(docs) -> dict[str, tuple[dict, dict]]:
+    """container name → (container, its workload)."""
+    out = {}
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                out[c["name"]] = (c, d)
+    return out
+
+
+def env_of(docs, container: dict) -> dict[str, object]:
+    """The container's environment: its ConfigMaps, then its own env (which wins, as in Kubernetes)."""
+    env = {}
+    for src in container.get("envFrom", []):
+        env.update(find(docs, "ConfigMap", src["configMapRef"]["name"])["data"])
+    for e in container.get("env", []):
+        env[e["name"]] = e.get("value", e.get("valueFrom"))
+    return env
+
+
+def test_one_workload_per_service_running_its_module(docs):
+    found = containers(docs)
+    assert set(found) == set(ROLES)
+    for role, (c, workload) in found.items():
+        assert c["command"][-1].endswith(f"exec python -m services.{role}")
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert workload["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_router_is_one_deployment_behind_a_service_with_the_bus_ports(docs):
+    router = find(docs, "Deployment", "switchyard-router")
+    assert router["spec"]["replicas"] == 1
+    service = find(docs, "Service", "switchyard-router")
+    bus = Addresses.parse("tcp://switchyard-router:5550")
+    ports = {f"tcp://switchyard-router:{p['port']}" for p in service["spec"]["ports"]}
+    assert ports == {bus.intake, bus.tokenize, bus.admit, bus.events_in, bus.events_out}
+    assert service["spec"]["selector"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_scaled_roles_have_their_own_replica_counts_and_unique_indices(docs):
+    for role in ("tokenizer", "detokenizer", "http"):
+        workload = find(docs, "StatefulSet", f"switchyard-{role}")
+        assert workload["spec"]["replicas"] >= 1
+        [c] = workload["spec"]["template"]["spec"]["containers"]
+        index = env_of(docs, c)["SWITCHYARD_INDEX"]
+        assert index == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+
+
+def test_http_is_probed_on_health_and_exposed(docs):
+    c, _ = containers(docs)["http"]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["httpGet"]["path"] == "/health"
+    port = int(env_of(docs, c)["SWITCHYARD_PORT"])
+    assert c["ports"][0]["containerPort"] == port
+    service = find(docs, "Service", "switchyard")
+    assert service["spec"]["ports"][0]["targetPort"] == c["ports"][0]["name"]
+
+
+def test_the_bus_addresses_agree(docs):
+    """Every process's bus spec parses; the router reaches replica r where r's scheduler binds and its shard
+    connects; the replica count is the same everywhere."""
+    found = containers(docs)
+    env = {role: env_of(docs, c) for role, (c, _) in found.items()}
+    settings = {
+        role: Settings.from_env({k: str(v) for k, v in e.items() if isinstance(v, str)}) for role, e in env.items()
+    }
+    buses = {role: Addresses.parse(e["SWITCHYARD_BUS"]) for role, e in env.items()}
+    replicas = settings["router"].replicas
+    assert find(docs, "StatefulSet", "switchyard-replica")["spec"]["replicas"] == replicas
+    assert buses["router"].where == "0.0.0.0"  # it binds; everyone else connects to its Service
+    for role in ("tokenizer", "detokenizer", "http", "scheduler", "shard"):
+        assert buses[role].intake == "tcp://switchyard-router:5550" and buses[role].port == buses["router"].port
+    headless = find(docs, "Service", "switchyard-replica")
+    declared = {p["port"] for p in headless["spec"]["ports"]}
+    for r in range(replicas):
+        for name in ("in", "plan", "results"):
+            host, port = buses["router"].replica(r, name).removeprefix("tcp://").rsplit(":", 1)
+            assert host == f"switchyard-replica-{r}.switchyard-replica"
+            assert buses["scheduler"].replica(r, name) == f"tcp://0.0.0.0:{port}"
+            assert buses["shard"].replica(r, name) == f"tcp://127.0.0.1:{port}"
+            assert int(port) in declared

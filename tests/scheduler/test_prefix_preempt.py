@@ -1,0 +1,108 @@
+"""Block reference counts and the prefix index, TGI's waiting knobs, preemption bookkeeping (no model)."""
+
+import numpy as np
+
+from libs.protocol.messages import SamplingParams, StepResult
+from libs.protocol.messages import TokenizedRequest as Req
+from services.router.placement import prefix_hashes
+from services.scheduler.batcher import Batcher
+from services.scheduler.block_allocator import BlockAllocator
+from services.scheduler.prefix_cache import extend_hashes
+
+EOS = 2
+
+
+def req(rid, ids, max_new=4, **sampling) -> Req:
+    ids = np.asarray(ids, np.int32)
+    return Req(request_id=rid, ingress=0, input_ids=ids, sampling=SamplingParams(**sampling), max_new_tokens=max_new)
+
+
+def result(plan, token=7) -> StepResult:
+    seqs = plan.seqs[plan.sample.astype(bool)]
+    return StepResult(
+        step=plan.step, seqs=seqs, token_ids=np.full(len(seqs), token, np.int32), logprobs=np.zeros(len(seqs))
+    )
+
+
+def test_chain_hashes_match_the_routers():
+    ids = np.arange(100, 150, dtype=np.int32)
+    assert extend_hashes([], ids, len(ids)) == prefix_hashes(ids)  # the router's affinity names the same blocks
+
+
+def test_refcounts_lru_and_eviction():
+    a = BlockAllocator(3)
+    x, y = a.allocate(2)
+    a.register(x, b"hx")
+    a.acquire([x])  # a second holder
+    a.release([x, y])
+    assert a.free == 2 and a.lookup([b"hx"]) == [x]  # still held once
+    a.release([x])
+    assert a.free == 3 and a.cached == 1 and a.unheld([x]) == 1  # cached, unheld, counted as free
+    assert a.lookup([b"hx", b"nope"]) == [x]
+    a.allocate(2)  # the free blocks go first: the cached one survives
+    assert a.lookup([b"hx"]) == [x]
+    a.allocate(1)  # then it is evicted (LRU)
+    assert a.lookup([b"hx"]) == [] and a.cached == 0 and a.free == 0
+
+
+def test_second_prompt_skips_the_cached_prefix():
+    b = Batcher(20, max_batch_size=8, max_batch_prefill_tokens=256, eos_ids={EOS}, block_size=4)
+    prompt = list(range(10, 23))  # 13 tokens: 3 full blocks
+    b.add(req("a", prompt, 1))
+    p = b.plan(1)
+    b.apply(result(p))  # a finishes; its 3 full blocks stay cached
+    b.add(req("b", prompt + [99, 98]))
+    p = b.plan(2)
+    assert p.context_lens.tolist() == [12] and p.token_ids.tolist() == [22, 99, 98]
+    assert b.counters["prefix_hit_tokens"] == 12 and b.counters["prefix_queried_tokens"] == 12 + 12
+    assert len(p.blocks[int(p.seqs[0])]) == 4  # 3 shared + 1 new
+    assert p.new[0].prefix_ids == []  # no penalties: the shard needs no history
+    b.add(req("c", prompt, repetition_penalty=1.3))  # everything cached but the last token, which is fed
+    b.add(req("d", prompt, prompt_logprobs=True))  # wants prompt logprobs: fed in full, no lookup
+    b.apply(result(p))
+    p = b.plan(3)
+    rows = dict(zip(p.seqs.tolist(), zip(p.context_lens.tolist(), p.num_tokens.tolist())))
+    c, d = (n.seq for n in p.new)
+    assert rows[c] == (12, 1) and rows[d] == (0, 13)
+    assert p.new[0].prefix_ids == prompt[:12]
+
+
+def test_waiting_served_ratio_and_max_waiting_tokens():
+    b = Batcher(200, max_batch_size=16, max_batch_prefill_tokens=512, eos_ids={EOS}, max_waiting_tokens=3)
+    for i in range(4):
+        b.add(req(f"r{i}", [5, 6, 7], 100))
+    b.apply(result(b.plan(1)))  # 4 running: a join needs floor(4 * 1.2) = 4 waiting requests that fit
+    b.add(req("late", [5, 6], 100))
+    for step in (2, 3):
+        p = b.plan(step)
+        assert not p.new
+        b.apply(result(p))
+    p = b.plan(4)  # the third step since the last join: max_waiting_tokens lets it in alone
+    assert [n.seq for n in p.new] and b.counters["joined_steps"] == 1
+
+
+def test_preemption_frees_the_newest_and_resumes_without_repeating():
+    b = Batcher(8, max_batch_size=8, max_batch_prefill_tokens=256, eos_ids={EOS}, block_size=4)
+    b.add(req("old", list(range(10, 18)), 20))  # 2 blocks now, 7 at the end: both cannot finish together
+    b.add(req("new", list(range(30, 37)), 20))
+    p = b.plan(1)
+    old, new = p.seqs.tolist()
+    step, emitted = 1, {"old": [], "new": []}
+    while not b.counters["preemptions"]:
+        for row in b.apply(result(p, token=50 + step)):
+            emitted[row.seq.req.request_id].append(row.offset)
+        step += 1
+        p = b.plan(step)
+    assert new in p.finished and list(b.waiting)[0].req.request_id == "new"  # the newest went back, first in line
+    while b.has_work():
+        for row in b.apply(result(p, token=50 + step)):
+            emitted[row.seq.req.request_id].append(row.offset)
+        step += 1
+        p = b.plan(step)
+        if p is not None and p.new:  # readmitted: fed prompt + generated, from its cached full blocks on
+            s = b.running[p.new[0].seq]
+            i = p.seqs.tolist().index(s.seq)
+            fed = p.token_ids[sum(p.num_tokens[:i]) :][: p.num_tokens[i]].tolist()
+            assert p.context_lens[i] + len(fed) == s.total and fed[-1] == s.output[-1]
+    assert emitted == {"old": list(range(20)), "new": list(range(20))}  # nothing streamed twice or skipped
+    assert b.allocator.free == 8
