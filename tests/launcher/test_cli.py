@@ -43,7 +43,8 @@ def test_derived_defaults(model_dir):
         (["--max-input-tokens", "10", "--max-input-length", "10"], "the same flag"),
         (["--max-input-tokens", "900", "--max-batch-prefill-tokens", "100"], "max_batch_prefill_tokens"),
         (["--max-total-tokens", "1000", "--max-batch-total-tokens", "500"], "max_batch_total_tokens"),
-        (["--num-shard", "2"], "not implemented"),
+        (["--num-shard", "0"], "num-shard"),
+        (["--num-shard", "2", "--sharded", "false"], "incompatible"),
     ],
 )
 def test_inconsistent_limits_are_refused(model_dir, argv, fragment):
@@ -138,7 +139,7 @@ def test_compatibility_flags_are_accepted_and_ignored(model_dir, caplog):
     assert s == settings_from(parse(), model_dir)  # nothing changed
     assert "--quantize is accepted for compatibility and ignored" in caplog.text
     assert "--trust-remote-code" in caplog.text
-    with pytest.raises(SystemExit, match="not implemented"):
+    with pytest.raises(SystemExit, match="needs --num-shard > 1"):
         settings_from(parse("--sharded", "true"), model_dir)
     with pytest.raises(SystemExit):
         parse("--sharded", "maybe")

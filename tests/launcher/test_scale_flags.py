@@ -48,9 +48,9 @@ def test_zero_workers_are_refused(model_dir, flag):
         settings_from(parse(flag, "0"), model_dir)
 
 
-def test_num_shard_above_one_is_still_refused(model_dir):
-    with pytest.raises(SystemExit, match="not implemented"):
-        settings_from(parse("--replicas", "2", "--num-shard", "2"), model_dir)
+def test_replicas_times_shards(model_dir):
+    s = settings_from(parse("--replicas", "2", "--num-shard", "2"), model_dir)
+    assert (s.replicas, s.num_shard) == (2, 2)
 
 
 def test_process_counts_per_program():
