@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("max-batch-prefill-tokens", type=int, help="default: max(4096, max-input-tokens)")
     flag("max-batch-total-tokens", type=int, help="KV cache size in tokens (default: max(65536, max-total-tokens))")
     flag("max-batch-size", type=int, default=256)
-    flag("num-shard", type=int, default=1, help="shards per replica; only 1 for now")
+    flag("num-shard", type=int, default=1, help="tensor-parallel shards per replica (gloo on CPU, NCCL on CUDA)")
     flag("replicas", type=int, default=1, help="model replicas: a scheduler and num-shard shards each")
     flag("tokenizer-workers", type=int, default=1, help="tokenizer processes")
     flag("detokenizer-workers", type=int, default=1, help="detokenizer processes")
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sharded",
         type=_bool_value,
         default=_env_sharded(),
-        help="true | false; only false (one shard) for now",
+        help="true | false; true needs --num-shard > 1, false refuses it (as TGI)",
     )
     for name, type_, default, what in IGNORED:
         help = f"accepted for compatibility with TGI and ignored: {what}"
@@ -175,8 +175,12 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
     except ValueError:  # as TGI: HOSTNAME is often a machine name (Docker sets it), not an address
         log.warning("hostname %r is not an IP address; listening on 0.0.0.0", hostname)
         hostname = "0.0.0.0"
-    if args.num_shard != 1 or args.sharded:
-        raise SystemExit("error: --num-shard > 1 (tensor parallel) is not implemented yet")
+    if args.num_shard < 1:
+        raise SystemExit("error: --num-shard must be at least 1")
+    if args.sharded is False and args.num_shard > 1:
+        raise SystemExit("error: --sharded false is incompatible with --num-shard > 1")
+    if args.sharded and args.num_shard == 1:  # TGI would count the GPUs; we need to be told
+        raise SystemExit("error: --sharded true needs --num-shard > 1")
     for name in ("replicas", "tokenizer_workers", "detokenizer_workers", "http_workers"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1")
@@ -259,6 +263,24 @@ def _chat_template(value: str | None) -> str:
     return value
 
 
+def _free_ports(n: int) -> int:
+    """The first of n consecutive tcp ports free on 127.0.0.1 now (the tensor-parallel rendezvous)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise SystemExit(f"error: found no {n} consecutive free tcp ports for the tensor-parallel rendezvous")
+
+
 def serve(args: argparse.Namespace) -> int:
     try:
         model_path = model_store.resolve_model(args.model_id, revision=args.revision, token=os.environ.get("HF_TOKEN"))
@@ -271,6 +293,8 @@ def serve(args: argparse.Namespace) -> int:
     run_dir = tempfile.mkdtemp(prefix="switchyard-", dir="/tmp")  # mkdtemp makes it 0700 (and holds supervisord's)
     try:
         settings = settings.replace(bus=args.bus_address or f"ipc://{run_dir}")
+        if settings.num_shard > 1 and counts["shard"]:  # each replica's ranks rendezvous on one of these
+            settings = settings.replace(tp_port=_free_ports(settings.replicas))
         try:  # fail now, not in every process, if the address is unusable
             Addresses.parse(settings.bus).replica(settings.replicas - 1, "results")
         except ValueError as e:

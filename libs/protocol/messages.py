@@ -281,6 +281,9 @@ class TokenBatch(Message, tag="tokens", kw_only=True):
     replica: int
     request_ids: list[str]
     opens: list[StreamOpen] = []
+    # a resync (issue 7): request ids whose detokenizer state is dropped first; the batch then holds their
+    # StreamOpen and every token from offset 0, and the detokenizer re-emits every row (http dedupes by index)
+    reset: list[str] = []
     offsets: Any = None
     token_ids: Any = None
     logprobs: Any = None
@@ -370,6 +373,22 @@ class StopHit(Message, tag="stop_hit", kw_only=True):
     generated_tokens: int
 
 
+class Resync(Message, tag="resync", kw_only=True):
+    """A stream stalled or has a gap (http or a detokenizer → ctl.<replica>), issue 7.
+
+    The scheduler answers with its StreamOpen and every token so far (TokenBatch.reset) when it holds the
+    request's tokens, re-sends Accepted when the request still waits, or answers Unknown."""
+
+    request_id: str
+    ingress: int  # where to send Unknown / Accepted (-1 from a detokenizer: the scheduler knows it)
+
+
+class Unknown(Message, tag="unknown", kw_only=True):
+    """The scheduler does not hold this request (it restarted): http resubmits it (scheduler → out.<ingress>)."""
+
+    request_id: str
+
+
 class Heartbeat(Message, tag="hb", kw_only=True):
     """Liveness and load of one process, once a second (every process → hb.<role>.<n>)."""
 
@@ -384,6 +403,7 @@ class Heartbeat(Message, tag="hb", kw_only=True):
     counters: dict[str, int] = {}  # monotonic counters of the process (steps, tokens, …)
     # the process's own Prometheus registry in text exposition format; /metrics merges them (issue 5)
     metrics: str = ""
+    leaving: bool = False  # the last heartbeat of a process stopping cleanly: count it gone at once (issue 7)
 
 
 ANY_MESSAGE = (
@@ -400,5 +420,7 @@ ANY_MESSAGE = (
     | TokenizeResult
     | Abort
     | StopHit
+    | Resync
+    | Unknown
     | Heartbeat
 )

@@ -108,6 +108,24 @@ def recv(sock: zmq.Socket) -> Message | None:
         return None
 
 
+_buses: list[EventBus] = []  # this process's event buses, for the leaving heartbeat
+
+
+def say_goodbye() -> None:
+    """A clean stop (SIGTERM): one last heartbeat with leaving=True, so peers drop us at once (issue 7)."""
+    for eb in _buses:
+        try:
+            eb.pub.send_multipart(
+                codec.encode_pub(eb.hb_topic, Heartbeat(role=eb.role, index=eb.index, pid=os.getpid(), leaving=True)),
+                copy=False,
+                flags=zmq.NOBLOCK,
+            )
+        except zmq.ZMQError:
+            pass
+    if _buses:
+        time.sleep(0.1)  # the I/O thread sends it; the context is then destroyed without linger
+
+
 class EventBus:
     """One process's PUB and SUB on the router's event proxy, plus its heartbeat."""
 
@@ -120,6 +138,7 @@ class EventBus:
             self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self._next_hb = 0.0
         self._next_metrics = 0.0
+        _buses.append(self)
 
     def publish(self, topic: bytes, msg: Message) -> None:
         self.pub.send_multipart(codec.encode_pub(topic, msg), copy=False)

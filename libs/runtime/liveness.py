@@ -14,6 +14,9 @@ class Liveness:
         self._seen: dict[tuple[str, int], tuple[float, Heartbeat]] = {}
 
     def record(self, hb: Heartbeat) -> None:
+        if hb.leaving:  # it stops cleanly: gone now, not STALE_AFTER from now
+            self._seen.pop((hb.role, hb.index), None)
+            return
         self._seen[(hb.role, hb.index)] = (time.monotonic(), hb)
 
     def alive(self, role: str) -> list[Heartbeat]:

@@ -25,5 +25,6 @@ def run(role: str, body: Callable[[Settings, logging.Logger], None]) -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        bus.say_goodbye()
         tracing.shutdown()
         bus.context().destroy(linger=0)

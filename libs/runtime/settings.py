@@ -67,6 +67,9 @@ class Settings:
     # connectors need the binders' public key (derived from the secret when only that is given)
     curve_secret_key: str = ""
     curve_server_key: str = ""
+    # tensor parallel (num_shard > 1): replica r's ranks rendezvous on 127.0.0.1:tp_port + r (the launcher
+    # picks free ports; the ranks of a replica share a host)
+    tp_port: int = 0
 
     @property
     def num_blocks(self) -> int:

@@ -1,4 +1,10 @@
-"""`python -m services.detokenizer`: token rows in (tok.<k>), text rows out (out.<ingress>)."""
+"""`python -m services.detokenizer`: token rows in (tok.<k>), text rows out (out.<ingress>).
+
+A row for a request it has no stream of (this process restarted, or the open was lost with a router restart)
+or a row past a gap makes it ask the scheduler for a `Resync` (rate-limited per request); the scheduler answers
+with a reset batch: the request's open and every token from offset 0, which rebuilds the decoder state from
+scratch (decoding is deterministic) and re-emits every row; http drops the ones it already delivered.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from libs.protocol import Addresses, topics
 from libs.protocol.messages import (
     FINISH_NAMES,
     FinalInfo,
+    Resync,
     StopHit,
     StreamOpen,
     TextBatch,
@@ -32,6 +39,7 @@ from services.detokenizer.stops import StopMatcher
 
 ROLE = "detokenizer"
 FORGET_AFTER = 10_000  # ended request ids remembered, so late rows are dropped quietly
+RESYNC_EVERY = 1.0  # seconds between two resync requests for the same request
 
 
 @dataclass
@@ -50,9 +58,25 @@ class Detokenizer:
         self.streams: dict[str, Stream] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()
         self.tokens = 0
+        self.wanted: list[tuple[int, str]] = []  # (replica, request id) to resync, drained by the loop
+        self._asked: dict[str, float] = {}  # request id → when we last asked
+
+    def _want(self, replica: int, rid: str) -> None:
+        now = time.monotonic()
+        if now - self._asked.get(rid, 0.0) < RESYNC_EVERY:
+            return
+        if len(self._asked) > FORGET_AFTER:
+            self._asked = {k: t for k, t in self._asked.items() if now - t < RESYNC_EVERY}
+        self._asked[rid] = now
+        self.wanted.append((replica, rid))
 
     def handle(self, batch: TokenBatch) -> tuple[dict[int, list[TextRow]], list[StopHit]]:
-        """Text rows per ingress, and the stop-sequence hits to tell the scheduler."""
+        """Text rows per ingress, and the stop-sequence hits to tell the scheduler (resyncs wanted: `wanted`)."""
+        for rid in batch.reset:  # a resync: rebuild this request from the rows that follow
+            st = self.streams.pop(rid, None)
+            if st is not None and st.span is not None:
+                st.span.end()
+            self.ended.pop(rid, None)
         for o in batch.opens:
             if o.request_id not in self.streams and o.request_id not in self.ended:
                 decoder = IncrementalDecoder(self.tokenizer, o.prompt_tail)
@@ -71,8 +95,12 @@ class Detokenizer:
         for i, ((rid, offset, token, logprob), finish) in enumerate(zip(rows, batch.finish.tolist())):
             start, end = end, end + (counts[i] if counts else 0)
             st = self.streams.get(rid)
-            if st is None or offset < st.next_offset:
-                continue  # ended already, or a duplicate
+            if st is None or offset > st.next_offset:
+                if rid not in self.ended:  # never opened here, or rows went missing: ask for the whole stream
+                    self._want(batch.replica, rid)
+                continue
+            if offset < st.next_offset:
+                continue  # a duplicate
             if token < 0:  # an end without a token (abort, failure)
                 self._end(rid, FINISH_NAMES.get(finish, "error"))
                 if finish in FINISH_NAMES:
@@ -151,6 +179,10 @@ def main() -> None:
                     for hit in hits:
                         log.debug("stop sequence hit", extra={"request_id": hit.request_id})
                         events.publish(topics.ctl(got[1].replica), hit)
+                    for replica, rid in detok.wanted:
+                        log.info("stream gap: asking for a resync", extra={"request_id": rid})
+                        events.publish(topics.ctl(replica), Resync(request_id=rid, ingress=-1))
+                    detok.wanted.clear()
                     m.detokenized_tokens.inc(detok.tokens - tokens)
                     # one token batch (a scheduler step's rows for this shard), in and out
                     m.hop_duration.labels(hop="detokenizer").observe(time.perf_counter() - started)

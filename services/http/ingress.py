@@ -3,6 +3,13 @@
 One reader task takes everything addressed to this ingress (`out.<n>`) and every heartbeat, and
 hands each event to the asyncio queue of its request; handlers only ever await their own queue.
 Every heartbeat heard also feeds the metrics Aggregator behind /metrics (`metrics_text`).
+
+No request is lost when another process dies (issue 7): http holds every open request, and a watchdog
+(`_watch`) acts on silence. Before Accepted it resubmits the same GenerateRequest (same id: everything downstream
+is idempotent by request id), until ADMIT_TIMEOUT. After Accepted it sends a `Resync` to the scheduler, which
+replays the stream from offset 0 (rows already delivered are dropped here by index), re-sends Accepted while the
+request waits, or answers `Unknown` (it restarted): then the request is resubmitted. A row past a gap asks for a
+resync at once. A request silent for GIVE_UP_S ends with TGI's error event: never a hang.
 """
 
 from __future__ import annotations
@@ -26,9 +33,11 @@ from libs.protocol.messages import (
     Heartbeat,
     Hello,
     RequestError,
+    Resync,
     TextBatch,
     TextRow,
     TokenizeResult,
+    Unknown,
 )
 from libs.runtime import bus, metrics, tracing
 from libs.runtime.liveness import Liveness
@@ -38,6 +47,9 @@ from services.http import observe
 log = logging.getLogger("switchyard.http")
 
 ADMIT_TIMEOUT = 30.0  # seconds for a request to be accepted or rejected once submitted
+STALL_S = 2.5  # seconds without an event before the watchdog resubmits (not accepted) or asks for a resync
+GIVE_UP_S = 30.0  # seconds without any event (a waiting request's scheduler answers resyncs) before failing it
+LOST = "Request failed during generation: Server error: the request was lost in a restart"
 ERROR_STATUS = {
     "validation": 422,
     "template_error": 422,
@@ -79,6 +91,19 @@ class Timing:
     input_length: int = 0
 
 
+@dataclass
+class Pending:
+    """A generate request in flight, as the watchdog sees it."""
+
+    req: GenerateRequest
+    queue: asyncio.Queue
+    submitted: float  # when it was last (re)submitted
+    heard: float  # when the last event for it came (or it was submitted)
+    replica: int | None = None  # from Accepted
+    delivered: int = 0  # index of the last row handed to the client
+    asked: float = 0.0  # when the last Resync went
+
+
 class Ingress:
     def __init__(self, bus_spec: str, index: int, settings: Settings | None = None):
         self.index = index
@@ -98,7 +123,9 @@ class Ingress:
             self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.queues: dict[str, asyncio.Queue] = {}
         self.replica_of: dict[str, int] = {}
-        self.abandoned: set[str] = set()  # aborted before the router told us the replica
+        self.abandoned: dict[str, float] = {}  # aborted before the router told us the replica → when (expires)
+        self.pending: dict[str, Pending] = {}
+        self.replicas = max(1, settings.replicas)
         self.liveness = Liveness()
         self._hello = secrets.token_hex(8)
         self._confirmed = asyncio.Event()
@@ -110,7 +137,11 @@ class Ingress:
         await self.pub.send_multipart(codec.encode_pub(topic, msg), copy=False)
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._heartbeat())]
+        self._tasks = [
+            asyncio.create_task(self._read()),
+            asyncio.create_task(self._heartbeat()),
+            asyncio.create_task(self._watch()),
+        ]
         while not self._confirmed.is_set():  # our hello back proves the event bus carries our topics
             await self.publish(self.hb_topic, Hello(nonce=self._hello))
             try:
@@ -143,8 +174,15 @@ class Ingress:
             except ProtocolError as e:
                 log.warning("dropped malformed event: %s", e)
                 continue
+            p = self.pending.get(getattr(msg, "request_id", ""))
+            if p is not None:
+                p.heard = time.monotonic()
             if isinstance(msg, TextBatch):
+                now = time.monotonic()
                 for row in msg.rows:
+                    p = self.pending.get(row.request_id)
+                    if p is not None:
+                        p.heard = now
                     q = self.queues.get(row.request_id)
                     if q is not None:
                         q.put_nowait(row)
@@ -153,17 +191,57 @@ class Ingress:
                 self.agg.observe(msg)
             elif isinstance(msg, Accepted):
                 if msg.request_id in self.abandoned:
-                    self.abandoned.discard(msg.request_id)
+                    self.abandoned.pop(msg.request_id, None)
                     await self.publish(topics.ctl(msg.replica), Abort(request_id=msg.request_id))
                 elif msg.request_id in self.queues:
                     self.replica_of[msg.request_id] = msg.replica
+                    if p is not None:
+                        p.replica = msg.replica
                     self.queues[msg.request_id].put_nowait(msg)
+            elif isinstance(msg, Unknown):
+                if p is not None:  # its scheduler restarted without it: submit it again
+                    log.info("scheduler lost the request: resubmitting", extra={"request_id": msg.request_id})
+                    await self._submit(p)
             elif isinstance(msg, (RequestError, TokenizeResult)):
                 q = self.queues.get(msg.request_id)
                 if q is not None:
                     q.put_nowait(msg)
             elif isinstance(msg, Hello) and msg.nonce == self._hello:
                 self._confirmed.set()
+
+    async def _submit(self, p: Pending) -> None:
+        p.submitted = p.heard = time.monotonic()
+        p.replica = None
+        await self.push.send_multipart(codec.encode(p.req), copy=False)
+
+    async def resync(self, p: Pending) -> None:
+        p.asked = time.monotonic()
+        if p.replica is not None:
+            await self.publish(topics.ctl(p.replica), Resync(request_id=p.req.request_id, ingress=self.index))
+
+    async def _watch(self) -> None:
+        """Act on silence: resubmit what was never accepted, resync what was, fail what stays silent."""
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for rid, t in list(self.abandoned.items()):  # Accepted never came: nothing left to abort
+                if now - t > ADMIT_TIMEOUT:
+                    del self.abandoned[rid]
+            for p in list(self.pending.values()):
+                quiet = now - p.heard
+                try:
+                    if quiet > GIVE_UP_S:
+                        error = RequestError(request_id=p.req.request_id, message=LOST, error_type="generation")
+                        p.queue.put_nowait(error)
+                        p.heard = now
+                    elif p.replica is None and now - p.submitted > STALL_S and quiet > STALL_S:
+                        if now - p.submitted < ADMIT_TIMEOUT:  # after it, generate() fails the request
+                            log.info("no answer: resubmitting", extra={"request_id": p.req.request_id})
+                            await self._submit(p)
+                    elif p.replica is not None and quiet > STALL_S and now - p.asked > STALL_S:
+                        await self.resync(p)
+                except zmq.ZMQError as e:
+                    log.warning("watchdog: %s", e)
 
     def metrics_text(self) -> str:
         """/metrics: every process's registry merged, then what heartbeats say of each process."""
@@ -208,8 +286,13 @@ class Ingress:
             raise Failure("No tokenizer is available", "unavailable")
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
+        now = time.monotonic()
+        self.pending[rid] = p = Pending(req, q, now, now)
         done = False
         try:
+            # one turn of the loop first: a client already gone (it sent and closed) cancels us before any work
+            for _ in range(3):
+                await asyncio.sleep(0)
             await self.push.send_multipart(codec.encode(req), copy=False)
             try:
                 first = await asyncio.wait_for(q.get(), ADMIT_TIMEOUT)
@@ -225,9 +308,19 @@ class Ingress:
                     raise Failure(event.message, event.error_type)
                 now = time.monotonic()
                 if isinstance(event, Accepted):
-                    timing.accepted, timing.input_length = now, event.input_length
-                    record.accepted(event.input_length, event.max_new_tokens)
+                    if timing.input_length == 0:  # later ones: a resubmission's, or a waiting request's keepalive
+                        timing.accepted, timing.input_length = now, event.input_length
+                        record.accepted(event.input_length, event.max_new_tokens)
                 elif isinstance(event, TextRow):
+                    # a replay (resync) repeats rows: drop those delivered; a gap: ask for the whole stream
+                    last = p.delivered
+                    if event.index > last + 1:
+                        if now - p.asked > 0.5:  # once per gap, not once per row past it
+                            await self.resync(p)
+                        continue
+                    if event.index <= last and (event.final is None or event.index < last):
+                        continue
+                    p.delivered = event.index
                     timing.accepted = timing.accepted or now  # rows may overtake Accepted (other topics)
                     timing.first = timing.first or now
                     timing.last = now
@@ -240,10 +333,13 @@ class Ingress:
                         return
         finally:
             self.queues.pop(rid, None)
+            self.pending.pop(rid, None)
             replica = self.replica_of.pop(rid, None)
             if not done:  # the client went away (or we failed): stop the work
                 record.dropped()
-                if replica is None:
-                    self.abandoned.add(rid)
+                if replica is None:  # abort it wherever it lands, and when its Accepted comes
+                    self.abandoned[rid] = time.monotonic()
+                    for r in range(self.replicas):
+                        await self.publish(topics.ctl(r), Abort(request_id=rid))
                 else:
                     await self.publish(topics.ctl(replica), Abort(request_id=rid))

@@ -1,10 +1,15 @@
-"""`python -m services.router`: bind the bus, proxy events, place requests."""
+"""`python -m services.router`: bind the bus, proxy events, place requests.
+
+A request placed again (http resubmits one it heard nothing of, issue 7) goes where it went the first time,
+while that replica and detokenizer live, so the scheduler sees a duplicate it ignores, not a second run.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import OrderedDict
 
 import zmq
 
@@ -50,6 +55,7 @@ class Router:
         self.placement = Placement(len(self.replicas))
         self.placed = [0] * len(self.replicas)
         self._states: dict[tuple[str, int], tuple[int, bool]] = {}  # (role, index) → (pid, ready) last seen
+        self._placed_ids: OrderedDict[str, tuple[int, int]] = OrderedDict()  # request id → (replica, detokenizer)
 
     def _fail(self, req: TokenizedRequest, message: str) -> None:
         log.warning("cannot place request: %s", message, extra={"request_id": req.request_id})
@@ -70,10 +76,22 @@ class Router:
 
     def _place(self, req: TokenizedRequest) -> None:
         # sticky per request: the whole stream goes through this one detokenizer
-        detokenizer = self.placement.choose_detokenizer(self.liveness.alive("detokenizer"))
-        if detokenizer is None:
-            return self._fail(req, "No detokenizer is available")
-        replica = self.placement.choose_replica(req.input_ids, self.liveness.alive("scheduler"))
+        detokenizers, schedulers = self.liveness.alive("detokenizer"), self.liveness.alive("scheduler")
+        before = self._placed_ids.get(req.request_id)
+        if (
+            before is not None
+            and before[0] in {hb.index for hb in schedulers}
+            and before[1] in {hb.index for hb in detokenizers}
+        ):
+            replica, detokenizer = before
+        else:
+            detokenizer = self.placement.choose_detokenizer(detokenizers)
+            if detokenizer is None:
+                return self._fail(req, "No detokenizer is available")
+            replica = self.placement.choose_replica(req.input_ids, schedulers)
+            self._placed_ids[req.request_id] = (replica, detokenizer)
+            if len(self._placed_ids) > 100_000:
+                self._placed_ids.popitem(last=False)
         req.detokenizer, req.replica = detokenizer, replica
         bus.send(self.replicas[replica], req)
         self.placed[replica] += 1

@@ -2,6 +2,14 @@
 
 The loop plans a step, publishes it to the replica's shards, and while the shard computes it
 takes in new requests and control messages, so the next plan is ready when the tokens come back.
+
+When a process dies (issue 7) the scheduler is where requests are saved from, since it holds their tokens:
+- a shard restart (its connection drops, or a new ShardReady) requeues the running requests for re-prefill by
+  the preemption path (Batcher.requeue_running): nothing is streamed twice;
+- a `Resync` (http saw a stall, a detokenizer a gap or an unknown request) is answered with the request's whole
+  stream from offset 0 (recovery.StreamLog, kept a while after the end too), or Accepted again while it waits,
+  or `Unknown` when this scheduler never saw it (it restarted): http then resubmits the same request;
+- a request id seen twice runs once, and one aborted before it arrived never runs (recovery.Forgotten).
 """
 
 from __future__ import annotations
@@ -15,18 +23,24 @@ from libs.protocol import Addresses, topics
 from libs.protocol.messages import (
     FINISH_ERROR,
     Abort,
+    Accepted,
     RequestError,
+    Resync,
     ShardReady,
     StepPlan,
     StepResult,
     StopHit,
     TokenizedRequest,
+    Unknown,
 )
 from libs.runtime import bus, model_store, service
 from libs.runtime.settings import Settings
 from services.scheduler.batcher import Batcher, Emitted
 from services.scheduler.batches import token_batch
 from services.scheduler.observe import StepObserver
+from services.scheduler.recovery import Forgotten, StreamLog
+
+REPLAY_EVERY = 0.5  # seconds between two replays of the same request (http and a detokenizer may both ask)
 
 ROLE = "scheduler"
 
@@ -53,8 +67,13 @@ class SchedulerService:
         self.shard_ranks: set[int] = {0}  # shards do not heartbeat: their process_up is ours to report
         self.step = 0
         self.pending_ctl: list[Abort | StopHit] = []
+        self.streams = StreamLog()  # every request's open and rows, for resyncs
+        self.forgotten = Forgotten()  # aborted (or ended) ids that must not run again
+        self._replayed: dict[str, float] = {}
+        # a shard that dies drops its plan subscription: that is how we hear of it before it restarts
+        self.shard_watch = self.plans.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.poller = zmq.Poller()
-        for sock in (self.inbox, self.results, self.events.sub):
+        for sock in (self.inbox, self.results, self.events.sub, self.shard_watch):
             self.poller.register(sock, zmq.POLLIN)
 
     # ---- input handling -------------------------------------------------------------------
@@ -64,19 +83,28 @@ class SchedulerService:
             got = self.events.recv()
             if got and isinstance(got[1], (Abort, StopHit)):
                 self.pending_ctl.append(got[1])
+            elif got and isinstance(got[1], Resync):
+                self._resync(got[1])
+            return None
+        if sock is self.shard_watch:
+            sock.recv_multipart()
+            self.log.warning("a shard dropped its connection; requeueing the running requests")
+            self._shard_lost()
             return None
         msg = bus.recv(sock)
         if isinstance(msg, TokenizedRequest):
-            if msg.request_id not in self.batcher.by_request:
+            rid = msg.request_id
+            if rid in self.forgotten or self.streams.get(rid) is not None:
+                self.log.info("dropped an aborted or repeated request", extra={"request_id": rid})
+                return None
+            if rid not in self.batcher.by_request:
                 self.observer.arrived(msg)
             self.batcher.add(msg)
         elif isinstance(msg, ShardReady):
-            # a (re)started shard holds no KV: whatever was running is lost (until issue 7's re-prefill)
+            # a (re)started shard holds no KV: what was running is fed again (re-prefill)
             self.log.info("shard %d ready (pid %d); probing", msg.rank, msg.pid)
             self.shard_ranks.add(msg.rank)
-            self.ready = False
-            if self.batcher.running:
-                self._fail_running("the model shard restarted")
+            self._shard_lost()
             self._probe()
         elif isinstance(msg, StepResult):
             if msg.step == 0 and not self.ready:
@@ -89,12 +117,53 @@ class SchedulerService:
         """Step 0: a shard that hears it drops all sequence state and answers; then we are ready."""
         bus.send(self.plans, StepPlan(step=0))
 
+    def _shard_lost(self) -> None:
+        self.ready = False
+        if self.batcher.running:
+            self.batcher.requeue_running()
+
     def _apply_ctl(self) -> None:
         for msg in self.pending_ctl:
             ended = self.batcher.finish(msg.request_id)
-            if ended is not None and isinstance(msg, Abort):
-                self._publish([ended])
+            if isinstance(msg, Abort):
+                self.forgotten.add(msg.request_id)  # an Abort that overtook its request: it never runs
+                if ended is not None:
+                    self._publish([ended])
+            else:  # a stop sequence: the detokenizer ended the stream
+                self.streams.end(msg.request_id)
         self.pending_ctl.clear()
+
+    def _resync(self, msg: Resync) -> None:
+        """Re-send a request's stream from offset 0, or say it waits, or that we do not know it."""
+        rid, now = msg.request_id, time.monotonic()
+        st = self.streams.get(rid)
+        s = self.batcher.by_request.get(rid)
+        if st is not None and st.error is not None:
+            if msg.ingress >= 0:
+                err = RequestError(request_id=rid, message=st.error, error_type="generation")
+                self.events.publish(topics.out(msg.ingress), err)
+            return
+        batch = self.streams.replay(self.replica, rid)
+        if batch is not None:
+            if now - self._replayed.get(rid, 0.0) < REPLAY_EVERY:
+                return
+            self._replayed[rid] = now
+            if len(self._replayed) > 10_000:
+                self._replayed = {k: t for k, t in self._replayed.items() if now - t < REPLAY_EVERY}
+            self.log.info("resync: replaying %d rows", len(batch.request_ids), extra={"request_id": rid})
+            self.events.publish(topics.tok(st.rows[0].seq.req.detokenizer), batch)
+        elif s is not None:  # waiting, or prefilling: nothing streamed yet; tell http it is alive
+            if msg.ingress >= 0:
+                req = s.req
+                accepted = Accepted(
+                    request_id=rid,
+                    replica=self.replica,
+                    input_length=len(req.input_ids),
+                    max_new_tokens=req.max_new_tokens,
+                )
+                self.events.publish(topics.out(msg.ingress), accepted)
+        elif msg.ingress >= 0 and rid not in self.forgotten:
+            self.events.publish(topics.out(msg.ingress), Unknown(request_id=rid))
 
     # ---- output ---------------------------------------------------------------------------
     def _publish(self, rows: list[Emitted]) -> None:
@@ -107,6 +176,7 @@ class SchedulerService:
             batch = token_batch(self.replica, group)
             for o in batch.opens:  # the detokenizer's span continues from ours
                 o.traceparent = self.observer.traceparent(o.request_id)
+            self.streams.record(batch, group)
             self.events.publish(topics.tok(k), batch)
         self.observer.ended(rows)
 
@@ -119,6 +189,7 @@ class SchedulerService:
             message = f"Request failed during generation: Server error: {error}"
             err = RequestError(request_id=req.request_id, message=message, error_type="generation")
             self.events.publish(topics.out(req.ingress), err)
+            self.streams.fail(req.request_id, message)
             rows.append(self.batcher.finish(req.request_id, FINISH_ERROR))
         self._publish([r for r in rows if r is not None])
 
@@ -157,6 +228,7 @@ class SchedulerService:
     def load(self) -> dict:
         b = self.batcher
         self.observer.gauges()  # read on the same beat as the heartbeat that carries them
+        self.streams.expire()
         for rank in self.shard_ranks:  # shard index as the launcher numbers them: replica-major
             self.observer.shard_up(self.replica * self.settings.num_shard + rank, self.ready)
         return {

@@ -371,6 +371,19 @@ class Batcher:
             del self.by_request[request_id]
         return Emitted(s, len(s.output), -1, 0.0, code)
 
+    def requeue_running(self) -> None:
+        """The shard lost its KV (it restarted): every running sequence is fed again later, by the preemption path
+        (oldest first at the head of the queue; nothing is streamed twice), and the prefix index, whose blocks
+        name KV that is gone, is emptied."""
+        for s in reversed(list(self.running.values())):
+            self._preempt(s)
+        self._to_drop, self._inflight = [], []  # the shard starts from a clean slate (the probe)
+        a = self.allocator
+        a._free.extend(a._lru)  # nothing is held now: every cached block is unheld
+        a._lru.clear()
+        a._hash_of.clear()
+        a._by_hash.clear()
+
     def _release(self, s: Sequence) -> None:
         del self.running[s.seq]
         del self.by_request[s.req.request_id]

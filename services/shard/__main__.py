@@ -11,6 +11,7 @@ from libs.protocol import Addresses
 from libs.protocol.messages import ShardReady, StepPlan, StepResult
 from libs.runtime import bus, service
 from libs.runtime.settings import BLOCK_SIZE, Settings
+from services.shard import tensor_parallel
 from services.shard.model_runner import ModelRunner
 
 ROLE = "shard"
@@ -27,6 +28,12 @@ class ShardService:
         # one accelerator per shard when there is one (shard process i takes device i), else the CPU
         index = replica * settings.num_shard + rank
         device = f"cuda:{index % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+        self.tp = settings.num_shard
+        if self.tp > 1:  # the replica's ranks rendezvous (a barrier) before loading their shards of the model
+            if not settings.tp_port:
+                raise RuntimeError("--num-shard > 1 needs SWITCHYARD_TP_PORT (set by the launcher)")
+            tensor_parallel.init_group(rank, self.tp, settings.tp_port + replica, torch.device(device))
+            tensor_parallel.start_watchdog()
         self.runner = ModelRunner(
             settings.model_path,
             num_blocks=settings.num_blocks,
@@ -40,6 +47,7 @@ class ShardService:
 
     def run(self, log) -> None:
         got_plan = False
+        synced = self.tp == 1  # tensor parallel: run steps only from a probe on, as every other rank does
         while True:
             if not self.plans.poll(500):
                 if not got_plan:  # keep knocking until the scheduler's probe reaches us
@@ -48,10 +56,18 @@ class ShardService:
             plan = bus.recv(self.plans)
             if not isinstance(plan, StepPlan):
                 continue
+            if not got_plan and self.tp > 1:
+                # Every rank hears plans now (its subscription is live): only then may rank 0 answer a probe,
+                # so the scheduler's first step reaches all ranks and "ready" means every rank is loaded.
+                tensor_parallel.barrier()
+                log.info("all %d ranks of replica %d subscribed", self.tp, self.replica)
             got_plan = True
             if plan.step == 0:  # a (new) scheduler's probe: start from a clean slate
                 self.runner.seqs.clear()
+                synced = True
                 result = StepResult(step=0, rank=self.rank)
+            elif not synced:  # a step sent before the probe: other ranks may not have it, so no rank runs it
+                continue
             else:
                 try:
                     result = self.runner.execute(plan)

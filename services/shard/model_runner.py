@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
 
 from libs.protocol.messages import SamplingParams, StepPlan, StepResult
 from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch
@@ -71,13 +72,24 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.watermark_gamma = watermark_gamma
         self.watermark_delta = watermark_delta
+        # with a torch.distributed group (services.shard.tensor_parallel) transformers shards the model over it
+        tp = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        kwargs = {} if tp == 1 else {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp)}
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-        ).to(self.device)
+            model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **kwargs
+        )
+        if tp == 1:
+            self.model.to(self.device)
         self.model.eval()
         cfg = self.model.config.get_text_config()
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if self.num_kv_heads % tp or cfg.num_attention_heads % tp:
+            raise ValueError(
+                f"--num-shard {tp} must divide the model's {cfg.num_attention_heads} attention heads "
+                f"and {self.num_kv_heads} KV heads"
+            )
+        self.num_kv_heads //= tp  # this rank's share: the attention function sees only its heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)
         # Per layer K and V, block-major and head-major inside a block: gathering a row's blocks copies contiguous

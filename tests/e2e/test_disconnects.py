@@ -131,12 +131,6 @@ def test_stream_closed_mid_generation_frees_its_blocks(tiny_server):
     assert generated < 8 * 300 // 4, f"aborted streams ran on: {generated} tokens"
 
 
-@pytest.mark.xfail(
-    reason="known bug (scheduler): an Abort that overtakes its request (events proxy vs. the router's PUSH) is "
-    "dropped as unknown, and the request then runs to max_new_tokens; a plain test once the scheduler keeps "
-    "tombstones of unknown aborted ids",
-    strict=False,
-)
 def test_abort_before_placement_never_runs_to_the_end(tiny_server):
     """Clients that close right after sending: the http process aborts as soon as the router places the
     request, so none of them generates more than a handful of tokens (not the 300 asked for)."""
@@ -157,11 +151,6 @@ def test_abort_before_placement_never_runs_to_the_end(tiny_server):
     assert generated < n * 300 // 10, f"requests whose client left ran on: {generated} tokens"
 
 
-@pytest.mark.xfail(
-    reason="the abort of a request whose client left before Accepted races the request into the scheduler "
-    "(router forwards and publishes Accepted at once); see the report for issue 7",
-    strict=False,
-)
 def test_abort_before_placement_never_prefills(tiny_server):
     url = tiny_server.url
     text = long_prompt(url, 50)

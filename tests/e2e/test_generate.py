@@ -229,7 +229,7 @@ def test_seeded_sampling_repeats(tiny_server):
 
 def scheduler_gauges(url: str) -> dict[str, int]:
     text = requests.get(url + "/metrics").text
-    return {m[0]: int(m[1]) for m in re.findall(r'^switchyard_(\w+)\{replica="0"\} (\d+)$', text, re.M)}
+    return {m[0]: int(m[1]) for m in re.findall(r'^switchyard_replica_(\w+)\{replica="0"\} (\d+)$', text, re.M)}
 
 
 def test_client_disconnect_aborts_and_frees_kv(tiny_server):

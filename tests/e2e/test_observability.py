@@ -209,8 +209,9 @@ def test_metrics_count_known_traffic(obs_server):
         got = deltas(after)
         others = (
             grown(after, "tgi_batch_inference_count", method="decode") > 0
-            and grown(after, "switchyard_detokenized_tokens_total", index="0") >= total + 2
-        )  # the held streams' first tokens too
+            and grown(after, "switchyard_detokenized_tokens_total", index="0") >= total + 2  # + the held streams'
+            and grown(after, "switchyard_tokenized_tokens_total", index="0") > 0
+        )
         if got == expected and others or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -236,9 +237,7 @@ def test_metrics_count_known_traffic(obs_server):
     for phase in ("plan", "forward", "sample", "publish"):
         assert value(after, "switchyard_step_duration_seconds_count", phase=phase) > 0
     assert grown(after, "switchyard_detokenized_tokens_total", index="0") >= total + 2
-    assert value(after, "switchyard_tokenized_tokens_total", index="0") > value(
-        before, "switchyard_tokenized_tokens_total", index="0"
-    )
+    assert grown(after, "switchyard_tokenized_tokens_total", index="0") > 0
     blocks = value(after, "switchyard_kv_blocks_used") + value(after, "switchyard_kv_blocks_free")
     assert blocks == value(after, "switchyard_replica_kv_blocks_total", replica="0") > 0
     for role in ROLES:

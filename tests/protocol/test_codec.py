@@ -19,6 +19,7 @@ from libs.protocol.messages import (
     NewSequence,
     Parameters,
     RequestError,
+    Resync,
     SamplingParams,
     ShardReady,
     StepPlan,
@@ -31,6 +32,7 @@ from libs.protocol.messages import (
     TokenizedRequest,
     TokenizeResult,
     TokenText,
+    Unknown,
 )
 
 SAMPLES = [
@@ -151,6 +153,8 @@ SAMPLES = [
     ),
     Abort(request_id="f" * 32),
     StopHit(request_id="f" * 32, generated_tokens=4),
+    Resync(request_id="f" * 32, ingress=1),
+    Unknown(request_id="f" * 32),
     Heartbeat(
         role="scheduler", index=0, pid=1, queue=2, running=3, free_blocks=4, total_blocks=5, counters={"steps": 9}
     ),
