@@ -119,8 +119,8 @@ class SchedulerService:
 
     def _shard_lost(self) -> None:
         self.ready = False
-        if self.batcher.running:
-            self.batcher.requeue_running()
+        # always, also when idle: the prefix index names KV blocks that died with the shard
+        self.batcher.requeue_running()
 
     def _apply_ctl(self) -> None:
         for msg in self.pending_ctl:

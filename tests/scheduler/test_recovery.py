@@ -44,6 +44,19 @@ def test_shard_restart_requeues_running_for_recompute():
     assert [(r.seq.req.request_id, r.offset, r.token_id) for r in rows] == [("a", 2, 9), ("b", 2, 9)]
 
 
+def test_shard_restart_when_idle_empties_the_prefix_index():
+    """Nothing running, but finished requests left cached blocks: after a shard restart they name lost KV."""
+    b = Batcher(20, max_batch_size=8, max_batch_prefill_tokens=256, eos_ids={EOS}, block_size=4)
+    prompt = list(range(10, 19))
+    b.add(req("a", prompt, 1))
+    b.apply(result(b.plan(1), 7))
+    assert not b.running and b.allocator.cached > 0
+    b.requeue_running()
+    assert b.allocator.cached == 0 and b.allocator.free == 20
+    b.add(req("b", prompt, 1))
+    assert b.plan(2).context_lens.tolist() == [0]  # no prefix hit: the whole prompt is fed again
+
+
 def test_replay_holds_the_whole_stream_and_outlives_the_end():
     b = Batcher(20, max_batch_size=8, max_batch_prefill_tokens=256, eos_ids={EOS}, block_size=4)
     b.add(req("a", [5, 6, 7], 2))
