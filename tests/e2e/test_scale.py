@@ -166,11 +166,21 @@ def test_processes_run_as_groups(scale_server):
     )
     assert scale_server.pid("tokenizer") != scale_server.pid("tokenizer", 1)
     assert scale_server.env("shard", 1)["SWITCHYARD_INDEX"] == "1"
-    for _ in range(8):  # either http worker answers /health and /metrics for the whole server
+    # either http worker answers /health and /metrics for the whole server; a worker's view of the others'
+    # metrics fills in as their heartbeats carry them (every second or so), so poll until both have it all
+    wanted = [("tokenizer", 1), ("detokenizer", 1), ("scheduler", 1), ("http", 0), ("http", 1)]
+    complete, deadline, missing = 0, time.monotonic() + 30, wanted
+    while complete < 8:
+        assert time.monotonic() < deadline, f"/metrics never showed every process: {missing}"
         assert requests.get(scale_server.url + "/health", timeout=5).status_code == 200
         text = requests.get(scale_server.url + "/metrics", timeout=5).text
-        for role, index in [("tokenizer", 1), ("detokenizer", 1), ("scheduler", 1), ("http", 0), ("http", 1)]:
-            assert f'role="{role}"' in text and f'index="{index}"' in text
+        up = [line for line in text.splitlines() if line.startswith("switchyard_process_up{")]
+        missing = [(r, i) for r, i in wanted if not any(f'role="{r}"' in u and f'index="{i}"' in u for u in up)]
+        if missing:
+            complete = 0
+            time.sleep(0.5)
+        else:
+            complete += 1
 
 
 def test_every_request_is_answered_and_the_work_spreads(scale_server, tap, tiny_model_dir, tokenizer):
