@@ -378,11 +378,7 @@ class Batcher:
         for s in reversed(list(self.running.values())):
             self._preempt(s)
         self._to_drop, self._inflight = [], []  # the shard starts from a clean slate (the probe)
-        a = self.allocator
-        a._free.extend(a._lru)  # nothing is held now: every cached block is unheld
-        a._lru.clear()
-        a._hash_of.clear()
-        a._by_hash.clear()
+        self.allocator.forget_cache()  # nothing is held now: every cached block is unheld
 
     def _release(self, s: Sequence) -> None:
         del self.running[s.seq]

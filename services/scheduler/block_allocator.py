@@ -66,6 +66,14 @@ class BlockAllocator:
                     self._free.append(b)
 
     # ---- prefix cache ---------------------------------------------------------------------------
+    def forget_cache(self) -> None:
+        """The KV behind the index is gone (the shard restarted): unheld cached blocks become plain free blocks
+        and no hash names a block any more. Call it only when nothing is held."""
+        self._free.extend(self._lru)
+        self._lru.clear()
+        self._hash_of.clear()
+        self._by_hash.clear()
+
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """The blocks of the longest cached prefix of a chain of block hashes (not yet held)."""
         out = []
