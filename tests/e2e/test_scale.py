@@ -204,8 +204,8 @@ def test_every_request_is_answered_and_the_work_spreads(scale_server, tap, tiny_
         delta = {i: now[i].get(key, 0) - before[role].get(i, {}).get(key, 0) for i in now}
         return delta if len(delta) == 2 and all(delta.values()) else {}
 
-    # the processes' own counters (heartbeats, once a second) say the same
-    tokenized = tap.wait_for(lambda: grew("tokenizer", "handled"))
+    # the processes' own counters (heartbeats, once a second) say the same, once every heartbeat has come
+    tokenized = tap.wait_for(lambda: (d := grew("tokenizer", "handled")) and sum(d.values()) >= 16 and d)
     assert sum(tokenized.values()) == 16
     router = tap.counters("router")[0]
     placed = {r: router[f"placed_replica_{r}"] - before["router"][0].get(f"placed_replica_{r}", 0) for r in (0, 1)}
