@@ -9,7 +9,9 @@ directory is removed on the way out.
 Scale-out: --tokenizer-workers, --detokenizer-workers, --http-workers, --replicas (× --num-shard)
 set how many processes each program runs; --bus-address puts the bus on tcp instead of the run
 directory's ipc sockets, and --only runs a subset of the programs, so one host can run the router
-and the http side while another runs the schedulers and shards (docs/deployment.md).
+and the http side while another runs the schedulers and shards (docs/deployment.md). A tcp bus binds
+loopback unless a host is named, and --bus-curve-secret-key (`switchyard keygen`) encrypts it with
+CURVE (launcher/bus_flags.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launcher import bench, supervise, tap
+from launcher import bench, bus_flags, keygen, supervise, tap
 from libs.protocol import Addresses
 from libs.runtime import model_store
 from libs.runtime.settings import Settings
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     tap.add_arguments(sub.add_parser("tap", help="print a running server's live token and text events"))
     bench.add_arguments(sub.add_parser("bench", help="measure: the in-process limit, end to end, the peers"))
+    keygen.add_arguments(sub.add_parser("keygen", help="print a new CURVE keypair for --bus-curve-secret-key"))
     s = sub.add_parser("serve", help="run every service under supervisord, in the foreground")
 
     def flag(name: str, type=str, default=None, help=None):
@@ -108,7 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
     flag(
         "bus-address",
         help="tcp://host:port[?replicas=host:port[,…]]: the bus on tcp (router on port…port+4, replica r on "
-        "port+10+3r…, or where ?replicas says) instead of ipc sockets in the run directory",
+        "port+10+3r…, or where ?replicas says) instead of ipc sockets in the run directory; a host left out "
+        "(tcp://:5550, or just 5550) is 127.0.0.1",
+    )
+    s.add_argument(
+        "--bus-curve-secret-key",
+        default=os.environ.get(bus_flags.SECRET_VAR),
+        metavar="KEY|FILE",
+        help=f"encrypt the tcp bus with CURVE: the deployment's secret key, or a file holding it (switchyard "
+        f"keygen); needed where the router or a scheduler runs. Prefer env {bus_flags.SECRET_VAR} or a file: "
+        "a command line is visible to other users",
+    )
+    s.add_argument(
+        "--bus-curve-public-key",
+        default=os.environ.get(bus_flags.PUBLIC_VAR),
+        metavar="KEY|FILE",
+        help=f"the public half (or a file holding it; env {bus_flags.PUBLIC_VAR}), for hosts that only connect",
     )
     flag("only", help=f"comma-separated programs to run here (default: all of {','.join(ROLES)})")
     flag("max-client-batch-size", type=int, default=4)
@@ -186,6 +204,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1")
     if args.validation_workers < 1:
         raise SystemExit("error: `validation_workers` must be > 0")
+    curve_secret, curve_public = bus_flags.curve_keys(args.bus_curve_secret_key, args.bus_curve_public_key)
     for name, _, default, _ in IGNORED:
         value = getattr(args, name.replace("-", "_"))
         if value != default:
@@ -222,6 +241,9 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         json_output=args.json_output,
         otlp_endpoint=args.otlp_endpoint or "",
         otlp_service_name=args.otlp_service_name,
+        bus=bus_flags.bus_address(args.bus_address),  # "" until serve() names the run directory
+        curve_secret_key=curve_secret,
+        curve_public_key=curve_public,
     )
 
 
@@ -288,11 +310,10 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {e}") from None
     settings = settings_from(args, model_path)
     counts = programs(args)
-    if args.bus_address and not args.bus_address.startswith("tcp://"):
-        raise SystemExit(f"error: --bus-address must be tcp://host:port, got {args.bus_address!r}")
+    bus_flags.check(settings, counts)
     run_dir = tempfile.mkdtemp(prefix="switchyard-", dir="/tmp")  # mkdtemp makes it 0700 (and holds supervisord's)
     try:
-        settings = settings.replace(bus=args.bus_address or f"ipc://{run_dir}")
+        settings = settings.replace(bus=settings.bus or f"ipc://{run_dir}")
         if settings.num_shard > 1 and counts["shard"]:  # each replica's ranks rendezvous on one of these
             settings = settings.replace(tp_port=_free_ports(settings.replicas))
         try:  # fail now, not in every process, if the address is unusable
@@ -326,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         return tap.run(args)
     if args.command == "bench":
         return bench.run(args)
+    if args.command == "keygen":
+        return keygen.run(args)
     return 2
 
 

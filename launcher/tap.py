@@ -11,6 +11,11 @@ one. It prints, per row:
     switchyard tap --request 5f0c…         # one request
     switchyard tap --topic hb. --json      # heartbeats, as JSON lines
     switchyard tap --bus ipc:///tmp/switchyard-abc123   (or tcp://host:port)
+    switchyard tap --bus tcp://10.0.0.1:5550 --curve-public-key bus.pub   # an encrypted bus
+
+On a CURVE bus the tap needs the deployment's public key (--curve-public-key, a file holding it, or
+SWITCHYARD_CURVE_PUBLIC_KEY; the public half of SWITCHYARD_CURVE_SECRET_KEY also serves). Without
+it the server never answers its hello: CURVE refuses a plaintext peer.
 
 The tap confirms its subscription before it prints "attached" (its own hello comes back through
 the proxy on a topic only it hears), so every event after that line is seen. Ctrl-C detaches.
@@ -30,8 +35,10 @@ from pathlib import Path
 
 import zmq
 
+from launcher import bus_flags
 from libs.protocol import Addresses, ProtocolError, codec
 from libs.protocol.messages import FINISH_NAMES, FINISH_NONE, Heartbeat, Hello, TextBatch, TokenBatch
+from libs.runtime import bus
 
 DEFAULT_TOPICS = ("tok.", "out.")
 TAP_TOPIC = b"tap."  # nothing in the server subscribes to it: our hello disturbs no one
@@ -39,6 +46,12 @@ TAP_TOPIC = b"tap."  # nothing in the server subscribes to it: our hello disturb
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bus", help="ipc:///run/dir or tcp://host:port (default: the one local server's run dir)")
+    p.add_argument(
+        "--curve-public-key",
+        default=os.environ.get(bus_flags.PUBLIC_VAR),
+        metavar="KEY|FILE",
+        help=f"the bus's CURVE public key, or a file holding it (env {bus_flags.PUBLIC_VAR}), for an encrypted bus",
+    )
     p.add_argument("--request", help="only this request id")
     p.add_argument(
         "--topic", action="append", help="only topics starting with this prefix (tok., out., hb., ctl.); repeatable"
@@ -129,22 +142,31 @@ def render(row: dict) -> str:
     return f"{head} {ev} {json.dumps(rest, ensure_ascii=False, default=str)}"
 
 
-def attach(bus_spec: str, prefixes: list[bytes], timeout: float) -> tuple[zmq.Socket, zmq.Socket]:
+def curve_from(public_arg: str | None) -> bus.Curve | None:
+    """The key to join an encrypted bus with: --curve-public-key, else the public half of the secret in
+    the environment, else None (plaintext)."""
+    public = bus_flags.read_key(public_arg, bus_flags.PUBLIC_VAR, "--curve-public-key")
+    secret = "" if public else os.environ.get(bus_flags.SECRET_VAR, "")
+    try:
+        curve = bus.Curve.from_keys(secret, public)
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"error: {e}") from None
+    return None if curve is None else bus.Curve(server_public=curve.server_public)  # a client needs no secret
+
+
+def attach(
+    bus_spec: str, prefixes: list[bytes], timeout: float, curve: bus.Curve | None = None
+) -> tuple[zmq.Socket, zmq.Socket]:
     """A SUB on the events-out of `bus_spec` with its subscriptions confirmed, and the PUB used to
-    confirm them (kept open: closing a socket is what detaching is)."""
+    confirm them (kept open: closing a socket is what detaching is). `curve`: the bus's key, on tcp."""
     addresses = Addresses.parse(bus_spec)
-    ctx = zmq.Context.instance()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.RCVHWM, 100_000)
+    curve = curve if bus_spec.startswith("tcp://") else None
+    sub = bus.socket(zmq.SUB, connect=addresses.events_out, curve=curve)
     nonce = secrets.token_hex(8)
     hello_topic = TAP_TOPIC + nonce.encode()
     for p in [*prefixes, hello_topic]:
         sub.setsockopt(zmq.SUBSCRIBE, p)
-    sub.connect(addresses.events_out)
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.connect(addresses.events_in)
+    pub = bus.socket(zmq.PUB, connect=addresses.events_in, curve=curve)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         pub.send_multipart(codec.encode_pub(hello_topic, Hello(nonce=nonce)))
@@ -154,13 +176,17 @@ def attach(bus_spec: str, prefixes: list[bytes], timeout: float) -> tuple[zmq.So
             # events before our hello are dropped: only what follows "attached" is promised
     sub.close()
     pub.close()
-    raise SystemExit(f"error: no answer from the event bus at {bus_spec} within {timeout:g}s: is the server running?")
+    hint = "" if curve or not bus_spec.startswith("tcp://") else " (or is its bus encrypted? give --curve-public-key)"
+    raise SystemExit(
+        f"error: no answer from the event bus at {bus_spec} within {timeout:g}s: is the server running?{hint}"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    bus_spec = args.bus or find_bus()
+    bus_spec = bus_flags.bus_address(args.bus, "--bus") if args.bus and not args.bus.startswith("ipc://") else args.bus
+    bus_spec = bus_spec or find_bus()
     prefixes = [p.encode() for p in (args.topic or DEFAULT_TOPICS)]
-    sub, pub = attach(bus_spec, prefixes, args.timeout)
+    sub, pub = attach(bus_spec, prefixes, args.timeout, curve_from(args.curve_public_key))
     out = sys.stdout
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill detaches as cleanly as Ctrl-C
     try:

@@ -3,6 +3,9 @@
 Every process publishes on the event bus and subscribes to the topics it serves plus its own
 heartbeat topic; `EventBus.start()` publishes a Hello on that topic until it comes back, which
 proves both the publish path and the subscriptions are live before the process takes work.
+
+Every socket comes from `socket()`, which turns CURVE on for tcp addresses when the process has a
+bus key (`configure()`, or SWITCHYARD_CURVE_* in its environment): no service handles keys itself.
 """
 
 from __future__ import annotations
@@ -31,29 +34,55 @@ def context() -> zmq.Context:
     return zmq.Context.instance()
 
 
+Z85 = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+
+
+def is_key(text: str) -> bool:
+    """Is `text` a CURVE key in Z85 text (40 characters of Z85's alphabet)?"""
+    return len(text) == 40 and all(c in Z85 for c in text)
+
+
 @dataclass(frozen=True)
 class Curve:
-    """ZeroMQ CURVE encryption for bus links that leave the host (opt-in; ipc needs none: the run
-    directory is 0700). The binding side (router, schedulers) holds the secret key; a connecting
-    process needs only the binder's public key and makes a fresh keypair of its own per socket.
-    This encrypts and authenticates the server; clients are not authenticated (no ZAP handler)."""
+    """ZeroMQ CURVE on the bus's tcp links. One keypair per deployment: every binding process (router,
+    schedulers) serves with its secret half; a connecting process needs only the public half and makes a
+    fresh keypair of its own per socket. This encrypts every link and authenticates the server (a client
+    talks only to a holder of the secret); clients are not authenticated (no ZAP handler), so anyone who
+    knows the public key can connect. ipc needs none: the run directory is 0700."""
 
     server_public: str  # Z85, 40 characters
     server_secret: str = ""  # Z85; only on processes that bind
 
+    def __repr__(self) -> str:  # never the secret, should a Curve reach a log line
+        return f"Curve(server_public={self.server_public!r}, server_secret={'<set>' if self.server_secret else ''!r})"
+
     @classmethod
-    def from_settings(cls, settings) -> Curve | None:
-        """From Settings.curve_secret_key / curve_server_key (SWITCHYARD_CURVE_*); None when neither is set."""
-        secret, public = settings.curve_secret_key, settings.curve_server_key
+    def from_keys(cls, secret: str = "", public: str = "") -> Curve | None:
+        """None when neither key is given; the public half is derived from the secret when only that is
+        given, and must match it when both are (one keypair per deployment). Errors never echo a key."""
         if not secret and not public:
             return None
-        if secret and not public:
-            public = zmq.curve_public(secret.encode()).decode()
+        if secret and not is_key(secret):
+            raise ValueError("the CURVE secret key is not a 40-character Z85 key")
+        if public and not is_key(public):
+            raise ValueError("the CURVE public key is not a 40-character Z85 key")
+        if secret:
+            derived = zmq.curve_public(secret.encode()).decode()
+            if public and public != derived:
+                raise ValueError("the CURVE public key is not the public half of the secret key")
+            public = derived
+        if not zmq.has("curve"):
+            raise RuntimeError("this libzmq was built without CURVE support")
         return cls(server_public=public, server_secret=secret)
+
+    @classmethod
+    def from_settings(cls, settings) -> Curve | None:
+        """From Settings.curve_secret_key / curve_public_key (SWITCHYARD_CURVE_*); None when neither is set."""
+        return cls.from_keys(settings.curve_secret_key, settings.curve_public_key)
 
 
 def curve_keypair() -> tuple[str, str]:
-    """A new (public, secret) CURVE keypair, Z85 text, for --curve-* settings."""
+    """A new (public, secret) CURVE keypair, Z85 text (`switchyard keygen`)."""
     public, secret = zmq.curve_keypair()
     return public.decode(), secret.decode()
 
@@ -62,7 +91,10 @@ def secure(sock: zmq.Socket, curve: Curve, *, server: bool) -> None:
     """Turn CURVE on for `sock`; must come before bind/connect."""
     if server:
         if not curve.server_secret:
-            raise ValueError("a CURVE server socket needs the secret key")
+            raise ValueError(
+                "a CURVE server socket needs the secret key (SWITCHYARD_CURVE_SECRET_KEY); this process has only "
+                "the public one"
+            )
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, curve.server_secret.encode())
         return
@@ -72,25 +104,56 @@ def secure(sock: zmq.Socket, curve: Curve, *, server: bool) -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
 
 
+_UNSET = object()
+_curve: Curve | None | object = _UNSET  # this process's bus key: configure(), else the environment on first use
+
+
+def configure(settings) -> Curve | None:
+    """Set this process's bus key from its Settings (service.run does, once); every tcp socket made by
+    socket() afterwards uses it. Returns it (None: plaintext)."""
+    global _curve
+    _curve = Curve.from_settings(settings)
+    return _curve
+
+
+def configured() -> Curve | None:
+    """This process's bus key; a process that never called configure() (http) reads its environment."""
+    global _curve
+    if _curve is _UNSET:
+        _curve = Curve.from_keys(
+            os.environ.get("SWITCHYARD_CURVE_SECRET_KEY", ""), os.environ.get("SWITCHYARD_CURVE_PUBLIC_KEY", "")
+        )
+    return _curve  # type: ignore[return-value]
+
+
 def socket(
     kind: int,
     *,
     bind: str | None = None,
     connect: str | None = None,
     ctx: zmq.Context | None = None,
-    curve: Curve | None = None,
+    curve: Curve | None | object = _UNSET,
 ):
-    """A socket with the bus's options; `ctx` may be a zmq.asyncio.Context (http); `curve` encrypts it."""
+    """A socket with the bus's options; `ctx` may be a zmq.asyncio.Context (http).
+
+    CURVE: by default the process's key (configure()) on a tcp:// address and nothing on ipc://; a
+    binder is the CURVE server, a connector its client. `curve=` overrides that (None: plaintext)."""
+    if curve is _UNSET:
+        curve = configured() if (bind or connect or "").startswith("tcp://") else None
     sock = (ctx or context()).socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
-    if curve is not None:
-        secure(sock, curve, server=bool(bind))
-    if bind:
-        sock.bind(bind)
-    if connect:
-        sock.connect(connect)
+    try:
+        if curve is not None:
+            secure(sock, curve, server=bool(bind))  # type: ignore[arg-type]
+        if bind:
+            sock.bind(bind)
+        if connect:
+            sock.connect(connect)
+    except Exception:
+        sock.close()
+        raise
     return sock
 
 

@@ -13,10 +13,12 @@ def run(role: str, body: Callable[[Settings, logging.Logger], None]) -> None:
     """Run `body` until SIGTERM (supervisord's stop) or Ctrl-C, then close every socket at once.
 
     Before `body`: logging (`logs.setup`), this process's metrics registry (`metrics.init`, read
-    back anywhere with `metrics.get()`; the heartbeat carries it) and tracing (`tracing.init`, off
-    without --otlp-endpoint)."""
+    back anywhere with `metrics.get()`; the heartbeat carries it), tracing (`tracing.init`, off
+    without --otlp-endpoint) and the bus key (`bus.configure`: CURVE on every tcp socket when set)."""
     settings = Settings.from_env()
     log = logs.setup(role, settings.index, settings.json_output)
+    if bus.configure(settings) is not None and settings.bus.startswith("tcp://"):
+        log.info("bus links encrypted (CURVE)")
     metrics.init(role, settings.index, settings)
     tracing.init(settings.otlp_service_name, settings.otlp_endpoint, role=role, index=str(settings.index))
     bus.exit_on_sigterm()

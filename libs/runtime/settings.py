@@ -63,10 +63,11 @@ class Settings:
     otlp_endpoint: str = ""  # OpenTelemetry collector (gRPC), "" = no tracing export
     otlp_service_name: str = "text-generation-inference.router"
     index: int = 0  # this process's index within its role (supervisord's process_num)
-    # CURVE on tcp bus links (libs.runtime.bus.Curve), Z85 text; "" = off. Binders hold the secret;
-    # connectors need the binders' public key (derived from the secret when only that is given)
-    curve_secret_key: str = ""
-    curve_server_key: str = ""
+    # CURVE on tcp bus links (libs.runtime.bus.Curve), Z85 text; "" = off. One keypair per deployment:
+    # binders (router, schedulers) need the secret; connectors need only the public half (derived from
+    # the secret when only that is given). Never logged (--bus-curve-secret-key, `switchyard keygen`)
+    curve_secret_key: str = dataclasses.field(default="", repr=False)
+    curve_public_key: str = ""
     # tensor parallel (num_shard > 1): replica r's ranks rendezvous on 127.0.0.1:tp_port + r (the launcher
     # picks free ports; the ranks of a replica share a host)
     tp_port: int = 0

@@ -21,10 +21,9 @@ class ShardService:
     def __init__(self, settings: Settings, replica: int = 0, rank: int = 0):
         self.replica, self.rank = replica, rank
         addresses = Addresses.parse(settings.bus)
-        curve = bus.Curve.from_settings(settings)  # None unless the bus is encrypted (tcp across hosts)
-        self.plans = bus.socket(zmq.SUB, connect=addresses.replica(replica, "plan"), curve=curve)
+        self.plans = bus.socket(zmq.SUB, connect=addresses.replica(replica, "plan"))
         self.plans.setsockopt(zmq.SUBSCRIBE, b"")
-        self.results = bus.socket(zmq.PUSH, connect=addresses.replica(replica, "results"), curve=curve)
+        self.results = bus.socket(zmq.PUSH, connect=addresses.replica(replica, "results"))
         # one accelerator per shard when there is one (shard process i takes device i), else the CPU
         index = replica * settings.num_shard + rank
         device = f"cuda:{index % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"

@@ -1,8 +1,9 @@
 """Security properties: nothing on the bus can run code (no pickle, marshal or eval in services/, libs/,
 launcher/); the run directory is private (0700) and gone after stop; the bus listens on no TCP port by default
 (the only listening socket is the HTTP port, on the address asked for); the API key is compared in constant
-time; client-chosen headers never reach a log line unescaped; HF_TOKEN and the API key never appear in any
-process's log output."""
+time; client-chosen headers never reach a log line unescaped; HF_TOKEN, the API key and the bus's CURVE secret
+never appear in any process's log output or command line (tests/e2e/test_bus_curve.py checks the secret again on
+a server whose tcp bus is encrypted with it)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from libs.runtime.bus import curve_keypair
 from tests.e2e.server import ROOT, Server, session_processes
 
 SOURCES = [p for d in ("services", "libs", "launcher") for p in sorted((ROOT / d).rglob("*.py"))]
@@ -21,6 +23,7 @@ UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "
 UNSAFE_CALLS = {"eval", "exec", "__import__", "compile"}
 API_KEY = "sk-Sw1tchyardSecurityKey-4242"
 HF_TOKEN = "hf_SecretTokenThatMustNeverBeLogged9876"
+CURVE_PUBLIC, CURVE_SECRET = curve_keypair()
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,6 +86,7 @@ def test_api_key_is_compared_in_constant_time():
 def secret_server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "secret-server.log"
     env = {"HF_TOKEN": HF_TOKEN, "HUGGING_FACE_HUB_TOKEN": HF_TOKEN, "LOG_LEVEL": "debug"}
+    env["SWITCHYARD_CURVE_SECRET_KEY"] = CURVE_SECRET  # read by the launcher, handed to every service
     server = Server(tiny_model_dir, log, "--max-total-tokens", "512", "--api-key", API_KEY, env=env)
     try:
         server.wait_healthy()
@@ -168,7 +172,7 @@ def test_secrets_never_logged_and_client_headers_escaped(secret_server):
     # every process's output (supervisord forwards it to the launcher's) and supervisord's own log
     logs = Path(secret_server.log_path).read_text(errors="replace")
     logs += (Path(secret_server.run_dir()) / "supervisord.log").read_text(errors="replace")
-    for secret in (API_KEY, HF_TOKEN, API_KEY.lower()):
+    for secret in (API_KEY, HF_TOKEN, API_KEY.lower(), CURVE_SECRET):
         assert secret not in logs, f"a secret reached the logs: {secret[:6]}…"
     assert "\x1b" not in logs, "a client's control characters reached a log line unescaped"
     for line in logs.splitlines():
@@ -179,7 +183,9 @@ def test_secrets_never_logged_and_client_headers_escaped(secret_server):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        assert API_KEY not in cmdline and HF_TOKEN not in cmdline, pid
+        assert API_KEY not in cmdline and HF_TOKEN not in cmdline and CURVE_SECRET not in cmdline, pid
+    # and the services did get the secret (so the checks above had something to find)
+    assert secret_server.env("router").get("SWITCHYARD_CURVE_SECRET_KEY") == CURVE_SECRET
 
 
 def test_request_ids_are_server_made():

@@ -1,5 +1,6 @@
-"""The bus's socket options: bounded queues everywhere, and opt-in CURVE encryption for tcp links
-(two real sockets on loopback)."""
+"""The bus's socket options: bounded queues everywhere, and CURVE on tcp links (real sockets on loopback):
+a CURVE pair talks, a plaintext client or one trusting another key gets nothing through, and once a process
+has a key (bus.configure, or its environment) every tcp socket it makes is encrypted while ipc stays plain."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_curve_from_settings():
     assert bus.Curve.from_settings(Settings()) is None
     binder = bus.Curve.from_settings(Settings(curve_secret_key=secret))
     assert binder == bus.Curve(server_public=public, server_secret=secret)  # the public half is derived
-    connector = bus.Curve.from_settings(Settings.from_env({"SWITCHYARD_CURVE_SERVER_KEY": public}))
+    connector = bus.Curve.from_settings(Settings.from_env({"SWITCHYARD_CURVE_PUBLIC_KEY": public}))
     assert connector == bus.Curve(server_public=public)
     with pytest.raises(ValueError):
         bus.secure(bus.socket(zmq.PULL), connector, server=True)  # a binder without the secret
@@ -67,3 +68,88 @@ def test_curve_link_on_loopback():
     assert not _delivered(server, bus.Curve(server_public=other_public))
     assert not _delivered(server, None)
     assert _delivered(None, None)  # and without CURVE on either side the bus works as before
+
+
+@pytest.fixture
+def unconfigured(monkeypatch):
+    """This process's bus key as at start (none yet), restored afterwards."""
+    monkeypatch.setattr(bus, "_curve", bus._UNSET)
+    for var in ("SWITCHYARD_CURVE_SECRET_KEY", "SWITCHYARD_CURVE_PUBLIC_KEY"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _roundtrip(bind_addr: str, connect_addr: str, timeout_ms: int = 1500) -> bool:
+    """PUSH → PULL with the process's configured key (no curve= given)."""
+    pull = bus.socket(zmq.PULL, bind=bind_addr)
+    push = bus.socket(zmq.PUSH, connect=connect_addr)
+    try:
+        bus.send(push, Hello(nonce="n"))
+        return bool(pull.poll(timeout_ms)) and isinstance(bus.recv(pull), Hello)
+    finally:
+        push.close()
+        pull.close()
+
+
+def test_configured_key_applies_to_every_tcp_socket(unconfigured, tmp_path):
+    public, secret = bus.curve_keypair()
+    assert bus.configure(Settings(curve_secret_key=secret)) == bus.Curve(server_public=public, server_secret=secret)
+    addr = loopback()
+    pull = bus.socket(zmq.PULL, bind=addr)
+    push = bus.socket(zmq.PUSH, connect=addr)
+    try:
+        assert pull.getsockopt(zmq.MECHANISM) == zmq.CURVE and pull.getsockopt(zmq.CURVE_SERVER) == 1
+        assert push.getsockopt(zmq.MECHANISM) == zmq.CURVE and push.getsockopt(zmq.CURVE_SERVER) == 0
+    finally:
+        push.close()
+        pull.close()
+    other = loopback()  # a closed socket's port is released asynchronously
+    assert _roundtrip(other, other)
+    # a peer that never heard of the key (an explicit plaintext socket) gets nothing through
+    assert not _delivered(bus.configured(), None)
+    ipc = f"ipc://{tmp_path}/sock"  # the run directory is private: ipc stays plaintext
+    sock = bus.socket(zmq.PULL, bind=ipc)
+    try:
+        assert sock.getsockopt(zmq.MECHANISM) == zmq.NULL
+    finally:
+        sock.close()
+    assert _roundtrip(ipc, ipc)
+
+
+def test_key_from_the_environment(unconfigured, monkeypatch):
+    """A process that never calls configure() (http) takes the key from SWITCHYARD_CURVE_* on first use."""
+    public, secret = bus.curve_keypair()
+    monkeypatch.setenv("SWITCHYARD_CURVE_PUBLIC_KEY", public)
+    sock = bus.socket(zmq.PUSH, connect=loopback())
+    try:
+        assert sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
+    finally:
+        sock.close()
+    # with the public key only, a binder cannot serve: refused loudly, not silently plaintext
+    with pytest.raises(ValueError, match="secret key"):
+        bus.socket(zmq.PULL, bind=loopback())
+
+
+def test_without_a_key_tcp_is_plaintext(unconfigured):
+    assert bus.configure(Settings()) is None
+    sock = bus.socket(zmq.PULL, bind=loopback())
+    try:
+        assert sock.getsockopt(zmq.MECHANISM) == zmq.NULL
+    finally:
+        sock.close()
+
+
+def test_bad_keys_are_refused_without_echoing_them():
+    public, secret = bus.curve_keypair()
+    other_public, _ = bus.curve_keypair()
+    for kwargs in ({"secret": secret[:-1]}, {"public": public + "x"}, {"secret": secret, "public": other_public}):
+        with pytest.raises(ValueError) as err:
+            bus.Curve.from_keys(**kwargs)
+        assert secret[:10] not in str(err.value) and public[:10] not in str(err.value)
+    assert bus.Curve.from_keys(secret, public) == bus.Curve(server_public=public, server_secret=secret)
+
+
+def test_the_secret_stays_out_of_reprs():
+    public, secret = bus.curve_keypair()
+    assert secret not in repr(bus.Curve(server_public=public, server_secret=secret))
+    assert public in repr(bus.Curve(server_public=public, server_secret=secret))
+    assert secret not in repr(Settings(curve_secret_key=secret))
