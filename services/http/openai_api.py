@@ -18,7 +18,7 @@ from aiohttp import web
 from msgspec import to_builtins
 
 from libs.protocol.messages import GenerateRequest, Parameters, TextRow
-from services.http import middleware
+from services.http import middleware, openai_tools
 from services.http import openai_schemas as oa
 from services.http.ingress import Failure, Timing
 from services.http.schemas import simple_tokens  # the /tokenize route's offsets, shared
@@ -100,7 +100,7 @@ class OpenAIRoutes:
         )
 
     def _chat_request(self, request: web.Request, body: oa.ChatBody, mode: str = "generate"):
-        tools, grammar = oa.tool_grammar(body)
+        tools, grammar = openai_tools.tool_grammar(body)
         wire = self._request(
             oa.chat_parameters(body, grammar, self.settings.model_id),
             inputs="",
@@ -137,9 +137,11 @@ class OpenAIRoutes:
                 collected = await self._collect(wire, timing)
             tool_calls = None
             if using_tools:
-                tool_calls = oa.parse_tool_call(collected[-1].final.generated_text)
+                tool_calls = openai_tools.parse_tool_call(collected[-1].final.generated_text)
                 if tool_calls is None:  # the model chose no_tool: its content is the answer
-                    collected[-1].final.generated_text = oa.no_tool_content(collected[-1].final.generated_text)
+                    collected[-1].final.generated_text = openai_tools.no_tool_content(
+                        collected[-1].final.generated_text
+                    )
         except Failure as e:
             return _error(e.status, e.message, e.error_type)
         except oa.OpenAIError as e:

@@ -4,7 +4,7 @@ Parsing follows TGI's serde types (unknown fields ignored, unsigned fields rejec
 the mapping to TGI's Parameters follows TGI's `ChatRequest::try_into_generate` and `completions` (reference
 §1.6/§1.7). Where TGI is needlessly strict for OpenAI clients, we accept more: `stop` may be a bare string,
 `stream_options` may be null, `response_format: {"type": "text"}` means no constraint, and completions honour
-`echo`.
+`echo`. TGI's tool grammar and tool-call parsing are in services.http.openai_tools.
 """
 
 from __future__ import annotations
@@ -21,15 +21,6 @@ from libs.protocol.messages import FinalInfo, Parameters, TextRow, TokenText
 U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # msgspec stops at int64; seeds above it are rare
 
-NO_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "no_tool",
-        "description": "Open ended response with no specific tool selected",
-        "arguments": {"type": "object"},
-    },
-}
-
 
 class OpenAIError(Exception):
     """A request refused before generation, as TGI's ErrorResponse with an HTTP status."""
@@ -37,10 +28,6 @@ class OpenAIError(Exception):
     def __init__(self, status: int, message: str, error_type: str):
         super().__init__(message)
         self.status, self.message, self.error_type = status, message, error_type
-
-
-def tool_error(message: str) -> OpenAIError:
-    return OpenAIError(422, f"Tool error: {message}", "tool_error")
 
 
 # ---- request bodies ---------------------------------------------------------------------------
@@ -200,43 +187,6 @@ def adapter(model: str | None, model_id: str) -> str | None:
     return None if model in (None, "", "tgi", model_id) else model
 
 
-def tool_grammar(body: ChatBody) -> tuple[list[dict] | None, dict | None]:
-    """TGI's ToolGrammar::apply: the tools the template sees and the JSON-schema grammar that forces a call."""
-    if body.tools is not None and body.response_format is not None:
-        raise tool_error("Grammar and tools are mutually exclusive")
-    if not body.tools:
-        return None, None
-    choice = body.tool_choice
-    if isinstance(choice, ToolChoiceObject):
-        choice = choice.function.name
-    if choice == "none":
-        return None, None
-    if choice in (None, "auto"):
-        tools = [*body.tools, NO_TOOL]
-    elif choice == "required":
-        tools = list(body.tools)
-    else:
-        tools = [t for t in body.tools if t["function"]["name"] == choice]
-        if not tools:
-            raise tool_error(f"Tool with name {choice} not found")
-    functions = {}
-    for tool in tools:
-        fn = tool["function"]
-        params = fn.get("arguments") or fn.get("parameters") or {}
-        properties = {"_name": {"type": "string", "const": fn["name"]}, **(params.get("properties") or {})}
-        functions[fn["name"]] = {
-            "description": fn.get("description"),
-            "properties": properties,
-            "required": ["_name", *(params.get("required") or [])],
-            "additionalProperties": params.get("additionalProperties", False),
-        }
-    schema = {
-        "$functions": functions,
-        "properties": {"function": {"anyOf": [{"$ref": f"#/$functions/{name}"} for name in functions]}},
-    }
-    return tools, {"type": "json", "value": schema}
-
-
 def chat_parameters(body: ChatBody, grammar: dict | None, model_id: str) -> Parameters:
     do_sample, temperature = _sampling(body.temperature)
     if grammar is None and body.response_format is not None and body.response_format.get("type") != "text":
@@ -379,36 +329,6 @@ class Envelope:
             choice["finish_reason"] = final.finish_reason
             out["usage"] = usage(final)
         return out
-
-
-def parse_tool_call(generated_text: str) -> list[dict] | None:
-    """TGI's non-stream tool output: {"function": {"_name": …, …}} → tool_calls; None for `no_tool`'s content."""
-    try:
-        value = orjson.loads(generated_text)
-    except orjson.JSONDecodeError as e:
-        raise tool_error(f"Failed to parse generated text: {e} {generated_text!r}") from None
-    function = value.get("function") if isinstance(value, dict) else None
-    if not isinstance(function, dict):
-        raise tool_error("No function found in generated text")
-    name = function.get("_name")
-    if not isinstance(name, str):
-        raise tool_error("No _name found in generated text")
-    arguments = {k: v for k, v in function.items() if k != "_name"}
-    if name == "no_tool":
-        return None
-    arguments_text = orjson.dumps(arguments).decode()
-    return [
-        {"id": "0", "type": "function", "function": {"description": None, "name": name, "arguments": arguments_text}}
-    ]
-
-
-def no_tool_content(generated_text: str) -> str:
-    """The `content` of a `no_tool` answer (TGI re-runs without tools; we answer with what it wrote)."""
-    function = orjson.loads(generated_text)["function"]
-    content = function.get("content")
-    if not isinstance(content, str):
-        raise tool_error("No `content` found in generated text")
-    return content
 
 
 def sse(event: dict | str) -> bytes:

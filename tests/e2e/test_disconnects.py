@@ -1,14 +1,17 @@
 """Clients that go away: a stream closed mid-generation frees its KV blocks at once, a request whose client left
-before it was placed never generates, and after many random disconnects nothing is left behind (no running or
-queued request, every KV block free). The scheduler's own counters and gauges (its heartbeat, via /metrics) are
-the evidence. The 1,000-disconnect soak is in tests/faults (make test-faults)."""
+before it was placed never generates (and one held on its way to the scheduler, its tokenizer frozen, is dropped
+on arrival without a prefill), and after many random disconnects nothing is left behind (no running or queued
+request, every KV block free). The scheduler's own counters and gauges (its heartbeat, via /metrics) and the
+processes' log lines (request_id=…) are the evidence. The 1,000-disconnect soak is in tests/faults."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
+import signal
 import time
 
 import pytest
@@ -151,18 +154,83 @@ def test_abort_before_placement_never_runs_to_the_end(tiny_server):
     assert generated < n * 300 // 10, f"requests whose client left ran on: {generated} tokens"
 
 
+def new_log(server, mark: int) -> str:
+    with open(server.log_path, "rb") as f:
+        f.seek(mark)
+        return f.read().decode(errors="replace")
+
+
+def logged_ids(text: str, role: str, words: str) -> set[str]:
+    """The request ids of `role`'s log lines that contain `words` (text logs end with request_id=<id>)."""
+    return set(re.findall(rf"^\S+ \w+ {role}\.\d+ .*{words}.* request_id=(\w+)$", text, re.M))
+
+
+def wait_logged(server, mark: int, role: str, words: str, n: int, timeout: float = 30.0) -> set[str]:
+    deadline = time.monotonic() + timeout
+    while len(ids := logged_ids(new_log(server, mark), role, words)) < n:
+        assert time.monotonic() < deadline, f"{len(ids)} of {n} {role} lines with {words!r}:\n{server.tail(30)}"
+        time.sleep(0.2)
+    return ids
+
+
+HELD = 10
+
+
 def test_abort_before_placement_never_prefills(tiny_server):
-    url = tiny_server.url
+    """Requests held on their way to the scheduler (the tokenizer is frozen by SIGSTOP, so they wait on its
+    socket) whose clients then leave: http's Abort reaches the scheduler first, and when the tokenizer runs
+    again and the requests arrive, the scheduler drops them (they never prefill or generate). A control
+    request held the same way but kept open is served: held requests really do flow on afterwards."""
+    url, port = tiny_server.url, tiny_server.port
     text = long_prompt(url, 50)
+    control_body = {"inputs": "hello there", "parameters": {"max_new_tokens": 5, "details": True}}
     before = settled(url)
+    mark = tiny_server.log_path.stat().st_size
+    tokenizer = tiny_server.pid("tokenizer")
+
+    async def open_request(path: str, body: dict):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_http_request(port, path, body))
+        await writer.drain()
+        return reader, writer
 
     async def scenario():
-        for i in range(10):
-            await disconnect_once(tiny_server.port, "immediate", text, random.Random(i))
+        # frozen, not stopped: a stopped one says goodbye and http refuses requests at once, while a frozen
+        # one counts as alive for STALE_AFTER (3 s) after its last heartbeat, and we send at once
+        os.kill(tokenizer, signal.SIGSTOP)
+        body = {"inputs": text, "parameters": {"max_new_tokens": 50}}
+        leaving = [await open_request("/generate", body) for _ in range(HELD)]
+        control_reader, control_writer = await open_request("/generate", control_body)
+        # every one was pushed onto the bus: each went unanswered long enough for http to submit it again
+        await asyncio.to_thread(wait_logged, tiny_server, mark, "http", "resubmitting", HELD + 1)
+        for reader, writer in leaving:
+            assert not reader.at_eof(), "http answered a held request"
+            writer.transport.abort()
+        aborted = await asyncio.to_thread(wait_logged, tiny_server, mark, "http", "client went away", HELD)
+        # http published their Abort as it logged that; the scheduler is up and hears it at once, and the
+        # requests cannot overtake it while the tokenizer is frozen
+        await asyncio.sleep(0.5)
+        os.kill(tokenizer, signal.SIGCONT)
+        raw = await asyncio.wait_for(control_reader.read(), 60)
+        control_writer.close()
+        return aborted, raw
 
-    asyncio.run(scenario())
+    try:
+        aborted, raw = asyncio.run(scenario())
+    finally:
+        os.kill(tokenizer, signal.SIGCONT)
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), raw[:300]
+    control_tokens = json.loads(payload)["details"]["generated_tokens"]
+    # each aborted request did reach the scheduler, after its Abort, and was dropped there
+    deadline = time.monotonic() + 30
+    while missing := aborted - logged_ids(new_log(tiny_server, mark), "scheduler", "dropped"):
+        assert time.monotonic() < deadline, f"{len(missing)} aborted requests never reached the scheduler"
+        time.sleep(0.2)
     after = settled(url)
-    assert after["prefill_rows"] == before["prefill_rows"], (before, after)
+    assert_no_ghosts(after)
+    assert after["prefill_rows"] - before["prefill_rows"] == 1, (before, after)  # the control's alone
+    assert after["generated"] - before["generated"] == control_tokens, (before, after)
 
 
 def test_fifty_random_disconnects_leave_no_ghost(tiny_server):

@@ -6,6 +6,7 @@ import orjson
 import pytest
 
 from services.http import openai_schemas as oa
+from services.http import openai_tools as ot
 
 MODEL = "org/tiny"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -17,7 +18,7 @@ def chat(**fields) -> oa.ChatBody:
 
 def chat_params(**fields):
     body = chat(**fields)
-    _, grammar = oa.tool_grammar(body)
+    _, grammar = ot.tool_grammar(body)
     return oa.chat_parameters(body, grammar, MODEL)
 
 
@@ -167,7 +168,7 @@ TOOLS = [
 
 
 def test_tool_grammar_choices():
-    tools, grammar = oa.tool_grammar(chat(tools=TOOLS))  # auto: every tool and no_tool
+    tools, grammar = ot.tool_grammar(chat(tools=TOOLS))  # auto: every tool and no_tool
     assert [t["function"]["name"] for t in tools] == ["get_weather", "noop", "no_tool"]
     schema = grammar["value"]
     assert grammar["type"] == "json"
@@ -181,29 +182,29 @@ def test_tool_grammar_choices():
     assert weather["properties"]["location"] == {"type": "string"}
     assert weather["required"] == ["_name", "location"]
 
-    assert oa.tool_grammar(chat(tools=TOOLS, tool_choice="none")) == (None, None)
-    tools, _ = oa.tool_grammar(chat(tools=TOOLS, tool_choice="required"))
+    assert ot.tool_grammar(chat(tools=TOOLS, tool_choice="none")) == (None, None)
+    tools, _ = ot.tool_grammar(chat(tools=TOOLS, tool_choice="required"))
     assert len(tools) == 2
-    tools, grammar = oa.tool_grammar(chat(tools=TOOLS, tool_choice="noop"))
+    tools, grammar = ot.tool_grammar(chat(tools=TOOLS, tool_choice="noop"))
     assert [t["function"]["name"] for t in tools] == ["noop"] and list(grammar["value"]["$functions"]) == ["noop"]
     obj = {"type": "function", "function": {"name": "get_weather"}}
-    tools, _ = oa.tool_grammar(chat(tools=TOOLS, tool_choice=obj))
+    tools, _ = ot.tool_grammar(chat(tools=TOOLS, tool_choice=obj))
     assert [t["function"]["name"] for t in tools] == ["get_weather"]
-    assert oa.tool_grammar(chat()) == (None, None)
+    assert ot.tool_grammar(chat()) == (None, None)
 
 
 def test_tool_errors():
     with pytest.raises(oa.OpenAIError) as e:
-        oa.tool_grammar(chat(tools=TOOLS, tool_choice="nope"))
+        ot.tool_grammar(chat(tools=TOOLS, tool_choice="nope"))
     assert (e.value.status, e.value.error_type) == (422, "tool_error")
     assert e.value.message == "Tool error: Tool with name nope not found"
     with pytest.raises(oa.OpenAIError) as e:
-        oa.tool_grammar(chat(tools=TOOLS, response_format={"type": "json", "value": {}}))
+        ot.tool_grammar(chat(tools=TOOLS, response_format={"type": "json", "value": {}}))
     assert e.value.message == "Tool error: Grammar and tools are mutually exclusive"
 
 
 def test_parse_tool_call():
-    calls = oa.parse_tool_call('{"function": {"_name": "get_weather", "location": "Paris"}}')
+    calls = ot.parse_tool_call('{"function": {"_name": "get_weather", "location": "Paris"}}')
     assert calls == [
         {
             "id": "0",
@@ -212,8 +213,8 @@ def test_parse_tool_call():
         }
     ]
     text = '{"function": {"_name": "no_tool", "content": "Just words."}}'
-    assert oa.parse_tool_call(text) is None and oa.no_tool_content(text) == "Just words."
+    assert ot.parse_tool_call(text) is None and ot.no_tool_content(text) == "Just words."
     for bad in ("not json", '{"x": 1}', '{"function": {"location": 1}}'):
         with pytest.raises(oa.OpenAIError) as e:
-            oa.parse_tool_call(bad)
+            ot.parse_tool_call(bad)
         assert e.value.error_type == "tool_error"
