@@ -195,35 +195,56 @@ class SchedulerService:
 
     # ---- the loop -------------------------------------------------------------------------
     def run_step(self) -> bool:
-        obs = self.observer
-        obs.plan_started()
-        plan = self.batcher.plan(self.step + 1)
+        """Run one step: plan, send, wait for its result, take the tokens in.
+
+        The next step is planned and sent before this step's tokens are published, so the shard starts on it
+        while the detokenizers' batches are encoded and sent (publishing is off the model's critical path)."""
+        plan = self._plan_and_send()
         if plan is None:
             return False
+        while plan is not None:
+            rows = self._await_result(plan)
+            if rows is None:  # the shard restarted under the step, or the step failed
+                return True
+            self._apply_ctl()
+            plan = self._plan_and_send() if self.ready and self.batcher.has_work() else None
+            started = time.perf_counter()
+            self._publish(rows)
+            self.observer.published(time.perf_counter() - started)
+        return True
+
+    def _plan_and_send(self) -> StepPlan | None:
+        self.observer.plan_started()
+        plan = self.batcher.plan(self.step + 1)
+        if plan is None:
+            return None
         self.step = plan.step
-        obs.planned(plan)
+        self.observer.planned(plan)
         bus.send(self.plans, plan)
+        return plan
+
+    def _await_result(self, plan: StepPlan) -> list[Emitted] | None:
+        """This plan's tokens, taken in by the batcher; None when it brought none (error or shard loss)."""
+        obs = self.observer
         result = None
-        while result is None or result.step != self.step:
+        while result is None or result.step != plan.step:
             for sock, _ in self.poller.poll(1000):
                 got = self._take(sock)
                 if got is not None:
                     result = got
             self.events.heartbeat(**self.load())
-            if not self.ready:  # the shard restarted mid-step: its requests have been failed
+            if not self.ready:  # the shard restarted mid-step: its requests are requeued
                 obs.result(None)
-                return True
+                self._apply_ctl()
+                return None
         obs.result(result)
         if result.error:
             self._fail_running(result.error)
-        else:
-            rows = self.batcher.apply(result)
-            obs.applied()
-            started = time.perf_counter()
-            self._publish(rows)
-            obs.step_done(True, time.perf_counter() - started)
-        self._apply_ctl()
-        return True
+            self._apply_ctl()
+            return None
+        rows = self.batcher.apply(result)
+        obs.applied()
+        return rows
 
     def load(self) -> dict:
         b = self.batcher

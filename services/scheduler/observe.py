@@ -99,18 +99,19 @@ class StepObserver:
             m.batch_forward_duration.labels(method=method).observe(result.forward_s)
 
     def applied(self) -> None:
-        """The sampled tokens are taken in (stops, bookkeeping): the scheduler's side of sampling."""
-        if self.m is not None:
-            self.m.step_duration.labels(phase="sample").observe(time.perf_counter() - self._t_result)
-
-    def step_done(self, ok: bool, publish_s: float) -> None:
+        """The sampled tokens are taken in (stops, bookkeeping): the scheduler's side of sampling; the step
+        succeeded. Called before the next step is planned (the loop plans it before publishing this one)."""
         if self.m is None:
             return
-        m, method = self.m, self.method
-        m.step_duration.labels(phase="publish").observe(publish_s)
-        if ok:
-            m.batch_inference_success.labels(method=method).inc()
-            m.batch_inference_duration.labels(method=method).observe(time.perf_counter() - self._t_plan)
+        m, method, now = self.m, self.method, time.perf_counter()
+        m.step_duration.labels(phase="sample").observe(now - self._t_result)
+        m.batch_inference_success.labels(method=method).inc()
+        m.batch_inference_duration.labels(method=method).observe(now - self._t_plan)
+
+    def published(self, seconds: float) -> None:
+        """A step's tokens went out to the detokenizers (while the next step already runs on the shard)."""
+        if self.m is not None:
+            self.m.step_duration.labels(phase="publish").observe(seconds)
 
     # ---- rows going out -------------------------------------------------------------------
     def emitted(self, rows) -> None:

@@ -13,6 +13,10 @@ gathered from the pages and padded to the group's longest row (the padding is ma
 masks depend only on the batch layout and the layer's sliding window, so they are built once per step and window
 and shared by every layer. GQA runs without copying K/V: the query heads that share a KV head are folded into
 the query-length dimension.
+
+The cache is head-major, [kv_heads, blocks, block_size, D]: one `index_select` of a row's blocks gives each head's
+keys as one contiguous [keys, D] matrix, ready for the matmul with no second copy, and a step's new K/V go in with
+one `index_copy_` over the flat slots.
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ PAD_SLACK = 2.0
 class _Group:
     """Rows attended in one batched matmul: where their queries are, which slots they read, what they see."""
 
-    q_index: torch.Tensor  # [R, Q] long: packed token index of each query (padding: 0)
-    kv_blocks: torch.Tensor  # [R, NB] long: the blocks holding the row's keys (padding: block 0, masked)
-    hidden: torch.Tensor  # [R, 1, 1, Q, NB * block_size] bool: True where a query must not see a key
+    q_index: torch.Tensor  # [R * Q] long: packed token index of each query, row by row (padding: 0)
+    kv_blocks: torch.Tensor  # [R * NB] long: the blocks holding each row's keys, row by row (padding: block 0, masked)
+    hidden: torch.Tensor  # [1, R, 1, Q, NB * block_size] bool: True where a query must not see a key
     out_rows: torch.Tensor  # [N] long: packed token index of each real query, in (row, query) order
     q_valid: torch.Tensor | None  # [R, Q] bool, None when every row has Q queries
+    rows: int = 0  # R
+    queries: int = 0  # Q: queries of the longest row
     whole: bool = False  # the group is every row, one query each, in packed order: its output is the output
 
 
@@ -49,7 +55,7 @@ class PagedBatch:
     Built once per step by the model runner and shared by every layer.
     """
 
-    kv_cache: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [blocks, kv_heads, block_size, D]
+    kv_cache: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [kv_heads, blocks, block_size, D]
     slot_mapping: torch.Tensor  # [T] long: the cache slot (block * block_size + offset) of each new token
     cu_seqlens_q: torch.Tensor  # [rows + 1] int32: row i's queries are tokens cu[i]:cu[i+1]
     context_lens: torch.Tensor  # [rows] int32: tokens in the cache before this step
@@ -60,13 +66,6 @@ class PagedBatch:
     host_context: np.ndarray = None  # [rows] int64
     host_tables: np.ndarray = None  # [rows, max_blocks] int64, padded with -1
     _groups: dict = field(default_factory=dict)  # sliding window (0 = none) -> list[_Group]
-
-    def write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) of each new token's slot."""
-        got = self._groups.get("write")
-        if got is None:
-            got = self._groups["write"] = (self.slot_mapping // self.block_size, self.slot_mapping % self.block_size)
-        return got
 
     def groups(self, window: int, device: torch.device) -> list[_Group]:
         """The row groups for layers with this sliding window (0: full attention), built on first use."""
@@ -123,11 +122,13 @@ def _build_groups(paged: PagedBatch, window: int, device: torch.device) -> list[
         all_valid = bool(q_valid.all())
         out.append(
             _Group(
-                q_index=torch.from_numpy(q_index).to(device),
-                kv_blocks=torch.from_numpy(blocks).to(device),
-                hidden=torch.from_numpy(~visible).to(device)[:, None, None],
+                q_index=torch.from_numpy(q_index.reshape(-1)).to(device),
+                kv_blocks=torch.from_numpy(blocks.reshape(-1)).to(device),
+                hidden=torch.from_numpy(~visible).to(device)[None, :, None],
                 out_rows=torch.from_numpy(q_index[q_valid]).to(device),
                 q_valid=None if all_valid else torch.from_numpy(q_valid).to(device),
+                rows=len(rows),
+                queries=Q,
                 whole=Q == 1 and len(rows) == len(n_q),
             )
         )
@@ -152,10 +153,10 @@ def paged_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     k_cache, v_cache = paged.kv_cache[module.layer_idx]
-    block, offset = paged.write_index()
-    # [1, kv_heads, T, D] -> [T, kv_heads, D] into cache[block, :, offset]
-    k_cache[block, :, offset] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache[block, :, offset] = value[0].transpose(0, 1).to(v_cache.dtype)
+    # [1, kv_heads, T, D] into the flat slots of [kv_heads, blocks * block_size, D]
+    kv_heads, _, block_size, head_dim = k_cache.shape
+    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, paged.slot_mapping, key[0].to(k_cache.dtype))
+    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, paged.slot_mapping, value[0].to(v_cache.dtype))
     groups = paged.groups(int(sliding_window or 0), query.device)
     out = _attend(query[0], k_cache, v_cache, groups, scaling, softcap)
     return out.unsqueeze(0), None  # [1, T, heads, D], like eager's transposed output
@@ -163,34 +164,37 @@ def paged_attention(
 
 def _attend(
     query: torch.Tensor,  # [heads, T, D]
-    k_cache: torch.Tensor,  # [blocks, kv_heads, block_size, D]
+    k_cache: torch.Tensor,  # [kv_heads, blocks, block_size, D]
     v_cache: torch.Tensor,
     groups: list[_Group],
     scaling: float,
     softcap: float | None,
 ) -> torch.Tensor:
     heads, total, head_dim = query.shape
-    kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
     n_rep = heads // kv_heads
+    # transformers' repeat_kv order: kv head j serves query heads j*n_rep .. j*n_rep+n_rep-1
+    by_kv_head = query.view(kv_heads, n_rep, total, head_dim)
     out = None if groups[0].whole else query.new_empty(total, heads, head_dim)
     for g in groups:
-        rows, q_len = g.q_index.shape
-        keys = g.kv_blocks.shape[1] * block_size
-        # [heads, R, Q, D] -> [R, kv_heads, n_rep * Q, D]: query heads sharing a KV head (transformers'
-        # repeat_kv order: kv head j serves heads j*n_rep .. j*n_rep+n_rep-1) become extra query rows
-        q = query[:, g.q_index].permute(1, 0, 2, 3).reshape(rows, kv_heads, n_rep * q_len, head_dim)
-        # [R, NB, kv_heads, bs, D] -> [R, kv_heads, NB * bs, D]: whole pages copied
-        k = k_cache[g.kv_blocks].transpose(1, 2).reshape(rows, kv_heads, keys, head_dim)
-        v = v_cache[g.kv_blocks].transpose(1, 2).reshape(rows, kv_heads, keys, head_dim)
-        scores = torch.matmul(q, k.transpose(2, 3)) * scaling  # [R, kv_heads, n_rep * Q, L]
+        rows, q_len = g.rows, g.queries
+        keys = g.kv_blocks.shape[0] // rows * block_size
+        q = by_kv_head if g.whole else by_kv_head.index_select(2, g.q_index)
+        # [kv_heads, n_rep, R * Q, D] -> [kv_heads, R, n_rep * Q, D]: the heads sharing a KV head are extra queries
+        q = q.view(kv_heads, n_rep, rows, q_len, head_dim).transpose(1, 2).reshape(kv_heads, rows, -1, head_dim)
+        # whole pages, one copy: [kv_heads, R * NB, bs, D] is [kv_heads, R, keys, D] as it stands
+        k = k_cache.index_select(1, g.kv_blocks).view(kv_heads, rows, keys, head_dim)
+        v = v_cache.index_select(1, g.kv_blocks).view(kv_heads, rows, keys, head_dim)
+        scores = torch.matmul(q, k.transpose(2, 3)) * scaling  # [kv_heads, R, n_rep * Q, keys]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.view(rows, kv_heads, n_rep, q_len, keys).masked_fill(g.hidden, float("-inf"))
+        scores = scores.view(kv_heads, rows, n_rep, q_len, keys).masked_fill(g.hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(probs.view(rows, kv_heads, n_rep * q_len, keys), v)  # [R, kv_heads, n_rep * Q, D]
-        o = o.view(rows, heads, q_len, head_dim).transpose(1, 2)  # [R, Q, heads, D]
+        o = torch.matmul(probs.view(kv_heads, rows, n_rep * q_len, keys), v)  # [kv_heads, R, n_rep * Q, D]
+        o = o.view(kv_heads, rows, n_rep, q_len, head_dim).permute(1, 3, 0, 2, 4)  # [R, Q, kv_heads, n_rep, D]
         if out is None:
             return o.reshape(total, heads, head_dim)
+        o = o.reshape(rows, q_len, heads, head_dim)
         out[g.out_rows] = o[g.q_valid] if g.q_valid is not None else o.reshape(-1, heads, head_dim)
     return out
 

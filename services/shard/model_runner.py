@@ -19,6 +19,7 @@ from transformers.distributed import DistributedConfig
 
 from libs.protocol.messages import SamplingParams, StepPlan, StepResult
 from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch
+from services.shard.cpu_linear import use_onednn
 from services.shard.processors import needs_history
 from services.shard.prompt_logprobs import chunk_logprobs
 from services.shard.sampling import choose
@@ -65,6 +66,7 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         watermark_gamma: float = 0.5,
         watermark_delta: float = 2.0,
+        onednn_linear: bool = True,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
@@ -81,6 +83,8 @@ class ModelRunner:
         if tp == 1:
             self.model.to(self.device)
         self.model.eval()
+        if onednn_linear and self.device.type == "cpu":
+            use_onednn(self.model)
         cfg = self.model.config.get_text_config()
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -91,9 +95,9 @@ class ModelRunner:
             )
         self.num_kv_heads //= tp  # this rank's share: the attention function sees only its heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)
-        # Per layer K and V, block-major and head-major inside a block: gathering a row's blocks copies contiguous
-        # [block_size, head_dim] pages, and each head's keys come out contiguous for the matmul.
+        shape = (self.num_kv_heads, num_blocks, block_size, self.head_dim)
+        # Per layer K and V, head-major (services.shard.attention): gathering a row's blocks gives each head's keys
+        # as one contiguous matrix for the matmul.
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.seqs: dict[int, _Sequence] = {}

@@ -2,9 +2,13 @@
 correctly again; and under load, no request in flight is lost (issue 7).
 
 Under 16 concurrent streaming greedy requests, each role in turn is killed mid-generation: every stream
-still ends with exactly the tokens of an undisturbed run (tests/reference.py), or, where a case cannot be
-saved (the http process owning the connection), the client sees the connection end promptly, never a hang;
-/health reports the missing process (503) and recovers (200).
+still ends with exactly the tokens of an undisturbed run (transformers' generate(), tests/reference.py), or,
+where a case cannot be saved (the http process owning the connection), the client sees the connection end
+promptly, never a hang; /health reports the missing process (503) and recovers (200).
+
+The reference's prompt ids are the server's: tokenizer.json as it is (as TGI reads it, <bos> from its
+post-processor). transformers' AutoTokenizer is no stand-in: for a model whose config says qwen2 it builds
+Qwen2Tokenizer, whose pre-tokenizer splits digits one by one, so "number 10" tokenizes differently.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer
 
 from tests.reference import reference_generate
 
@@ -27,6 +32,16 @@ ROLES = ["router", "tokenizer", "detokenizer", "scheduler", "shard", "http"]
 SAVED = ["detokenizer", "shard", "scheduler", "router", "tokenizer"]  # every request in flight completes
 CONCURRENT = 16
 NEW_TOKENS = 48
+
+
+def server_ids(model_dir, text: str) -> list[int]:
+    """The prompt ids the server feeds the model for `inputs` text (see the module docstring)."""
+    return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).encode(text).ids
+
+
+def expected_tokens(model_dir, text: str, max_new_tokens: int = NEW_TOKENS) -> list[int]:
+    """Greedy output of an undisturbed run: transformers' generate() on the server's prompt ids."""
+    return reference_generate(model_dir, server_ids(model_dir, text), max_new_tokens)
 
 
 def generate(url: str, text: str) -> list[int] | None:
@@ -41,7 +56,7 @@ def generate(url: str, text: str) -> list[int] | None:
 @pytest.mark.parametrize("role", ROLES)
 def test_server_recovers_after_kill(tiny_server, tiny_model_dir, role):
     text = f"after the {role} restarts"
-    expected = reference_generate(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir)(text).input_ids, 6)
+    expected = expected_tokens(tiny_model_dir, text, 6)
     old = tiny_server.pid(role)
     os.kill(old, signal.SIGKILL)
     deadline, got = time.monotonic() + 90, None
@@ -86,17 +101,11 @@ def watch_health(url: str, stop: threading.Event, seen: list[tuple[float, int]])
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_server):
-    """Each prompt with its undisturbed greedy output: the server's, one request at a time (the restarted
-    processes must reproduce it exactly, whatever the batch it is recomputed in)."""
-    wait_healthy(tiny_server.url)
+def prompts(tiny_model_dir):
+    """Each prompt with its undisturbed greedy output (the restarted processes must reproduce it exactly,
+    whatever the batch it is recomputed in)."""
     texts = [f"request {i} of the restart storm, number {i * 7 % 11}" for i in range(CONCURRENT)]
-    return [(t, alone_tokens(tiny_server.url, t)) for t in texts]
-
-
-def alone_tokens(url: str, text: str) -> list[int]:
-    body = {"inputs": text, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}}
-    return [t["id"] for t in requests.post(url + "/generate", json=body, timeout=60).json()["details"]["tokens"]]
+    return [(t, expected_tokens(tiny_model_dir, t)) for t in texts]
 
 
 def wait_healthy(url: str, timeout: float = 60.0) -> None:

@@ -46,7 +46,7 @@ def step(b: Batcher, obs: StepObserver, n: int, error: str | None = None):
     obs.emitted(rows)
     tps = {row.seq.req.request_id: obs.traceparent(row.seq.req.request_id) for row in rows if row.offset == 0}
     obs.ended(rows)
-    obs.step_done(True, 0.001)
+    obs.published(0.001)
     return rows, tps
 
 
