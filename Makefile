@@ -30,7 +30,7 @@ test: model
 	$(PY) -m pytest -q -ra
 
 # fault and soak tests that take minutes (tests/faults: 1,000 random client disconnects, an overload
-# flood); a plain `make test` skips them
+# flood, kill -9 of each role under load, a soak of SWITCHYARD_SOAK_MINUTES, default 3); `make test` skips them
 .PHONY: test-faults
 test-faults: model
 	SWITCHYARD_FAULTS=1 $(PY) -m pytest -q -ra tests/faults

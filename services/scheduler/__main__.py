@@ -264,6 +264,9 @@ class SchedulerService:
     def run(self, log) -> None:
         self.log = log
         self.events.start()
+        # say "here, not ready" before probing the shards: a restarted scheduler shows in /health (503) until its
+        # shards answered, even when it is back before its old heartbeats go stale
+        self.events.heartbeat(**self.load())
         while True:
             busy = self.ready and self.batcher.has_work() and self.run_step()
             if not self.ready:  # after our own restart the shard does not knock again: knock ourselves
