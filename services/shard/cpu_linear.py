@@ -17,9 +17,6 @@ import torch
 
 # Batch size the weights are reordered for; oneDNN serves any M from the same packing.
 PACK_FOR_BATCH = 64
-# Below this many rows (tokens in the step) MKL's path is as fast or faster (a lone decode is a matrix-vector
-# product, bound by memory either way): measured with launcher.bench.linear.
-MIN_ROWS = 4
 
 
 def available() -> bool:
@@ -38,16 +35,14 @@ def use_onednn(model: torch.nn.Module) -> int:
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             continue
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_BATCH)
-        module.forward = _packed_forward(weight, packed, module.bias, module.out_features)
+        module.forward = _packed_forward(packed, module.bias, module.out_features)
         switched += 1
     return switched
 
 
-def _packed_forward(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
+def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
     def forward(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] < MIN_ROWS:
-            return torch.nn.functional.linear(x, weight, bias)
         y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [None], "")
         return y.view(*x.shape[:-1], out_features)
 

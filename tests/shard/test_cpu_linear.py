@@ -21,7 +21,7 @@ def test_switched_linears_compute_the_same(tiny_dirs):
     with torch.inference_mode():
         logits = model(ids).logits
     assert cpu_linear.use_onednn(model) == len(linears) > 0
-    for rows, x in inputs.items():  # both sides of MIN_ROWS, and the [1, T, in] shape the model passes
+    for rows, x in inputs.items():  # the [1, T, in] shape the model passes
         got = linears[0](x)
         assert got.shape == before[rows].shape
         torch.testing.assert_close(got, before[rows], rtol=1e-4, atol=1e-4)
