@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     flag("max-batch-prefill-tokens", type=int, help="default: max(4096, max-input-tokens)")
     flag("max-batch-total-tokens", type=int, help="KV cache size in tokens (default: max(65536, max-total-tokens))")
     flag("max-batch-size", type=int, default=256)
+    flag(
+        "shard-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a step may take before the scheduler reports its shards hung (/health 503 until it returns)",
+    )
     flag("num-shard", type=int, default=1, help="tensor-parallel shards per replica (gloo on CPU, NCCL on CUDA)")
     flag("replicas", type=int, default=1, help="model replicas: a scheduler and num-shard shards each")
     flag("tokenizer-workers", type=int, default=1, help="tokenizer processes")
@@ -223,6 +229,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         max_batch_prefill_tokens=prefill,
         max_batch_total_tokens=total,
         max_batch_size=args.max_batch_size,
+        shard_stall_timeout=args.shard_stall_timeout,
         replicas=args.replicas,
         num_shard=args.num_shard,
         tokenizer_workers=args.tokenizer_workers,

@@ -42,6 +42,8 @@ class Settings:
     max_batch_prefill_tokens: int = 4096
     max_batch_total_tokens: int = 65536
     max_batch_size: int = 256
+    # seconds a step may take before the scheduler says its shards hang (not ready: /health 503) until it returns
+    shard_stall_timeout: float = 60.0
     validation_workers: int = 1
     max_client_batch_size: int = 4
     replicas: int = 1  # model replicas: one scheduler each, with num_shard shards

@@ -66,6 +66,7 @@ class SchedulerService:
         self.ready = False  # shards answered the probe plan
         self.shard_ranks: set[int] = {0}  # shards do not heartbeat: their process_up is ours to report
         self.step = 0
+        self.step_sent = 0.0  # when the step in flight went to the shards (0: none in flight)
         self.pending_ctl: list[Abort | StopHit] = []
         self.streams = StreamLog()  # every request's open and rows, for resyncs
         self.forgotten = Forgotten()  # aborted (or ended) ids that must not run again
@@ -221,22 +222,31 @@ class SchedulerService:
         self.step = plan.step
         self.observer.planned(plan)
         bus.send(self.plans, plan)
+        self.step_sent = time.monotonic()
         return plan
 
     def _await_result(self, plan: StepPlan) -> list[Emitted] | None:
         """This plan's tokens, taken in by the batcher; None when it brought none (error or shard loss)."""
         obs = self.observer
-        result = None
+        result, warned = None, False
         while result is None or result.step != plan.step:
             for sock, _ in self.poller.poll(1000):
                 got = self._take(sock)
                 if got is not None:
                     result = got
+            if self.stalled() and not warned:
+                warned = True
+                self.log.error("step %d: no result from the shards for %.0f s; reporting not ready", plan.step,
+                               time.monotonic() - self.step_sent)  # fmt: skip
             self.events.heartbeat(**self.load())
             if not self.ready:  # the shard restarted mid-step: its requests are requeued
+                self.step_sent = 0.0
                 obs.result(None)
                 self._apply_ctl()
                 return None
+        self.step_sent = 0.0
+        if warned:
+            self.log.info("step %d: the shards answered again", plan.step)
         obs.result(result)
         if result.error:
             self._fail_running(result.error)
@@ -246,6 +256,10 @@ class SchedulerService:
         obs.applied()
         return rows
 
+    def stalled(self) -> bool:
+        """A step has been out longer than --shard-stall-timeout: a shard hangs (alive, so no disconnect)."""
+        return self.step_sent > 0 and time.monotonic() - self.step_sent > self.settings.shard_stall_timeout
+
     def load(self) -> dict:
         b = self.batcher
         self.observer.gauges()  # read on the same beat as the heartbeat that carries them
@@ -253,7 +267,7 @@ class SchedulerService:
         for rank in self.shard_ranks:  # shard index as the launcher numbers them: replica-major
             self.observer.shard_up(self.replica * self.settings.num_shard + rank, self.ready)
         return {
-            "ready": self.ready,
+            "ready": self.ready and not self.stalled(),
             "queue": len(b.waiting),
             "running": len(b.running),
             "free_blocks": b.allocator.free,

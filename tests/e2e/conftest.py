@@ -21,7 +21,10 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "tiny-server.log"
     # small limits so the length checks are cheap to reach
-    server = Server(tiny_model_dir, log, "--max-total-tokens", "512", "--max-input-tokens", "400")
+    # a short stall timeout, for test_health's hung shard (a tiny-model step takes milliseconds)
+    server = Server(
+        tiny_model_dir, log, "--max-total-tokens", "512", "--max-input-tokens", "400", "--shard-stall-timeout", "6"
+    )
     try:
         server.wait_healthy()
         yield server

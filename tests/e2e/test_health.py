@@ -17,6 +17,8 @@ One server for all roles, stopped and started in turn."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -113,3 +115,38 @@ def test_health_follows_a_missing_process(tiny_server, tiny_model_dir, role):
     generate(url, text, after)
     assert tokens(after) == expected, after
     print(f"\n{role:12s} 503 after {unhealthy_after:.1f}s stopped, 200 again {healthy_after:.1f}s after its start")
+
+
+SHARD_STALL_S = 6.0  # --shard-stall-timeout of the tiny_server fixture
+
+
+def test_health_503_while_the_shard_hangs(tiny_server, tiny_model_dir):
+    """A shard that hangs without exiting (SIGSTOP: no disconnect, no restart) shows once a step has been out
+    for --shard-stall-timeout; when it runs again, /health is 200 and the waiting request completes exactly."""
+    url = tiny_server.url
+    text = "the shard froze for a while"
+    expected = expected_tokens(tiny_model_dir, text, NEW_TOKENS)
+    wait_healthy(url, 90)
+    pid = tiny_server.pid("shard")
+    during: dict = {}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        client = threading.Thread(target=generate, args=(url, text, during), daemon=True)
+        sent = time.monotonic()
+        client.start()  # its step goes out to the frozen shard and stays out
+        while health(url) != 503:
+            assert time.monotonic() - sent < SHARD_STALL_S + HEARTBEAT_S + 3, "/health still 200 with a hung shard"
+            time.sleep(0.2)
+        unhealthy_after = time.monotonic() - sent
+        assert unhealthy_after > SHARD_STALL_S - 1, "503 before the stall timeout: something else was missing"
+        assert "status" not in during, during
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    while health(url) != 200:
+        assert time.monotonic() - resumed < 10, "/health not 200 after the shard resumed"
+        time.sleep(0.2)
+    client.join(60)
+    assert tokens(during) == expected, during
+    assert tiny_server.pid("shard") == pid  # nobody restarted it: it just answered
+    print(f"\nhung shard: 503 after {unhealthy_after:.1f} s, 200 {time.monotonic() - resumed:.1f} s after SIGCONT")
