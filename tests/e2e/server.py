@@ -24,6 +24,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(n: int) -> int:
+    """The first of n consecutive tcp ports free on 127.0.0.1 now (a tcp bus takes a run of ports)."""
+    for _ in range(50):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
 def session_processes(sid: int) -> list[int]:
     """Pids of live processes in session `sid` (supervisord and its programs share one)."""
     pids = []

@@ -11,7 +11,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,34 +22,12 @@ import zmq
 from tokenizers import Tokenizer
 
 from libs.runtime import bus
-from tests.e2e.server import ROOT, Server, session_processes
+from tests.e2e.server import ROOT, Server, free_port_range, session_processes
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e
 
 PUBLIC, SECRET = bus.curve_keypair()
-
-
-def _free_range(n: int) -> int:
-    """The first of n consecutive tcp ports free on 127.0.0.1 now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 def _listeners(ports: set[int]) -> set[str]:
@@ -67,7 +44,7 @@ def _listeners(ports: set[int]) -> set[str]:
 
 @pytest.fixture(scope="module")
 def curve_server(tiny_model_dir, tmp_path_factory):
-    router, replica = _free_range(5), _free_range(3)
+    router, replica = free_port_range(5), free_port_range(3)
     log = tmp_path_factory.mktemp("logs") / "curve-server.log"
     flags = ("--max-total-tokens", "512", "--bus-address", f"tcp://:{router}?replicas=:{replica}")
     server = Server(tiny_model_dir, log, *flags, env={"SWITCHYARD_CURVE_SECRET_KEY": SECRET})

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ from transformers import AutoTokenizer
 from launcher.tap import TAP_TOPIC, attach
 from libs.protocol import ProtocolError, codec
 from libs.protocol.messages import Heartbeat, TextBatch, TokenBatch
-from tests.e2e.server import ROOT, Server
+from tests.e2e.server import ROOT, Server, free_port_range
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e
@@ -234,31 +233,8 @@ def test_a_detokenizer_started_by_hand_takes_work_and_leaves_cleanly(scale_serve
     assert late and b"tok.0002" not in late
 
 
-def _free_ports(n: int) -> int:
-    """A base port with n free ports after it on loopback."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
 def test_two_launchers_over_tcp_loopback(tiny_model_dir, tokenizer, tmp_path):
-    bus = f"tcp://127.0.0.1:{_free_ports(5)}?replicas=127.0.0.1:{_free_ports(3)}"
+    bus = f"tcp://127.0.0.1:{free_port_range(5)}?replicas=127.0.0.1:{free_port_range(3)}"
     common = (*LIMITS, "--bus-address", bus)
     front = Server(tiny_model_dir, tmp_path / "front.log", *common, "--only", "router,http,tokenizer,detokenizer")
     back = Server(tiny_model_dir, tmp_path / "back.log", *common, "--only", "scheduler,shard")
