@@ -70,6 +70,8 @@ class ShardService:
             else:
                 try:
                     result = self.runner.execute(plan)
+                    log.debug("step %d: %d rows, %d tokens, %d new; %.1f ms", plan.step, len(plan.seqs),
+                              len(plan.token_ids), len(plan.new), 1000 * result.forward_s)  # fmt: skip
                 except Exception as e:  # a failed step fails its requests, not the process
                     log.exception("step %d failed", plan.step)
                     result = StepResult(step=plan.step, rank=self.rank, error=f"{type(e).__name__}: {e}")
