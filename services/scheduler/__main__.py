@@ -1,7 +1,14 @@
 """`python -m services.scheduler`: one replica's batching loop.
 
-The loop plans a step, publishes it to the replica's shards, and while the shard computes it
-takes in new requests and control messages, so the next plan is ready when the tokens come back.
+The loop can keep two step plans in flight: while the shard computes step N, step N+1 already waits in its
+socket (decode rows feed a placeholder for the token N is sampling: the shard fills it in), so the shard never
+waits for the scheduler. When N's tokens come back they are taken in, step N+2 is planned and sent, and only then
+are N's tokens published to the detokenizers. The price: a request that arrives during N joins at N+2, a stream
+that ends with EOS at N was also fed at N+1 (that token is dropped), and an abort takes effect a step later.
+It pays where a step is short next to the round trip it hides (~1-2 ms here): measured on a 2-core CPU with
+150 ms steps it gained nothing and cost joining requests a step of TTFT, so by default (--plans-in-flight 0)
+the scheduler plans ahead only while steps take under PLAN_AHEAD_BELOW_S, and else plans each step after the
+last one's result (and still before publishing it).
 
 When a process dies (issue 7) the scheduler is where requests are saved from, since it holds their tokens:
 - a shard restart (its connection drops, or a new ShardReady) requeues the running requests for re-prefill by
@@ -15,7 +22,7 @@ When a process dies (issue 7) the scheduler is where requests are saved from, si
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import zmq
 
@@ -41,6 +48,7 @@ from services.scheduler.observe import StepObserver
 from services.scheduler.recovery import Forgotten, StreamLog
 
 REPLAY_EVERY = 0.5  # seconds between two replays of the same request (http and a detokenizer may both ask)
+PLAN_AHEAD_BELOW_S = 0.05  # --plans-in-flight 0: two plans in flight while the last step's forward took less
 
 ROLE = "scheduler"
 
@@ -66,7 +74,9 @@ class SchedulerService:
         self.ready = False  # shards answered the probe plan
         self.shard_ranks: set[int] = {0}  # shards do not heartbeat: their process_up is ours to report
         self.step = 0
-        self.step_sent = 0.0  # when the step in flight went to the shards (0: none in flight)
+        self.in_flight: deque[StepPlan] = deque()  # plans sent whose results are not in yet, oldest first
+        self.step_sent = 0.0  # when the oldest plan in flight became the shards' work (0: none in flight)
+        self.last_forward_s = 1.0  # the shard's time for the last step (unknown: plan one at a time)
         self.pending_ctl: list[Abort | StopHit] = []
         self.streams = StreamLog()  # every request's open and rows, for resyncs
         self.forgotten = Forgotten()  # aborted (or ended) ids that must not run again
@@ -196,38 +206,45 @@ class SchedulerService:
 
     # ---- the loop -------------------------------------------------------------------------
     def run_step(self) -> bool:
-        """Run one step: plan, send, wait for its result, take the tokens in.
+        """Run steps until there is no work: keep one or two plans sent, take each result in as it comes.
 
-        The next step is planned and sent before this step's tokens are published, so the shard starts on it
-        while the detokenizers' batches are encoded and sent (publishing is off the model's critical path)."""
-        plan = self._plan_and_send()
-        if plan is None:
+        The next step is planned and sent before this step's tokens are published, so publishing (encoding and
+        sending the detokenizers' batches) is off the model's critical path too."""
+        self._fill()
+        if not self.in_flight:
             return False
-        while plan is not None:
-            rows = self._await_result(plan)
-            if rows is None:  # the shard restarted under the step, or the step failed
+        while self.in_flight:
+            rows = self._await_result()
+            if rows is None:  # the shard restarted under the step, or the step failed: the rest is void
+                self.in_flight.clear()
+                self.batcher.forget_plans()
                 return True
             self._apply_ctl()
-            plan = self._plan_and_send() if self.ready and self.batcher.has_work() else None
+            self._fill()
             started = time.perf_counter()
             self._publish(rows)
             self.observer.published(time.perf_counter() - started)
         return True
 
-    def _plan_and_send(self) -> StepPlan | None:
-        self.observer.plan_started()
-        plan = self.batcher.plan(self.step + 1)
-        if plan is None:
-            return None
-        self.step = plan.step
-        self.observer.planned(plan)
-        bus.send(self.plans, plan)
-        self.step_sent = time.monotonic()
-        return plan
+    def _fill(self) -> None:
+        """Plan and send steps until enough are out (or there is nothing to plan)."""
+        depth = self.settings.plans_in_flight or (2 if self.last_forward_s < PLAN_AHEAD_BELOW_S else 1)
+        while len(self.in_flight) < depth and self.ready and self.batcher.has_work():
+            self.observer.plan_started()
+            plan = self.batcher.plan(self.step + 1)
+            if plan is None:
+                return
+            self.step = plan.step
+            self.observer.planned(plan)
+            bus.send(self.plans, plan)
+            if not self.in_flight:
+                self.step_sent = time.monotonic()
+            self.in_flight.append(plan)
 
-    def _await_result(self, plan: StepPlan) -> list[Emitted] | None:
-        """This plan's tokens, taken in by the batcher; None when it brought none (error or shard loss)."""
+    def _await_result(self) -> list[Emitted] | None:
+        """The oldest plan's tokens, taken in by the batcher; None when it brought none (error or shard loss)."""
         obs = self.observer
+        plan = self.in_flight.popleft()
         result, warned = None, False
         while result is None or result.step != plan.step:
             for sock, _ in self.poller.poll(1000):
@@ -241,19 +258,20 @@ class SchedulerService:
             self.events.heartbeat(**self.load())
             if not self.ready:  # the shard restarted mid-step: its requests are requeued
                 self.step_sent = 0.0
-                obs.result(None)
+                obs.result(plan.step, None)
                 self._apply_ctl()
                 return None
-        self.step_sent = 0.0
+        self.step_sent = time.monotonic() if self.in_flight else 0.0  # the next plan is the shards' work now
         if warned:
             self.log.info("step %d: the shards answered again", plan.step)
-        obs.result(result)
+        obs.result(plan.step, result)
+        self.last_forward_s = result.forward_s
         if result.error:
             self._fail_running(result.error)
             self._apply_ctl()
             return None
         rows = self.batcher.apply(result)
-        obs.applied()
+        obs.applied(plan.step)
         return rows
 
     def stalled(self) -> bool:

@@ -15,6 +15,11 @@ chunking path, plus what TGI lacks):
   already generated (often mostly from the prefix cache), and goes on from there. Nothing is streamed twice.
 - TGI's `waiting_served_ratio` / `max_waiting_tokens`: while a batch is running, waiting requests join only if
   at least floor(running * ratio) of them can, or once `max_waiting_tokens` steps have passed since the last join.
+- Planning ahead: the next step may be planned before the last one's result is applied (the scheduler keeps two
+  plans in flight, so the shard never waits for one). A sequence whose newest token is still on its way is fed
+  a placeholder (-1) that the shard fills with the token it sampled for it last; `pending` counts those tokens.
+  A sequence that reaches its length with its pending tokens is not planned again; one that ends with EOS has
+  already been planned once more, and that row's token is dropped when its result comes.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class Sequence:
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of its first full blocks (lookup, index)
     registered: int = 0  # its first blocks that are in the prefix index (or came from it)
     planned_blocks: int = 0  # its blocks the shard has been told about
+    pending: int = 0  # tokens sampled in planned steps whose results are not applied yet
     preempted: int = 0  # times it gave its blocks back
 
     @property
@@ -109,6 +115,9 @@ class Emitted:
     top_logprobs: list[float] = field(default_factory=list)
 
 
+_LAST_SAMPLED = np.full(1, -1, np.int32)  # a fed token the shard fills in (StepPlan.token_ids)
+
+
 def _frame(value) -> list:
     """A result frame as a list; a hand-built StepResult may leave an optional frame None."""
     return [] if value is None else value.tolist()
@@ -142,7 +151,8 @@ class Batcher:
         self.by_request: dict[str, Sequence] = {}
         self._to_drop: list[int] = []  # finished or preempted seqs the shard has not been told about
         self._handles = itertools.count(1)
-        self._inflight: list[tuple[Sequence, int, int]] = []  # the last plan's rows: (seq, handle, computed after)
+        # per planned step not applied yet: its rows as (seq, handle, computed after), to index the blocks they fill
+        self._inflight: dict[int, list[tuple[Sequence, int, int]]] = {}
         self._since_join = 0  # steps since waiting requests last joined a running batch
         self.counters = {
             "steps": 0,
@@ -170,11 +180,12 @@ class Batcher:
     def plan(self, step: int) -> StepPlan | None:
         """The next step: every running sequence's next token or chunk, plus the waiting prefills that fit."""
         rows: list[tuple[Sequence, int]] = []  # (sequence, tokens fed)
-        budget = self.max_batch_prefill_tokens - sum(1 for s in self.running.values() if s.total - s.computed == 1)
-        for s in list(self.running.values()):  # oldest first; preemption takes the newest
+        running = [s for s in self.running.values() if len(s.output) + s.pending < s.req.max_new_tokens]
+        budget = self.max_batch_prefill_tokens - sum(1 for s in running if s.total + s.pending - s.computed == 1)
+        for s in running:  # oldest first; preemption takes the newest
             if s.seq not in self.running:
                 continue  # preempted below for an older sequence
-            left = s.total - s.computed
+            left = s.total + s.pending - s.computed
             n = 1 if left == 1 else min(left, max(budget, 0))
             if n == 0:
                 continue  # a chunked prefill waits for budget
@@ -191,17 +202,20 @@ class Batcher:
                 blocks[s.seq] = s.blocks[s.planned_blocks :]
             s.planned_blocks = len(s.blocks)
         seqs, num_tokens, context_lens, token_ids, sample = [], [], [], [], []
-        self._inflight = []
+        inflight = self._inflight[step] = []
+        decodes = 0
         for s, n in rows:
             seqs.append(s.seq)
             num_tokens.append(n)
             context_lens.append(s.computed)
-            token_ids.append(s.tokens(s.computed, s.computed + n))
+            decodes += n == 1 and s.computed >= s.prompt_len  # it feeds one generated token
+            # a token not applied yet is the shard's to fill in: the one it sampled for the sequence last
+            token_ids.append(s.tokens(s.computed, s.computed + n) if s.computed < s.total else _LAST_SAMPLED)
             s.computed += n
-            sample.append(s.computed == s.total)
-            self._inflight.append((s, s.seq, s.computed))
+            sample.append(s.computed == s.total + s.pending)
+            s.pending += sample[-1]
+            inflight.append((s, s.seq, s.computed))
         c = self.counters
-        decodes = sum(1 for s, n in rows if n == 1 and s.output and s.computed == s.total)
         prefills = len(rows) - decodes
         c["steps"] += 1
         c["prefill_rows"] += prefills
@@ -236,7 +250,7 @@ class Batcher:
         """Recompute later: give the blocks back (full ones stay cached) and wait at the head of the queue."""
         self._release(s)
         self.by_request[s.req.request_id] = s
-        s.blocks, s.hashes, s.computed, s.registered = [], [], 0, 0
+        s.blocks, s.hashes, s.computed, s.registered, s.pending = [], [], 0, 0, 0
         if not s.opened:
             s.prompt_logprobs = []  # the prompt is scored again from its start
         s.preempted += 1
@@ -307,7 +321,7 @@ class Batcher:
     # ---- results --------------------------------------------------------------------------------
     def apply(self, result: StepResult) -> list[Emitted]:
         """Index the newly full blocks; append the sampled tokens; finish by length (first, as TGI) or EOS."""
-        self._register_blocks()
+        self._register_blocks(self._inflight.pop(result.step, []))
         self._gather_prompt_logprobs(result)
         counts = _frame(result.top_counts)  # empty: no row has alternatives
         top_ids, top_logprobs = _frame(result.top_ids), _frame(result.top_logprobs)
@@ -322,6 +336,7 @@ class Batcher:
             if s is None:
                 continue  # finished (aborted) or preempted while the step ran
             s.output.append(token)
+            s.pending -= 1
             self.counters["generated"] += 1
             if len(s.output) >= s.req.max_new_tokens:
                 finish = FINISH_LENGTH
@@ -334,12 +349,12 @@ class Batcher:
                 self._release(s)
         return rows
 
-    def _register_blocks(self) -> None:
-        """The last step wrote its rows' KV: index every block it filled, for later prefix hits."""
+    def _register_blocks(self, rows: list[tuple[Sequence, int, int]]) -> None:
+        """A step wrote its rows' KV: index every block it filled, for later prefix hits."""
         if not self.prefix_caching:
             return
         bs = self.block_size
-        for s, handle, computed in self._inflight:
+        for s, handle, computed in rows:
             full = computed // bs
             if s.seq != handle or handle not in self.running or full <= s.registered:
                 continue
@@ -348,7 +363,6 @@ class Batcher:
             for i in range(s.registered, full):
                 self.allocator.register(s.blocks[i], s.hashes[i])
             s.registered = full
-        self._inflight = []
 
     def _gather_prompt_logprobs(self, result: StepResult) -> None:
         """Append each fed prompt chunk's logprobs to its sequence (only sequences that asked send any)."""
@@ -371,13 +385,17 @@ class Batcher:
             del self.by_request[request_id]
         return Emitted(s, len(s.output), -1, 0.0, code)
 
+    def forget_plans(self) -> None:
+        """The plans in flight will not be applied (their step failed or the shard lost its KV)."""
+        self._inflight = {}
+
     def requeue_running(self) -> None:
         """The shard lost its KV (it restarted): every running sequence is fed again later, by the preemption path
         (oldest first at the head of the queue; nothing is streamed twice), and the prefix index, whose blocks
         name KV that is gone, is emptied."""
         for s in reversed(list(self.running.values())):
             self._preempt(s)
-        self._to_drop, self._inflight = [], []  # the shard starts from a clean slate (the probe)
+        self._to_drop, self._inflight = [], {}  # the shard starts from a clean slate (the probe)
         self.allocator.forget_cache()  # nothing is held now: every cached block is unheld
 
     def _release(self, s: Sequence) -> None:

@@ -42,8 +42,9 @@ class StepObserver:
         self.m = metrics.get()
         self.arrived_at: dict[str, float] = {}  # request id → when it reached the queue (monotonic)
         self.spans: dict[str, _Spans] = {}
-        self.method = "decode"
-        self._t_plan = self._t_sent = self._t_result = 0.0
+        # per step in flight: (method, when its planning started, when it was sent); two plans may be out at once
+        self._steps: dict[int, tuple[str, float, float]] = {}
+        self._t_plan = self._t_result = 0.0
         self._prefix_seen = {name: 0 for name, _ in PREFIX_COUNTERS}
 
     # ---- requests -------------------------------------------------------------------------
@@ -71,9 +72,10 @@ class StepObserver:
 
     def planned(self, plan: StepPlan) -> None:
         """The plan is built (and about to be sent)."""
-        self._t_sent = time.perf_counter()
+        sent = time.perf_counter()
         prefill = bool(plan.new) or bool(len(plan.num_tokens) and int(plan.num_tokens.max()) > 1)
-        self.method = "prefill" if prefill else "decode"  # TGI's batches are one or the other
+        method = "prefill" if prefill else "decode"  # TGI's batches are one or the other
+        self._steps[plan.step] = (method, self._t_plan, sent)
         now = time.monotonic()
         for new in plan.new:
             s = self.batcher.running.get(new.seq)
@@ -81,32 +83,38 @@ class StepObserver:
                 self._scheduled(s.req.request_id, now)
         if self.m is not None:
             m = self.m
-            m.step_duration.labels(phase="plan").observe(self._t_sent - self._t_plan)
-            m.batch_inference_count.labels(method=self.method).inc()
+            m.step_duration.labels(phase="plan").observe(sent - self._t_plan)
+            m.batch_inference_count.labels(method=method).inc()
             if plan.new:
                 m.batch_next_size.observe(len(plan.new))
 
-    def result(self, result: StepResult | None) -> None:
-        """The step's result came back (None: the shard restarted under it)."""
-        self._t_result = time.perf_counter()
+    def result(self, step: int, result: StepResult | None) -> None:
+        """The step's result came back (None: the shard restarted under it). Its "forward" phase runs from when
+        the shard could start it (sent, or the previous step's result, whichever is later) to now."""
+        method, _, sent = self._steps.get(step, ("decode", 0.0, 0.0))
+        now = time.perf_counter()
+        started, self._t_result = max(sent, self._t_result), now
+        if result is None or result.error:  # the other steps in flight are void
+            self._steps.clear()
         if self.m is None:
             return
-        m, method = self.m, self.method
-        m.step_duration.labels(phase="forward").observe(self._t_result - self._t_sent)
+        m = self.m
+        m.step_duration.labels(phase="forward").observe(now - started)
         if result is None or result.error:
             m.batch_inference_failure.labels(method=method).inc()
         else:
             m.batch_forward_duration.labels(method=method).observe(result.forward_s)
 
-    def applied(self) -> None:
+    def applied(self, step: int) -> None:
         """The sampled tokens are taken in (stops, bookkeeping): the scheduler's side of sampling; the step
         succeeded. Called before the next step is planned (the loop plans it before publishing this one)."""
+        method, t_plan, _ = self._steps.pop(step, ("decode", 0.0, 0.0))
         if self.m is None:
             return
-        m, method, now = self.m, self.method, time.perf_counter()
+        m, now = self.m, time.perf_counter()
         m.step_duration.labels(phase="sample").observe(now - self._t_result)
         m.batch_inference_success.labels(method=method).inc()
-        m.batch_inference_duration.labels(method=method).observe(now - self._t_plan)
+        m.batch_inference_duration.labels(method=method).observe(now - t_plan)
 
     def published(self, seconds: float) -> None:
         """A step's tokens went out to the detokenizers (while the next step already runs on the shard)."""

@@ -53,6 +53,7 @@ class _Sequence:
     prefilling: bool = True  # until its first sampled row: only prefill rows report prompt logprobs
     # prompt logprobs: the log-softmax at the previous chunk's last position (scores this chunk's first token)
     carried: torch.Tensor | None = None
+    last_token: int = -1  # the token sampled for it last: what a -1 in the plan's fed tokens stands for
 
 
 class ModelRunner:
@@ -152,16 +153,23 @@ class ModelRunner:
         num_tokens = np.asarray(plan.num_tokens, dtype=np.int64)
         context_lens = np.asarray(plan.context_lens, dtype=np.int64)
         sample_rows = np.asarray(plan.sample, dtype=bool)
-        fed_ids = np.asarray(plan.token_ids, dtype=np.int64)
+        fed_ids = np.array(plan.token_ids, dtype=np.int64)  # a copy: placeholders are filled in below
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(num_tokens, out=cu[1:])
         if int(cu[-1]) != len(fed_ids) or (num_tokens < 1).any():
             raise ValueError("plan rows do not match its token ids")
+        states = [self._seq(seq) for seq in seqs.tolist()]
+        # -1: the scheduler planned this step before it had the last one's tokens; the row feeds the token we
+        # sampled for the sequence last
+        for j in np.flatnonzero(fed_ids < 0).tolist():
+            row = int(np.searchsorted(cu, j, side="right")) - 1
+            if states[row].last_token < 0:
+                raise ValueError(f"sequence {seqs[row]} is fed its last sampled token but has sampled none")
+            fed_ids[j] = states[row].last_token
         # position of every fed token: its row's context length + its index within the row
         positions = np.arange(cu[-1]) - np.repeat(cu[:-1], num_tokens) + np.repeat(context_lens, num_tokens)
 
         bs = self.block_size
-        states = [self._seq(seq) for seq in seqs.tolist()]
         n_blocks = np.fromiter((len(st.blocks) for st in states), np.int64, len(states))
         short = np.flatnonzero(n_blocks * bs < context_lens + num_tokens)
         if len(short):
@@ -216,10 +224,10 @@ class ModelRunner:
             watermark_gamma=self.watermark_gamma,
             watermark_delta=self.watermark_delta,
         )
-        for st in sampled:  # a sampled row ends the prompt: later rows are decodes
-            st.prefilling, st.carried = False, None
         result.seqs = seqs[sample_rows].astype(np.int32)
         result.token_ids = choice.token_ids.cpu().numpy().astype(np.int32)
+        for st, token in zip(sampled, result.token_ids.tolist()):  # a sampled row ends the prompt
+            st.prefilling, st.carried, st.last_token = False, None, token
         result.logprobs = choice.logprobs.cpu().numpy().astype(np.float32)
         if choice.top_counts is not None:
             result.top_counts = choice.top_counts.cpu().numpy().astype(np.int32)

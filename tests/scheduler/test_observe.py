@@ -40,9 +40,9 @@ def step(b: Batcher, obs: StepObserver, n: int, error: str | None = None):
         token_ids=np.full(len(seqs), 5, np.int32),
         logprobs=np.zeros(len(seqs), np.float32),
     )
-    obs.result(res)
+    obs.result(n, res)
     rows = b.apply(res)
-    obs.applied()
+    obs.applied(n)
     obs.emitted(rows)
     tps = {row.seq.req.request_id: obs.traceparent(row.seq.req.request_id) for row in rows if row.offset == 0}
     obs.ended(rows)
@@ -122,6 +122,6 @@ def test_failed_step_counts_as_failure():
     b.add(req("a", 4, 2))
     obs.plan_started()
     obs.planned(b.plan(1))
-    obs.result(StepResult(step=1, error="boom"))
+    obs.result(1, StepResult(step=1, error="boom"))
     assert value("tgi_batch_inference_failure_total", method="prefill") == 1
     assert value("tgi_batch_inference_success_total", method="prefill") == 0

@@ -80,6 +80,23 @@ def test_plan_errors_and_probe(tiny_dirs):
         runner.execute(StepPlan(step=1, new=[NewSequence(3, SamplingParams())], blocks={3: [2]}, **rows))
     result = runner.execute(StepPlan(step=2, blocks={3: [0]}, **rows))
     assert result.seqs.tolist() == [3] and result.forward_s > 0
+    # -1 feeds the token the shard sampled for the sequence last (a step planned before the last result came)
+    decode = dict(seqs=rows["seqs"], num_tokens=np.array([1], np.int32), context_lens=np.array([6], np.int32))
+    decode["sample"] = rows["sample"]
+    ahead = runner.execute(StepPlan(step=3, token_ids=np.array([-1], np.int32), **decode))
+    runner.seqs.clear()
+    runner.execute(StepPlan(step=4, new=[NewSequence(3, SamplingParams())], blocks={3: [0, 1]}, **rows))
+    told = runner.execute(StepPlan(step=5, token_ids=result.token_ids, **decode))
+    assert ahead.token_ids.tolist() == told.token_ids.tolist()
+    with pytest.raises(ValueError, match="sampled none"):  # a sequence in its prompt has no token to feed
+        runner.execute(
+            StepPlan(
+                step=6,
+                new=[NewSequence(4, SamplingParams())],
+                blocks={4: [2, 3]},
+                **{**rows, "seqs": np.array([4], np.int32), "token_ids": np.array([1, 2, 3, 4, 5, -1], np.int32)},
+            )
+        )
 
 
 def test_tiny_models_are_sensitive(tiny_dirs):
