@@ -87,6 +87,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True):
     top_n_tokens: int = 0  # alternatives to report per generated token (after the warpers)
     prompt_logprobs: bool = False  # report the logprob of every prompt token (decoder_input_details)
 
+    def keeps_history(self) -> bool:
+        """Whether the shard keeps the sequence's token ids (a penalty or the watermark reads them); the scheduler
+        then sends the ids a sequence starts past (NewSequence.prefix_ids)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.watermark
+
 
 class TokenizedRequest(Message, tag="tokenized", kw_only=True):
     """A validated, tokenized request (tokenizer → admit → router → replica in).

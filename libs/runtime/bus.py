@@ -226,6 +226,10 @@ class EventBus:
                     return
         raise TimeoutError("event bus did not echo our hello: is the router running?")
 
+    def heartbeat_due(self) -> bool:
+        """Whether `heartbeat` would publish now: a caller whose load is costly to gather asks first."""
+        return time.monotonic() >= self._next_hb
+
     def heartbeat(self, **load) -> None:
         """Publish a heartbeat if one is due (once a second); call it from the main loop.
 

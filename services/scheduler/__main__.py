@@ -255,7 +255,7 @@ class SchedulerService:
                 warned = True
                 self.log.error("step %d: no result from the shards for %.0f s; reporting not ready", plan.step,
                                time.monotonic() - self.step_sent)  # fmt: skip
-            self.events.heartbeat(**self.load())
+            self._beat()
             if not self.ready:  # the shard restarted mid-step: its requests are requeued
                 self.step_sent = 0.0
                 obs.result(plan.step, None)
@@ -278,6 +278,11 @@ class SchedulerService:
         """A step has been out longer than --shard-stall-timeout: a shard hangs (alive, so no disconnect)."""
         return self.step_sent > 0 and time.monotonic() - self.step_sent > self.settings.shard_stall_timeout
 
+    def _beat(self) -> None:
+        """A heartbeat with our load, when one is due (gathering the load reads gauges: not on every wake-up)."""
+        if self.events.heartbeat_due():
+            self.events.heartbeat(**self.load())
+
     def load(self) -> dict:
         b = self.batcher
         self.observer.gauges()  # read on the same beat as the heartbeat that carries them
@@ -298,7 +303,7 @@ class SchedulerService:
         self.events.start()
         # say "here, not ready" before probing the shards: a restarted scheduler shows in /health (503) until its
         # shards answered, even when it is back before its old heartbeats go stale
-        self.events.heartbeat(**self.load())
+        self._beat()
         while True:
             busy = self.ready and self.batcher.has_work() and self.run_step()
             if not self.ready:  # after our own restart the shard does not knock again: knock ourselves
@@ -306,7 +311,7 @@ class SchedulerService:
             for sock, _ in self.poller.poll(0 if busy else 500):
                 self._take(sock)
             self._apply_ctl()
-            self.events.heartbeat(**self.load())
+            self._beat()
 
 
 def main() -> None:

@@ -38,7 +38,6 @@ from libs.protocol.messages import (
     FINISH_LENGTH,
     FINISH_NONE,
     NewSequence,
-    SamplingParams,
     StepPlan,
     StepResult,
     TokenizedRequest,
@@ -46,12 +45,6 @@ from libs.protocol.messages import (
 from libs.runtime.settings import BLOCK_SIZE
 from services.scheduler.block_allocator import BlockAllocator, blocks_for
 from services.scheduler.prefix_cache import extend_hashes
-
-
-def needs_history(p: SamplingParams) -> bool:
-    """Whether the shard keeps the sequence's token ids (penalties, watermark): as services.shard.processors,
-    restated here so the scheduler does not import torch."""
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.watermark
 
 
 @dataclass
@@ -298,7 +291,7 @@ class Batcher:
             sampling = s.req.sampling
             if s.opened and sampling.prompt_logprobs:  # a recompute: its prompt logprobs were sent already
                 sampling = msgspec.structs.replace(sampling, prompt_logprobs=False)
-            prefix = s.tokens(0, s.computed).tolist() if s.computed and needs_history(sampling) else []
+            prefix = s.tokens(0, s.computed).tolist() if s.computed and sampling.keeps_history() else []
             new.append(NewSequence(s.seq, sampling, prefix))
             blocks[s.seq] = s.blocks
             self.counters["chunked_prefills"] += n < s.total - s.computed

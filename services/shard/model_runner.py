@@ -20,7 +20,6 @@ from transformers.distributed import DistributedConfig
 from libs.protocol.messages import SamplingParams, StepPlan, StepResult
 from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch
 from services.shard.cpu_linear import use_onednn
-from services.shard.processors import needs_history
 from services.shard.prompt_logprobs import chunk_logprobs
 from services.shard.sampling import choose
 
@@ -123,7 +122,7 @@ class ModelRunner:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(int(new.sampling.seed))
             history = None
-            if needs_history(new.sampling):
+            if new.sampling.keeps_history():
                 history = _History()
                 # a prefix-cache hit (or a recompute after preemption) starts past tokens this shard never fed:
                 # the scheduler sends them so penalties and the watermark see the whole sequence

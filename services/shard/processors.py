@@ -15,11 +15,6 @@ from libs.protocol.messages import SamplingParams
 WATERMARK_HASH_KEY = 15485863
 
 
-def needs_history(p: SamplingParams) -> bool:
-    """Whether the shard must keep this sequence's token ids (for a penalty or the watermark)."""
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.watermark
-
-
 def greenlist(prev_token: int, vocab_size: int, gamma: float, device: torch.device) -> torch.Tensor:
     """The watermark's green token ids after `prev_token`: the first gamma·V of a permutation seeded by it."""
     gen = torch.Generator(device=device)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import msgspec
 import numpy as np
 import pytest
 
 from libs.protocol import codec
 from libs.protocol.messages import SamplingParams, TokenizedRequest
-from services.scheduler import batcher as batcher_module
 from services.scheduler.batcher import Batcher
 from services.scheduler.batches import stream_open
 from services.shard.model_runner import ModelRunner
@@ -101,19 +101,21 @@ def test_prefix_hits_chunks_and_preemption_match_generate(tiny_dirs, arch, in_fl
     assert b.allocator.free == 28
 
 
-def test_penalty_history_includes_the_cached_prefix(tiny_dirs, monkeypatch):
+def test_penalty_history_includes_the_cached_prefix(tiny_dirs):
     """A prefix hit starts the shard's sequence past the prompt's start: the penalties still see the whole prompt
     (the shard's history holds every token up to each fed position), and the output equals an uncached run."""
     model_dir = tiny_dirs["llama"]
     prompt = prompts_for(model_dir)[2]
     penal = dict(repetition_penalty=3.0, frequency_penalty=2.0)
 
-    def run(caching: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    def run(caching: bool, drop_prefix: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
         runner = ModelRunner(str(model_dir), num_blocks=64, block_size=BS)
         seen = []  # (history length, context + fed) of every fed row that keeps a history
         execute = runner.execute
 
         def checked(plan):
+            if drop_prefix:  # a scheduler that forgot to send the prefix ids
+                plan.new = [msgspec.structs.replace(new, prefix_ids=[]) for new in plan.new]
             result = execute(plan)
             for seq, ctx, n in zip(plan.seqs.tolist(), plan.context_lens.tolist(), plan.num_tokens.tolist()):
                 st = runner.seqs.get(seq)
@@ -130,8 +132,7 @@ def test_penalty_history_includes_the_cached_prefix(tiny_dirs, monkeypatch):
     want, _ = run(caching=False)
     got, seen = run(caching=True)
     assert got == want and all(h == n for h, n in seen)
-    monkeypatch.setattr(batcher_module, "needs_history", lambda p: False)  # no prefix ids: the check sees it
-    _, seen = run(caching=True)
+    _, seen = run(caching=True, drop_prefix=True)  # the check sees a history that lacks the prefix
     assert any(h != n for h, n in seen)
 
 
