@@ -21,7 +21,7 @@ from libs.protocol.messages import SamplingParams, StepPlan, StepResult
 from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch
 from services.shard.cpu_linear import use_onednn
 from services.shard.prompt_logprobs import chunk_logprobs
-from services.shard.sampling import choose
+from services.shard.sampling import choose, samples
 
 
 class _History:
@@ -215,6 +215,11 @@ class ModelRunner:
             self._prompt_logprobs(result, seqs, cu, states, prompt_rows, prompt_at, logits, input_ids[0])
             logits = logits[torch.from_numpy(sample_at).to(dev)]
         sampled = states if sample_rows.all() else [st for st, s in zip(states, sample_rows) if s]
+        # Each draw is seeded by the request's seed and the position of the token it draws: a sequence preempted
+        # and recomputed, or replayed on a restarted shard, draws the same tokens again.
+        for st, position in zip(sampled, (context_lens + num_tokens)[sample_rows].tolist()):
+            if samples(st.sampling):
+                st.generator.manual_seed(draw_seed(st.sampling.seed, position))
         choice = choose(
             logits,
             [st.sampling for st in sampled],
@@ -244,6 +249,12 @@ class ModelRunner:
         result.prompt_seqs = seqs[prompt_rows].astype(np.int32)
         result.prompt_counts = (cu[1:] - cu[:-1])[prompt_rows].astype(np.int32)
         result.prompt_logprobs = torch.cat(runs).cpu().numpy().astype(np.float32)
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed for the token at `position` of a request seeded `seed` (64 bits, positions spread by a
+    golden-ratio multiplier so that neighbouring positions start far apart)."""
+    return (seed + (position + 1) * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
 
 
 def _kept_positions(

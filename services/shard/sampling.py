@@ -25,7 +25,8 @@ def _has_warpers(p: SamplingParams) -> bool:
     return p.temperature != 1.0 or p.top_k > 0 or p.top_p < 1.0 or p.typical_p < 1.0
 
 
-def _samples(p: SamplingParams) -> bool:
+def samples(p: SamplingParams) -> bool:
+    """Whether the row draws its token (TGI: do_sample, or any warper) rather than taking the argmax."""
     return p.do_sample or _has_warpers(p)
 
 
@@ -163,7 +164,7 @@ def choose(
     if n == 0:
         return Choice(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, device=device))
     scores = final_scores(logits, params, histories, watermark_gamma=watermark_gamma, watermark_delta=watermark_delta)
-    sampled = [_samples(p) for p in params]
+    sampled = [samples(p) for p in params]
     want = [p.top_n_tokens for p in params]
     if not any(sampled) and max(want) == 0:
         return Choice(*_greedy(scores))

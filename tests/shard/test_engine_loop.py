@@ -175,3 +175,26 @@ def test_planning_ahead_wastes_a_row_only_on_eos(tiny_dirs):
         for i, prompt in enumerate(prompts):
             assert got[str(i)] == reference_generate(model_dir, prompt, 20)
         assert b.allocator.free == 64
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_seeded_sampling_survives_preemption(tiny_dirs, in_flight):
+    """A sampled request that is preempted and recomputed draws the same tokens as one that never was: each draw is
+    seeded by the request's seed and the token's position, not by how many draws its generator made before."""
+    model_dir = tiny_dirs["llama"]
+    prompt = prompts_for(model_dir)[2]
+    hot = dict(do_sample=True, temperature=2.0, top_k=50)
+
+    def run(num_blocks: int, others: int) -> tuple[dict, Batcher]:
+        runner = ModelRunner(str(model_dir), num_blocks=num_blocks, block_size=BS)
+        b = new_batcher(num_blocks, prefill=32)
+        # x comes last: the newest running request is the one preempted when KV runs out
+        later = [request(f"o{i}", prompt[i:], 20, seed=i, **hot) for i in range(others)]
+        later += [request("x", prompt, 20, seed=11, **hot)]
+        got, _ = serve(runner, b, {0: [request("warm", prompt, 2)], 4: later}, in_flight)
+        return got, b
+
+    want, _ = run(256, 0)
+    got, b = run(36, 3)  # x is preempted after 12 tokens (and o1 after 14)
+    assert b.counters["preemptions"] > 0
+    assert got["x"] == want["x"] and len(set(got["x"])) > 5  # really sampled: many distinct tokens
