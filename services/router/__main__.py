@@ -2,6 +2,11 @@
 
 A request placed again (http resubmits one it heard nothing of, issue 7) goes where it went the first time,
 while that replica and detokenizer live, so the scheduler sees a duplicate it ignores, not a second run.
+
+A router that has just (re)started has not heard every heartbeat yet: for one heartbeat lifetime
+(STALE_AFTER) it holds a request while it knows no detokenizer or no scheduler, instead of failing it with
+"No detokenizer is available" (or piling it on replica 0) while http's /health, which kept its own view across
+the restart, says 200.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import zmq
 from libs.protocol import Addresses, topics
 from libs.protocol.messages import Accepted, Heartbeat, RequestError, TokenizedRequest
 from libs.runtime import bus, metrics, service, tracing
-from libs.runtime.liveness import Liveness
+from libs.runtime.liveness import STALE_AFTER, Liveness
 from libs.runtime.settings import Settings
 from services.router.placement import Placement
 
@@ -56,6 +61,20 @@ class Router:
         self.placed = [0] * len(self.replicas)
         self._states: dict[tuple[str, int], tuple[int, bool]] = {}  # (role, index) → (pid, ready) last seen
         self._placed_ids: OrderedDict[str, tuple[int, int]] = OrderedDict()  # request id → (replica, detokenizer)
+        self.started = time.monotonic()
+        self.held: list[TokenizedRequest] = []  # arrived while young, before the heartbeats placement needs
+
+    def _must_hold(self) -> bool:
+        """Within one heartbeat lifetime of starting, a live peer may not have heartbeated yet."""
+        young = time.monotonic() - self.started < STALE_AFTER
+        return young and not (self.liveness.alive("detokenizer") and self.liveness.alive("scheduler"))
+
+    def _place_held(self) -> None:
+        if self.held and not self._must_hold():
+            held, self.held = self.held, []
+            log.info("placing %d requests that came before the heartbeats they needed", len(held))
+            for req in held:
+                self.place(req)
 
     def _fail(self, req: TokenizedRequest, message: str) -> None:
         log.warning("cannot place request: %s", message, extra={"request_id": req.request_id})
@@ -64,6 +83,9 @@ class Router:
 
     def place(self, req: TokenizedRequest) -> None:
         """Place one request, in the router's span (a child of the tokenizer's)."""
+        if self._must_hold():
+            self.held.append(req)
+            return
         started = time.perf_counter()
         with tracing.span("router", req.traceparent, request_id=req.request_id) as sp:
             req.traceparent = tracing.traceparent_of(sp) or req.traceparent
@@ -127,6 +149,7 @@ class Router:
                         self._log_change(got[1])
                         self.liveness.record(got[1])
                         self.placement.observe(got[1])
+            self._place_held()
             self.events.heartbeat(counters={f"placed_replica_{r}": n for r, n in enumerate(self.placed)})
 
 

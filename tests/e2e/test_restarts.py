@@ -134,7 +134,10 @@ def test_kill_under_load_loses_no_request(tiny_server, prompts, role):
         th.start()
     deadline = time.monotonic() + 90  # generous: a loaded machine (CI) may take long to start 16 streams
     while sum(len(o.get("tokens", ())) > 0 for o in outs) < CONCURRENT // 2:  # mid-generation
-        assert time.monotonic() < deadline, "the streams never started"
+        ended = sum("ended" in o for o in outs)
+        if time.monotonic() > deadline or ended == CONCURRENT:
+            errors = [o.get("error") for o in outs if o.get("error")]
+            pytest.fail(f"the streams never started ({ended} ended; errors {errors[:3]}):\n{tiny_server.tail(80)}")
         time.sleep(0.02)
     old = tiny_server.pid(role) if role != "none" else -1  # "none": the undisturbed baseline
     killed = time.monotonic()
