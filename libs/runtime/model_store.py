@@ -19,7 +19,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "gemma-3-270m (gguf q4_k_m, embedded)"
-DEFAULT_MODEL_DIRNAME = "gemma-3-270m-q4km"
+DEFAULT_MODEL_DIRNAME = "gemma-3-270m-q4km"  # change it with the conversion: a cached folder is never redone
 HUB_ALLOW_PATTERNS = [
     "config.json",
     "generation_config.json",

@@ -218,10 +218,13 @@ def test_default_root_from_environment(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def default_model(tmp_path_factory) -> Path:
+def default_model() -> Path:
+    """The default cache's folder: the one `make model` converted before the tests (or this converts it), and the
+    one the e2e Gemma tests serve. Converting a second copy into a fresh cache cost 2 minutes of every CI run.
+    A change to the conversion must change DEFAULT_MODEL_DIRNAME, or a warm cache keeps the old folder."""
     started = time.monotonic()
-    path = prepare_default_model(tmp_path_factory.mktemp("switchyard-cache"))
-    print(f"converted the embedded model in {time.monotonic() - started:.1f} s")
+    path = prepare_default_model()
+    print(f"prepared the embedded model in {time.monotonic() - started:.1f} s")
     return path
 
 
