@@ -12,6 +12,11 @@ STALE_AFTER = 3.0  # seconds without a heartbeat before a process counts as gone
 class Liveness:
     def __init__(self) -> None:
         self._seen: dict[tuple[str, int], tuple[float, Heartbeat]] = {}
+        self.since = time.monotonic()
+
+    def settled(self) -> bool:
+        """Whether this view is a heartbeat lifetime old: before that, a live process may not have been heard."""
+        return time.monotonic() - self.since >= STALE_AFTER
 
     def record(self, hb: Heartbeat) -> None:
         if hb.leaving:  # it stops cleanly: gone now, not STALE_AFTER from now

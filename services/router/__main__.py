@@ -21,7 +21,7 @@ import zmq
 from libs.protocol import Addresses, topics
 from libs.protocol.messages import Accepted, Heartbeat, RequestError, TokenizedRequest
 from libs.runtime import bus, metrics, service, tracing
-from libs.runtime.liveness import STALE_AFTER, Liveness
+from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
 from services.router.placement import Placement
 
@@ -61,13 +61,12 @@ class Router:
         self.placed = [0] * len(self.replicas)
         self._states: dict[tuple[str, int], tuple[int, bool]] = {}  # (role, index) → (pid, ready) last seen
         self._placed_ids: OrderedDict[str, tuple[int, int]] = OrderedDict()  # request id → (replica, detokenizer)
-        self.started = time.monotonic()
-        self.held: list[TokenizedRequest] = []  # arrived while young, before the heartbeats placement needs
+        self.held: list[TokenizedRequest] = []  # came before the heartbeats placement needs (_must_hold)
 
     def _must_hold(self) -> bool:
-        """Within one heartbeat lifetime of starting, a live peer may not have heartbeated yet."""
-        young = time.monotonic() - self.started < STALE_AFTER
-        return young and not (self.liveness.alive("detokenizer") and self.liveness.alive("scheduler"))
+        return not self.liveness.settled() and not (
+            self.liveness.alive("detokenizer") and self.liveness.alive("scheduler")
+        )
 
     def _place_held(self) -> None:
         if self.held and not self._must_hold():

@@ -75,7 +75,7 @@ def test_after_a_heartbeat_lifetime_with_no_detokenizer_a_held_request_fails(rou
     r.liveness.record(heartbeat("scheduler"))
     r.place(request(0))
     assert failed == []
-    r.started -= STALE_AFTER  # a heartbeat lifetime later: a live detokenizer would have been heard
+    r.liveness.since -= STALE_AFTER  # a heartbeat lifetime later: a live detokenizer would have been heard
     r._place_held()
     assert failed == ["No detokenizer is available"] and placed(replica_in) == []
     r.place(request(1))  # from now on at once

@@ -2,7 +2,7 @@
 its last heartbeat says it is leaving (a clean stop)."""
 
 from libs.protocol.messages import Heartbeat
-from libs.runtime.liveness import Liveness
+from libs.runtime.liveness import STALE_AFTER, Liveness
 
 
 def test_leaving_heartbeat_drops_the_process_at_once():
@@ -12,3 +12,10 @@ def test_leaving_heartbeat_drops_the_process_at_once():
     assert [hb.index for hb in lv.alive("scheduler")] == [0, 1] and lv.ready("scheduler")
     lv.record(Heartbeat(role="scheduler", index=0, pid=1, leaving=True))
     assert [hb.index for hb in lv.alive("scheduler")] == [1] and not lv.ready("scheduler")
+
+
+def test_a_view_settles_one_heartbeat_lifetime_after_it_starts():
+    lv = Liveness()
+    assert not lv.settled()  # a live process may not have been heard yet
+    lv.since -= STALE_AFTER
+    assert lv.settled()
