@@ -35,7 +35,8 @@ def measure(
 ) -> dict:
     import torch
 
-    from libs.protocol.messages import NewSequence, SamplingParams, StepPlan
+    from libs.protocol.messages import NewSequence, StepPlan
+    from libs.protocol.params import SamplingParams
     from services.shard.model_runner import ModelRunner
 
     per_seq = -(-(prompt_tokens + output_tokens) // BLOCK)

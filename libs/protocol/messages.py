@@ -1,4 +1,5 @@
-"""Every message that crosses the Switchyard bus, in one module.
+"""Every message that crosses the Switchyard bus, in one module (the request parameters some of them carry are
+in `libs.protocol.params`).
 
 Each message is a msgspec Struct tagged with its `kind`, so one decoder reads any frame and a
 receiver can tell at once what it got. Bulk numeric data (token ids, logprobs, offsets) does not
@@ -14,6 +15,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from libs.protocol.params import Parameters, SamplingParams
+
 # Bumped when a message changes incompatibly; a receiver drops frames of another version.
 WIRE_VERSION = 1
 
@@ -27,30 +30,6 @@ class Message(msgspec.Struct, tag_field="kind", kw_only=True):
 
 # --------------------------------------------------------------------------------------------
 # Requests: http → intake → tokenizer → admit → router → scheduler
-
-
-class Parameters(msgspec.Struct, kw_only=True):
-    """TGI's generation parameters as the client sent them (None = not given); checked by the tokenizer."""
-
-    max_new_tokens: int | None = None
-    do_sample: bool = False
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] = []
-    details: bool = False
-    return_full_text: bool | None = None
-    truncate: int | None = None
-    best_of: int | None = None  # http fans a request with best_of > 1 out into that many requests
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    typical_p: float | None = None
-    watermark: bool = False
-    decoder_input_details: bool = False  # prefill tokens with their logprobs in `details`
-    top_n_tokens: int | None = None
-    grammar: Any = None  # TGI's GrammarType as sent; refused ("not supported") for now
-    adapter_id: str | None = None
 
 
 class GenerateRequest(Message, tag="generate", kw_only=True):
@@ -70,27 +49,6 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     tools: list[dict[str, Any]] | None = None  # OpenAI tools, passed to the chat template as `tools`
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     traceparent: str | None = None  # W3C trace context of the http span, continued by each hop
-
-
-class SamplingParams(msgspec.Struct, kw_only=True, array_like=True):
-    """What the shard needs to pick a token, resolved from Parameters by the tokenizer."""
-
-    do_sample: bool = False  # False = greedy (argmax)
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-    seed: int = 0  # seeds the request's own generator when sampling
-    repetition_penalty: float = 1.0  # 1.0 = off; HF style over prompt + generated ids
-    frequency_penalty: float = 0.0  # 0.0 = off; minus penalty * count / length
-    typical_p: float = 1.0  # 1.0 = off
-    watermark: bool = False  # Kirchenbauer et al. green-list bias (gamma/delta from the shard's settings)
-    top_n_tokens: int = 0  # alternatives to report per generated token (after the warpers)
-    prompt_logprobs: bool = False  # report the logprob of every prompt token (decoder_input_details)
-
-    def keeps_history(self) -> bool:
-        """Whether the shard keeps the sequence's token ids (a penalty or the watermark reads them); the scheduler
-        then sends the ids a sequence starts past (NewSequence.prefix_ids)."""
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.watermark
 
 
 class TokenizedRequest(Message, tag="tokenized", kw_only=True):

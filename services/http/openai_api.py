@@ -17,7 +17,8 @@ import orjson
 from aiohttp import web
 from msgspec import to_builtins
 
-from libs.protocol.messages import GenerateRequest, Parameters, TextRow
+from libs.protocol.messages import GenerateRequest, TextRow
+from libs.protocol.params import Parameters
 from services.http import middleware, openai_tools
 from services.http import openai_schemas as oa
 from services.http.ingress import Failure, Timing

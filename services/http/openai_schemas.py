@@ -16,7 +16,8 @@ from typing import Annotated, Any
 import msgspec
 import orjson
 
-from libs.protocol.messages import FinalInfo, Parameters, TextRow, TokenText
+from libs.protocol.messages import FinalInfo, TextRow, TokenText
+from libs.protocol.params import Parameters
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # msgspec stops at int64; seeds above it are rare

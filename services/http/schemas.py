@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from libs.protocol.messages import FinalInfo, Parameters, TextRow, TokenText
+from libs.protocol.messages import FinalInfo, TextRow, TokenText
+from libs.protocol.params import Parameters
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 # usize/u64: msgspec bounds stop at int64, so the top is checked in __post_init__

@@ -17,7 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
-from libs.protocol.messages import SamplingParams, StepPlan, StepResult
+from libs.protocol.messages import StepPlan, StepResult
+from libs.protocol.params import SamplingParams
 from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch
 from services.shard.cpu_linear import use_onednn
 from services.shard.prompt_logprobs import chunk_logprobs

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from libs.protocol.messages import SamplingParams
+from libs.protocol.params import SamplingParams
 
 # Kirchenbauer et al.'s hash key, as TGI's `WatermarkLogitsProcessor`
 WATERMARK_HASH_KEY = 15485863

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from libs.protocol.messages import SamplingParams
+from libs.protocol.params import SamplingParams
 from services.shard.processors import apply_processors
 
 

@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from libs.protocol.messages import Parameters, RequestError, SamplingParams
+from libs.protocol.messages import RequestError
+from libs.protocol.params import Parameters, SamplingParams
 
 PREFIX = "Input validation error: "
 # TGI's DEFAULT_GENERATION_LENGTH: the chunk size its length check uses (validation.rs).

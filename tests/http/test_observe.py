@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from libs.protocol.messages import FinalInfo, GenerateRequest, Heartbeat, Parameters
+from libs.protocol.messages import FinalInfo, GenerateRequest, Heartbeat
+from libs.protocol.params import Parameters
 from libs.runtime import metrics, tracing
 from libs.runtime.liveness import Liveness
 from services.http import observe

@@ -17,10 +17,8 @@ from libs.protocol.messages import (
     Heartbeat,
     Hello,
     NewSequence,
-    Parameters,
     RequestError,
     Resync,
-    SamplingParams,
     ShardReady,
     StepPlan,
     StepResult,
@@ -34,6 +32,7 @@ from libs.protocol.messages import (
     TokenText,
     Unknown,
 )
+from libs.protocol.params import Parameters, SamplingParams
 
 SAMPLES = [
     GenerateRequest(

@@ -128,7 +128,8 @@ def test_frames_of_one_message_under_another(a, b, data):
 def test_deeply_nested_body_is_refused(depth):
     """An `Any` field (grammar, chat messages) nested deeper than Python recurses: a ProtocolError, not a
     RecursionError that would take the receiving process down."""
-    from libs.protocol.messages import GenerateRequest, Parameters
+    from libs.protocol.messages import GenerateRequest
+    from libs.protocol.params import Parameters
 
     marker = 987654321
     body = _packer.encode(
@@ -153,7 +154,8 @@ def test_wrong_version_and_unknown_kind():
 def test_encoding_client_values_fails_only_with_protocol_error(messages, grammar):
     """Chat messages, tools and grammars are carried as the client sent them: encode refuses what msgpack cannot
     hold (ints past 64 bits) with ProtocolError, and what it encodes decodes to the same values."""
-    from libs.protocol.messages import GenerateRequest, Parameters
+    from libs.protocol.messages import GenerateRequest
+    from libs.protocol.params import Parameters
 
     req = GenerateRequest(
         request_id="f" * 32, ingress=0, inputs="", parameters=Parameters(grammar=grammar), messages=messages

@@ -13,7 +13,8 @@ import pytest
 import zmq
 
 from libs.protocol import Addresses
-from libs.protocol.messages import Heartbeat, SamplingParams, TokenizedRequest
+from libs.protocol.messages import Heartbeat, TokenizedRequest
+from libs.protocol.params import SamplingParams
 from libs.runtime import bus
 from libs.runtime.liveness import STALE_AFTER
 from libs.runtime.settings import Settings

@@ -2,8 +2,9 @@
 
 import numpy as np
 
-from libs.protocol.messages import FINISH_ABORTED, FINISH_EOS, FINISH_LENGTH, FINISH_NONE, SamplingParams, StepResult
+from libs.protocol.messages import FINISH_ABORTED, FINISH_EOS, FINISH_LENGTH, FINISH_NONE, StepResult
 from libs.protocol.messages import TokenizedRequest as Req
+from libs.protocol.params import SamplingParams
 from services.scheduler.batcher import Batcher
 
 EOS = 2

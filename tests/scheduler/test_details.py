@@ -5,8 +5,9 @@ import math
 import numpy as np
 
 from libs.protocol import codec
-from libs.protocol.messages import FINISH_ABORTED, SamplingParams, StepResult, TokenBatch
+from libs.protocol.messages import FINISH_ABORTED, StepResult, TokenBatch
 from libs.protocol.messages import TokenizedRequest as Req
+from libs.protocol.params import SamplingParams
 from services.scheduler.batcher import Batcher
 from services.scheduler.batches import token_batch
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from libs.protocol.messages import SamplingParams, StepResult, TokenizedRequest
+from libs.protocol.messages import StepResult, TokenizedRequest
+from libs.protocol.params import SamplingParams
 from libs.runtime import metrics, tracing
 from services.scheduler.batcher import Batcher
 from services.scheduler.observe import StepObserver

@@ -2,8 +2,9 @@
 
 import numpy as np
 
-from libs.protocol.messages import SamplingParams, StepResult
+from libs.protocol.messages import StepResult
 from libs.protocol.messages import TokenizedRequest as Req
+from libs.protocol.params import SamplingParams
 from services.router.placement import prefix_hashes
 from services.scheduler.batcher import Batcher
 from services.scheduler.block_allocator import BlockAllocator

@@ -5,8 +5,9 @@ import time
 
 import numpy as np
 
-from libs.protocol.messages import FINISH_ABORTED, FINISH_LENGTH, SamplingParams, StepResult
+from libs.protocol.messages import FINISH_ABORTED, FINISH_LENGTH, StepResult
 from libs.protocol.messages import TokenizedRequest as Req
+from libs.protocol.params import SamplingParams
 from services.scheduler.batcher import Batcher
 from services.scheduler.batches import token_batch
 from services.scheduler.recovery import Forgotten, StreamLog

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from libs.protocol.messages import NewSequence, SamplingParams, StepPlan
+from libs.protocol.messages import NewSequence, StepPlan
+from libs.protocol.params import SamplingParams
 from services.shard.model_runner import ModelRunner
 from tests.tiny_models import build_model
 

@@ -9,7 +9,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from libs.protocol import codec
-from libs.protocol.messages import NewSequence, SamplingParams, StepPlan, StepResult
+from libs.protocol.messages import NewSequence, StepPlan, StepResult
+from libs.protocol.params import SamplingParams
 from services.shard.model_runner import ModelRunner
 from tests.tiny_models import CORPUS, EOS
 

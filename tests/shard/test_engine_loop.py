@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from libs.protocol import codec
-from libs.protocol.messages import SamplingParams, TokenizedRequest
+from libs.protocol.messages import TokenizedRequest
+from libs.protocol.params import SamplingParams
 from services.scheduler.batcher import Batcher
 from services.scheduler.batches import stream_open
 from services.shard.model_runner import ModelRunner

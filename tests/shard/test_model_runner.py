@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from libs.protocol.messages import NewSequence, SamplingParams, StepPlan
+from libs.protocol.messages import NewSequence, StepPlan
+from libs.protocol.params import SamplingParams
 from services.shard.model_runner import ModelRunner
 from tests.reference import _load, reference_generate
 from tests.shard.driver import Request, drive

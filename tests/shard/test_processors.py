@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from libs.protocol.messages import SamplingParams
+from libs.protocol.params import SamplingParams
 from services.shard.processors import WATERMARK_HASH_KEY
 from services.shard.sampling import choose, final_scores
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from libs.protocol.messages import SamplingParams
+from libs.protocol.params import SamplingParams
 from services.shard.model_runner import ModelRunner
 from tests.reference import _load, reference_generate
 from tests.shard.driver import Request, drive, prompts_for

@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from libs.protocol.messages import SamplingParams
+from libs.protocol.params import SamplingParams
 from services.shard.sampling import sample, warp
 
 VOCAB = 64

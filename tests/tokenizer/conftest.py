@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from libs.protocol.messages import GenerateRequest, Parameters
+from libs.protocol.messages import GenerateRequest
+from libs.protocol.params import Parameters
 from libs.runtime.settings import Settings
 from services.tokenizer.processor import Processor
 from tests.tiny_models import build_tokenizer

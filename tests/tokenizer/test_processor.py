@@ -8,7 +8,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from libs.protocol import codec
-from libs.protocol.messages import RequestError, SamplingParams, TokenizedRequest, TokenizeResult
+from libs.protocol.messages import RequestError, TokenizedRequest, TokenizeResult
+from libs.protocol.params import SamplingParams
 from services.tokenizer.processor import Processor
 
 from .conftest import request

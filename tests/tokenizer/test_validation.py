@@ -2,7 +2,7 @@
 
 import pytest
 
-from libs.protocol.messages import Parameters, SamplingParams
+from libs.protocol.params import Parameters, SamplingParams
 from services.tokenizer.validation import ValidationError, check_parameters, resolve
 
 MAX_STOP, MAX_INPUT, MAX_TOTAL = 4, 100, 200
