@@ -22,6 +22,7 @@ import zmq
 from libs.protocol import Addresses, ProtocolError, codec, topics
 from libs.protocol.messages import Heartbeat, Hello, Message
 from libs.runtime import metrics
+from libs.runtime.timeouts import HEARTBEAT_S
 
 log = logging.getLogger("switchyard.bus")
 
@@ -238,7 +239,7 @@ class EventBus:
         "unchanged since my last one" to the aggregator."""
         now = time.monotonic()
         if now >= self._next_hb:
-            self._next_hb = now + 1.0
+            self._next_hb = now + HEARTBEAT_S
             if "metrics" not in load and now >= self._next_metrics:
                 load["metrics"] = metrics.exposition()
                 cost = time.monotonic() - now

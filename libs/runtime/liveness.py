@@ -6,7 +6,9 @@ import time
 
 from libs.protocol.messages import Heartbeat
 
-STALE_AFTER = 3.0  # seconds without a heartbeat before a process counts as gone
+from libs.runtime.timeouts import STALE_AFTER
+
+__all__ = ["STALE_AFTER", "Liveness"]
 
 
 class Liveness:

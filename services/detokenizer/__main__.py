@@ -33,13 +33,12 @@ from libs.protocol.messages import (
 )
 from libs.runtime import bus, metrics, service, tracing
 from libs.runtime.settings import Settings
+from libs.runtime.timeouts import FORGET_AFTER, RESYNC_EVERY
 from services.detokenizer.details import TokenTexts
 from services.detokenizer.incremental import IncrementalDecoder
 from services.detokenizer.stops import StopMatcher
 
 ROLE = "detokenizer"
-FORGET_AFTER = 10_000  # ended request ids remembered, so late rows are dropped quietly
-RESYNC_EVERY = 1.0  # seconds between two resync requests for the same request
 
 
 @dataclass

@@ -42,17 +42,11 @@ from libs.protocol.messages import (
 from libs.runtime import bus, metrics, tracing
 from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
+from libs.runtime.timeouts import ABANDONED_KEEP_S, ADMIT_TIMEOUT, GIVE_UP_S, STALL_S
 from services.http import observe
 
 log = logging.getLogger("switchyard.http")
 
-ADMIT_TIMEOUT = 30.0  # seconds for a request to be accepted or rejected once submitted
-# How long an aborted, never-accepted request is remembered, to abort it when its Accepted comes at last: a copy
-# may wait in the router's queue for a scheduler that is down (restarting, or its host away) far past
-# ADMIT_TIMEOUT, and run when that scheduler is back
-ABANDONED_KEEP_S = 300.0
-STALL_S = 2.5  # seconds without an event before the watchdog resubmits (not accepted) or asks for a resync
-GIVE_UP_S = 30.0  # seconds without any event (a waiting request's scheduler answers resyncs) before failing it
 LOST = "Request failed during generation: Server error: the request was lost in a restart"
 ERROR_STATUS = {
     "validation": 422,

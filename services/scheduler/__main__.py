@@ -42,12 +42,12 @@ from libs.protocol.messages import (
 )
 from libs.runtime import bus, model_store, service
 from libs.runtime.settings import Settings
+from libs.runtime.timeouts import REPLAY_EVERY
 from services.scheduler.batcher import Batcher, Emitted
 from services.scheduler.batches import token_batch
 from services.scheduler.observe import StepObserver
 from services.scheduler.recovery import Forgotten, StreamLog
 
-REPLAY_EVERY = 0.5  # seconds between two replays of the same request (http and a detokenizer may both ask)
 PLAN_AHEAD_BELOW_S = 0.05  # --plans-in-flight 0: two plans in flight while the last step's forward took less
 
 ROLE = "scheduler"

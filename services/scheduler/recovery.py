@@ -17,13 +17,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from libs.protocol.messages import StreamOpen, TokenBatch
+from libs.runtime.timeouts import FORGET_MAX, FORGET_S, GRACE_MAX, GRACE_S
 from services.scheduler.batcher import Emitted
 from services.scheduler.batches import token_batch
 
-GRACE_S = 30.0  # an ended request's rows are kept this long, for a late resync
-GRACE_MAX = 2_000  # and at most this many ended requests
-FORGET_S = 60.0  # an aborted-before-arrival id is remembered this long
-FORGET_MAX = 20_000
 
 
 @dataclass

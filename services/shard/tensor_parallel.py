@@ -23,8 +23,9 @@ import time
 import torch
 import torch.distributed as dist
 
-HEARTBEAT_S = 1.0
-STALE_S = 5.0  # a peer silent this long is gone
+from libs.runtime.timeouts import HEARTBEAT_S
+from libs.runtime.timeouts import TP_PEER_STALE_S as STALE_S
+
 log = logging.getLogger(__name__)
 
 
