@@ -12,6 +12,11 @@ from __future__ import annotations
 HEARTBEAT_S = 1.0  # every process publishes a heartbeat this often
 STALE_AFTER = 3.0  # seconds without a heartbeat before a process counts as gone (a heartbeat lifetime)
 TP_PEER_STALE_S = 5.0  # a tensor-parallel rank silent this long is gone (its own, faster side channel)
+# A role lost less than this long ago (its last process went stale or left, or the view is younger) is taken
+# for restarting: a request that needs it waits for it (http: a tokenizer; the router: a detokenizer and a
+# scheduler) instead of failing at once with 503 (Liveness.awaited). A heartbeat lifetime: after a kill -9
+# that is two, counted from the death, as the loss itself is seen a lifetime late
+RESTART_WAIT_S = STALE_AFTER
 
 # -- http: the requests it holds --
 ADMIT_TIMEOUT = 30.0  # seconds for a request to be accepted or rejected once submitted

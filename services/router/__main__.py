@@ -1,12 +1,9 @@
 """`python -m services.router`: bind the bus, proxy events, place requests.
 
-A request placed again (http resubmits one it heard nothing of, issue 7) goes where it went the first time,
-while that replica and detokenizer live, so the scheduler sees a duplicate it ignores, not a second run.
-
-A router that has just (re)started has not heard every heartbeat yet: for one heartbeat lifetime
-(STALE_AFTER) it holds a request while it knows no detokenizer or no scheduler, instead of failing it with
-"No detokenizer is available" (or piling it on replica 0) while http's /health, which kept its own view across
-the restart, says 200.
+What the router keeps and does across restarts, its own and its peers', is told in docs/recovery.md: placement
+is sticky per request id (a resubmitted request goes where it went), and a request that needs a detokenizer or
+a scheduler while that role is awaited (Liveness.awaited: lost less than RESTART_WAIT_S ago, or never heard by
+a router that has just started) is held until one is heard, then placed in arrival order.
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ from libs.runtime.settings import Settings
 from services.router.placement import Placement
 
 ROLE = "router"
+NEEDS = ("detokenizer", "scheduler")  # the roles a request is placed on
 log = logging.getLogger("switchyard.router")
 
 
@@ -61,18 +59,31 @@ class Router:
         self.placed = [0] * len(self.replicas)
         self._states: dict[tuple[str, int], tuple[int, bool]] = {}  # (role, index) → (pid, ready) last seen
         self._placed_ids: OrderedDict[str, tuple[int, int]] = OrderedDict()  # request id → (replica, detokenizer)
-        self.held: list[TokenizedRequest] = []  # came before the heartbeats placement needs (_must_hold)
+        # waiting for a role it needs (_awaited), by request id in arrival order → (request, since when)
+        self.held: OrderedDict[str, tuple[TokenizedRequest, float]] = OrderedDict()
 
-    def _must_hold(self) -> bool:
-        return not self.liveness.settled() and not (
-            self.liveness.alive("detokenizer") and self.liveness.alive("scheduler")
+    def _awaited(self) -> list[str]:
+        """The roles a request needs that are restarting (Liveness.awaited): while any is, requests wait."""
+        return [role for role in NEEDS if self.liveness.awaited(role)]
+
+    def _hold(self, req: TokenizedRequest, awaited: list[str]) -> None:
+        if req.request_id in self.held:  # a resubmission of a request already waiting
+            return
+        self.held[req.request_id] = (req, time.monotonic())
+        log.info(
+            "no live %s yet: the request waits for one", " or ".join(awaited), extra={"request_id": req.request_id}
         )
 
     def _place_held(self) -> None:
-        if self.held and not self._must_hold():
-            held, self.held = self.held, []
-            log.info("placing %d requests that came before the heartbeats they needed", len(held))
-            for req in held:
+        """Place what waits once nothing it needs is awaited any more: a process was heard, or RESTART_WAIT_S
+        passed (then placing fails as it would have at once, "No detokenizer is available")."""
+        if self.held and not self._awaited():
+            held, self.held = self.held, OrderedDict()
+            now = time.monotonic()
+            log.info(
+                "placing %d held requests (waited up to %.1f s)", len(held), now - min(t for _, t in held.values())
+            )
+            for req, _ in held.values():
                 self.place(req)
 
     def _fail(self, req: TokenizedRequest, message: str) -> None:
@@ -82,9 +93,10 @@ class Router:
 
     def place(self, req: TokenizedRequest) -> None:
         """Place one request, in the router's span (a child of the tokenizer's)."""
-        if self._must_hold():
-            self.held.append(req)
-            return
+        awaited = self._awaited()
+        if awaited:
+            return self._hold(req, awaited)
+        self._place_held()  # those that came first go first
         started = time.perf_counter()
         with tracing.span("router", req.traceparent, request_id=req.request_id) as sp:
             req.traceparent = tracing.traceparent_of(sp) or req.traceparent

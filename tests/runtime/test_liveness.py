@@ -1,8 +1,16 @@
 """Liveness from heartbeats: a process counts as gone STALE_AFTER seconds after its last one, or at once when
-its last heartbeat says it is leaving (a clean stop)."""
+its last heartbeat says it is leaving (a clean stop); a role lost less than RESTART_WAIT_S ago is awaited."""
+
+import pytest
 
 from libs.protocol.messages import Heartbeat
-from libs.runtime.liveness import STALE_AFTER, Liveness
+from libs.runtime.liveness import RESTART_WAIT_S, STALE_AFTER, Liveness
+
+
+def age(lv: Liveness, seconds: float) -> None:
+    lv.since -= seconds
+    lv._seen = {k: (t - seconds, hb) for k, (t, hb) in lv._seen.items()}
+    lv._left = {k: t - seconds for k, t in lv._left.items()}
 
 
 def test_leaving_heartbeat_drops_the_process_at_once():
@@ -14,8 +22,35 @@ def test_leaving_heartbeat_drops_the_process_at_once():
     assert [hb.index for hb in lv.alive("scheduler")] == [1] and not lv.ready("scheduler")
 
 
-def test_a_view_settles_one_heartbeat_lifetime_after_it_starts():
+def test_a_role_never_heard_is_awaited_for_the_first_wait_of_a_view():
     lv = Liveness()
-    assert not lv.settled()  # a live process may not have been heard yet
-    lv.since -= STALE_AFTER
-    assert lv.settled()
+    assert lv.awaited("detokenizer")  # a live process may not have been heard yet
+    assert RESTART_WAIT_S - 0.5 < lv.wait_left("detokenizer") <= RESTART_WAIT_S
+    age(lv, RESTART_WAIT_S)
+    assert not lv.awaited("detokenizer") and lv.wait_left("detokenizer") == 0.0
+
+
+def test_a_live_role_is_not_awaited():
+    lv = Liveness()
+    lv.record(Heartbeat(role="tokenizer", index=0, pid=1))
+    assert not lv.awaited("tokenizer") and lv.wait_left("tokenizer") == 0.0
+
+
+@pytest.mark.parametrize("lost", ["stale", "left"])
+def test_a_lost_role_is_awaited_for_the_wait_after_its_loss(lost):
+    lv = Liveness()
+    age(lv, 60)
+    lv.record(Heartbeat(role="tokenizer", index=0, pid=1))
+    lv.record(Heartbeat(role="tokenizer", index=1, pid=2))
+    if lost == "stale":  # kill -9: its heartbeats stop; lost when the last one goes stale
+        age(lv, STALE_AFTER + 0.5)
+    else:  # a clean stop of both: lost at once
+        lv.record(Heartbeat(role="tokenizer", index=0, pid=1, leaving=True))
+        assert lv.alive("tokenizer") and not lv.awaited("tokenizer")  # one of two is enough
+        lv.record(Heartbeat(role="tokenizer", index=1, pid=2, leaving=True))
+    assert not lv.alive("tokenizer") and lv.awaited("tokenizer")
+    assert lv.wait_left("tokenizer") == pytest.approx(RESTART_WAIT_S - (0.5 if lost == "stale" else 0.0), abs=0.2)
+    lv.record(Heartbeat(role="tokenizer", index=0, pid=3))  # restarted
+    assert not lv.awaited("tokenizer")
+    age(lv, STALE_AFTER + RESTART_WAIT_S)  # it too is gone, for longer than the wait: missing, not awaited
+    assert not lv.alive("tokenizer") and not lv.awaited("tokenizer")
