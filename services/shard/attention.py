@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 
+from services.shard.attention_tiled import TiledRow, attend_tiled, build_tiled, long_rows
+
 ATTN_IMPLEMENTATION = "switchyard_paged"
 
 # A group's padded work (rows x queries x keys) may exceed its real work by this factor before a row starts a new
@@ -65,13 +67,18 @@ class PagedBatch:
     host_cu: np.ndarray = None  # [rows + 1] int64
     host_context: np.ndarray = None  # [rows] int64
     host_tables: np.ndarray = None  # [rows, max_blocks] int64, padded with -1
-    _groups: dict = field(default_factory=dict)  # sliding window (0 = none) -> list[_Group]
+    _groups: dict = field(default_factory=dict)  # sliding window (0 = none) -> (groups, tiled rows)
 
-    def groups(self, window: int, device: torch.device) -> list[_Group]:
-        """The row groups for layers with this sliding window (0: full attention), built on first use."""
+    def plan(self, window: int, device: torch.device) -> tuple[list[_Group], list[TiledRow]]:
+        """For layers with this sliding window (0: full attention), built on first use: the groups of short rows
+        and the tile plans of long prefill rows."""
         got = self._groups.get(window)
         if got is None:
-            got = self._groups[window] = _build_groups(self, window, device)
+            n_q = self.host_cu[1:] - self.host_cu[:-1]
+            tiled = long_rows(n_q)
+            short = np.setdiff1d(np.arange(len(n_q)), tiled) if len(tiled) else np.arange(len(n_q))
+            groups = _build_groups(self, short, window, device) if len(short) else []
+            got = self._groups[window] = (groups, build_tiled(self, tiled, window, device))
         return got
 
 
@@ -94,7 +101,7 @@ def _bucket(q_lens: np.ndarray, k_lens: np.ndarray) -> list[np.ndarray]:
     return groups
 
 
-def _build_groups(paged: PagedBatch, window: int, device: torch.device) -> list[_Group]:
+def _build_groups(paged: PagedBatch, subset: np.ndarray, window: int, device: torch.device) -> list[_Group]:
     cu, ctx, tables, bs = paged.host_cu, paged.host_context, paged.host_tables, paged.block_size
     n_q = cu[1:] - cu[:-1]
     # A sliding-window layer never looks further back than the window: gather only what the first query can see.
@@ -102,7 +109,8 @@ def _build_groups(paged: PagedBatch, window: int, device: torch.device) -> list[
     out = []
     first_block = first // bs
     n_b = -(-(ctx + n_q) // bs) - first_block  # blocks a row reads
-    for rows in _bucket(n_q, n_b * bs):
+    for rows in _bucket(n_q[subset], n_b[subset] * bs):
+        rows = subset[rows]
         nq, c, fb = n_q[rows], ctx[rows], first_block[rows]
         Q, NB = int(nq.max()), int(n_b[rows].max())
         jb = np.arange(NB)
@@ -157,8 +165,15 @@ def paged_attention(
     kv_heads, _, block_size, head_dim = k_cache.shape
     k_cache.view(kv_heads, -1, head_dim).index_copy_(1, paged.slot_mapping, key[0].to(k_cache.dtype))
     v_cache.view(kv_heads, -1, head_dim).index_copy_(1, paged.slot_mapping, value[0].to(v_cache.dtype))
-    groups = paged.groups(int(sliding_window or 0), query.device)
-    out = _attend(query[0], k_cache, v_cache, groups, scaling, softcap)
+    window = int(sliding_window or 0)
+    groups, tiled = paged.plan(window, query.device)
+    out = None
+    if groups:
+        out = _attend(query[0], k_cache, v_cache, groups, scaling, softcap)
+    if tiled:
+        if out is None:
+            out = query.new_empty(query.shape[2], query.shape[1], head_dim)
+        attend_tiled(query[0], k_cache, v_cache, tiled, out, scaling, softcap, window)
     return out.unsqueeze(0), None  # [1, T, heads, D], like eager's transposed output
 
 

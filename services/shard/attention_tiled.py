@@ -1,0 +1,133 @@
+"""Tiled attention for long prefill rows: memory bounded, never a [heads, n, n] score matrix.
+
+A long row's queries are cut into tiles of TILE_QUERIES. Each tile attends only to the keys it can see: on a
+sliding-window layer the window before its first query up to its last query (O(n · window) for the row), on a
+full-attention layer its causal prefix. The row's keys are gathered from the pages once per layer; every tile's
+keys are then a view of that gather, and its mask ([tile queries, tile keys] bool) is built as the tile runs, so
+the memory a row needs beyond its own K/V is one tile's mask (and, on the eager path, one tile's scores).
+
+Two kernels run a tile:
+- PyTorch's SDPA (`scaled_dot_product_attention`): on CPU it takes the flash kernel even with a boolean mask and
+  GQA (`enable_gqa`), so scores never leave its blocks. It cannot soft-cap.
+- the eager math (matmul, scale, soft-cap, mask, float32 softmax, matmul), as transformers' eager attention and
+  the grouped path do: the exact path for soft-capped models (Gemma-2).
+The choice between them, and the tile sizes, were measured (`python -m launcher.bench.attention`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# Rows with at least this many queries in a step take the tiled path; shorter rows (decodes, short chunks) keep
+# the grouped path, where batching many small rows into one matmul pays more than a kernel per row.
+TILE_MIN_QUERIES = 128
+# Queries per tile: large enough that the flash kernel has blocks to spread over threads, small enough that one
+# tile's mask (and eager scores) stays small next to the row's K/V.
+TILE_QUERIES = 256
+
+# Tiles run, by kernel ("sdpa" / "eager"): lets tests see that the tiled path really ran.
+STATS: Counter = Counter()
+
+
+@dataclass
+class TiledRow:
+    """One long row of a step, cut into query tiles, for layers with one sliding window."""
+
+    kv_blocks: torch.Tensor  # [NB] long: the blocks holding every key some query of the row sees
+    q_start: int  # packed index of the row's first query
+    q_pos: int  # position of the row's first query
+    k_pos: int  # position of the first gathered key
+    tiles: list[tuple[int, int, int, int]]  # (first query, queries, first key, keys), relative to the row / gather
+
+
+def long_rows(n_q: np.ndarray) -> np.ndarray:
+    """Indices of the rows that take the tiled path."""
+    return np.flatnonzero(n_q >= max(TILE_MIN_QUERIES, 2))
+
+
+def build_tiled(paged, rows: np.ndarray, window: int, device: torch.device) -> list[TiledRow]:
+    """The tile plan of `rows` (indices into the batch) for layers with this sliding window (0: full)."""
+    cu, ctx, tables, bs = paged.host_cu, paged.host_context, paged.host_tables, paged.block_size
+    out = []
+    for i in rows.tolist():
+        n, c = int(cu[i + 1] - cu[i]), int(ctx[i])
+        first = max(0, c - window + 1) if window else 0  # the first key the row's first query sees
+        fb, lb = first // bs, -(-(c + n) // bs)
+        tiles = []
+        for t0 in range(0, n, TILE_QUERIES):
+            tq = min(TILE_QUERIES, n - t0)
+            p0 = c + t0  # position of the tile's first query
+            lo = max(0, p0 - window + 1) if window else 0  # as masking_utils: kv_idx > q_idx - sliding_window
+            tiles.append((t0, tq, lo - fb * bs, p0 + tq - lo))
+        blocks = torch.from_numpy(np.ascontiguousarray(tables[i, fb:lb])).to(device)
+        out.append(TiledRow(blocks, int(cu[i]), c, fb * bs, tiles))
+    return out
+
+
+def _tile_mask(q_pos: int, queries: int, k_pos: int, keys: int, window: int, device) -> torch.Tensor | None:
+    """[queries, keys] bool, True where a query may see a key; None when every query sees every key."""
+    if queries == 1 and not window:
+        return None
+    qp = torch.arange(q_pos, q_pos + queries, device=device)[:, None]
+    kp = torch.arange(k_pos, k_pos + keys, device=device)[None, :]
+    visible = kp <= qp
+    if window:
+        visible &= kp > qp - window
+    return visible
+
+
+def attend_tiled(
+    query: torch.Tensor,  # [heads, T, D]
+    k_cache: torch.Tensor,  # [kv_heads, blocks, block_size, D]
+    v_cache: torch.Tensor,
+    rows: list[TiledRow],
+    out: torch.Tensor,  # [T, heads, D]: each row's queries are written here
+    scaling: float,
+    softcap: float | None,
+    window: int,
+) -> None:
+    heads, _, head_dim = query.shape
+    kv_heads = k_cache.shape[0]
+    for row in rows:
+        # the row's keys once per layer: [kv_heads, NB, bs, D] is [kv_heads, keys, D] as it stands
+        k = k_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
+        v = v_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
+        for t0, tq, k0, nk in row.tiles:
+            q = query[:, row.q_start + t0 : row.q_start + t0 + tq]  # [heads, tq, D]
+            mask = _tile_mask(row.q_pos + t0, tq, row.k_pos + k0, nk, window, query.device)
+            kt, vt = k[:, k0 : k0 + nk], v[:, k0 : k0 + nk]
+            if softcap is None:
+                o = _sdpa_tile(q, kt, vt, mask, scaling)
+                STATS["sdpa"] += 1
+            else:
+                o = eager_tile(q, kt, vt, mask, scaling, softcap)
+                STATS["eager"] += 1
+            out[row.q_start + t0 : row.q_start + t0 + tq] = o.transpose(0, 1)
+
+
+def _sdpa_tile(q, k, v, mask, scaling) -> torch.Tensor:
+    """[heads, tq, D] by PyTorch's SDPA (the CPU flash kernel: GQA and a boolean mask without leaving it)."""
+    o = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, scale=scaling, enable_gqa=q.shape[0] != k.shape[0]
+    )
+    return o[0]
+
+
+def eager_tile(q, k, v, mask, scaling, softcap) -> torch.Tensor:
+    """[heads, tq, D] by transformers' eager math; the query heads sharing a KV head are folded into the queries."""
+    heads, tq, head_dim = q.shape
+    kv_heads, keys = k.shape[0], k.shape[1]
+    n_rep = heads // kv_heads
+    scores = torch.matmul(q.reshape(kv_heads, n_rep * tq, head_dim), k.transpose(1, 2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(kv_heads, n_rep, tq, keys)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs.view(kv_heads, n_rep * tq, keys), v).view(heads, tq, head_dim)
