@@ -1,8 +1,10 @@
-"""Sockets on the bus for the synchronous services (router, tokenizer, detokenizer, scheduler, shard).
+"""Sockets on the bus; the event bus of the synchronous services (router, tokenizer, detokenizer, scheduler, shard).
 
 Every process publishes on the event bus and subscribes to the topics it serves plus its own
 heartbeat topic; `EventBus.start()` publishes a Hello on that topic until it comes back, which
-proves both the publish path and the subscriptions are live before the process takes work.
+proves both the publish path and the subscriptions are live before the process takes work. http's asyncio
+twin, libs.runtime.async_bus.AsyncEventBus, shares all of that (`BusEnds`); docs/recovery.md tells what the
+heartbeats are for.
 
 Every socket comes from `socket()`, which turns CURVE on for tcp addresses when the process has a
 bus key (`configure()`, or SWITCHYARD_CURVE_* in its environment): no service handles keys itself.
@@ -176,7 +178,7 @@ _buses: list[EventBus] = []  # this process's event buses, for the leaving heart
 
 
 def say_goodbye() -> None:
-    """A clean stop (SIGTERM): one last heartbeat with leaving=True, so peers drop us at once (issue 7)."""
+    """A clean stop (SIGTERM): one last heartbeat with leaving=True, so peers drop us at once (docs/recovery.md)."""
     for eb in _buses:
         try:
             eb.pub.send_multipart(
@@ -190,61 +192,94 @@ def say_goodbye() -> None:
         time.sleep(0.1)  # the I/O thread sends it; the context is then destroyed without linger
 
 
-class EventBus:
-    """One process's PUB and SUB on the router's event proxy, plus its heartbeat."""
+HELLO_EVERY = 0.1  # seconds between two Hellos while a bus starts
 
-    def __init__(self, addresses: Addresses, role: str, index: int, subscribe: list[bytes]):
+
+class BusEnds:
+    """What the synchronous EventBus and its asyncio twin (libs.runtime.async_bus) share: the PUB and SUB on
+    the router's event proxy, how an event is decoded, what proves the bus live, and what a heartbeat says."""
+
+    def __init__(self, addresses: Addresses, role: str, index: int, subscribe: list[bytes], ctx=None):
         self.role, self.index = role, index
         self.hb_topic = topics.hb(role, index)
-        self.pub = socket(zmq.PUB, connect=addresses.events_in)
-        self.sub = socket(zmq.SUB, connect=addresses.events_out)
+        self.pub = socket(zmq.PUB, connect=addresses.events_in, ctx=ctx)
+        self.sub = socket(zmq.SUB, connect=addresses.events_out, ctx=ctx)
         for topic in [*subscribe, self.hb_topic]:
             self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self._next_hb = 0.0
         self._next_metrics = 0.0
-        _buses.append(self)
 
-    def publish(self, topic: bytes, msg: Message) -> None:
-        self.pub.send_multipart(codec.encode_pub(topic, msg), copy=False)
-
-    def recv(self) -> tuple[bytes, Message] | None:
-        frames = self.sub.recv_multipart(copy=False)
+    @staticmethod
+    def decode(frames) -> tuple[bytes, Message] | None:
+        """(topic, message) of an event's frames, or None (logged) if they were malformed."""
         try:
             return codec.decode_pub([f.buffer for f in frames])
         except ProtocolError as e:
             log.warning("dropped malformed event: %s", e)
             return None
 
-    def start(self, timeout: float = 60.0) -> None:
-        """Block until our own Hello comes back through the proxy."""
-        nonce = secrets.token_hex(8)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.publish(self.hb_topic, Hello(nonce=nonce))
-            if self.sub.poll(100):
-                got = self.recv()
-                if got and isinstance(got[1], Hello) and got[1].nonce == nonce:
-                    return
-        raise TimeoutError("event bus did not echo our hello: is the router running?")
+    @staticmethod
+    def hello() -> Hello:
+        """A Hello with a fresh nonce: once it comes back through the proxy, both the publish path and our
+        subscriptions are live (`echoes`)."""
+        return Hello(nonce=secrets.token_hex(8))
+
+    @staticmethod
+    def echoes(got: tuple[bytes, Message] | None, hello: Hello) -> bool:
+        return got is not None and isinstance(got[1], Hello) and got[1].nonce == hello.nonce
 
     def heartbeat_due(self) -> bool:
         """Whether `heartbeat` would publish now: a caller whose load is costly to gather asks first."""
         return time.monotonic() >= self._next_hb
 
-    def heartbeat(self, **load) -> None:
-        """Publish a heartbeat if one is due (once a second); call it from the main loop.
+    def heartbeat_in(self) -> float:
+        """Seconds until the next heartbeat is due (for a loop that only beats: sleep that long)."""
+        return max(0.0, self._next_hb - time.monotonic())
 
-        It carries this process's metrics text (`metrics.exposition()`), rate-limited so that
-        rendering it takes at most ~0.1% of the time: a heartbeat without it (metrics="") means
-        "unchanged since my last one" to the aggregator."""
+    def _beat(self, load: dict) -> Heartbeat | None:
+        """The heartbeat to publish now, or None if none is due (one every HEARTBEAT_S).
+
+        It carries this process's metrics text (`metrics.exposition()`), rate-limited so that rendering it
+        takes at most ~0.1% of the time: a heartbeat without it (metrics="") means "unchanged since my last
+        one" to the aggregator."""
         now = time.monotonic()
-        if now >= self._next_hb:
-            self._next_hb = now + HEARTBEAT_S
-            if "metrics" not in load and now >= self._next_metrics:
-                load["metrics"] = metrics.exposition()
-                cost = time.monotonic() - now
-                self._next_metrics = now + max(1.0, cost * 1000) - 0.05  # 50 ms slack: one per beat when cheap
-            self.publish(self.hb_topic, Heartbeat(role=self.role, index=self.index, pid=os.getpid(), **load))
+        if now < self._next_hb:
+            return None
+        self._next_hb = now + HEARTBEAT_S
+        if "metrics" not in load and now >= self._next_metrics:
+            load["metrics"] = metrics.exposition()
+            cost = time.monotonic() - now
+            self._next_metrics = now + max(1.0, cost * 1000) - 0.05  # 50 ms slack: one per beat when cheap
+        return Heartbeat(role=self.role, index=self.index, pid=os.getpid(), **load)
+
+
+class EventBus(BusEnds):
+    """One process's PUB and SUB on the router's event proxy, plus its heartbeat (synchronous services)."""
+
+    def __init__(self, addresses: Addresses, role: str, index: int, subscribe: list[bytes]):
+        super().__init__(addresses, role, index, subscribe)
+        _buses.append(self)
+
+    def publish(self, topic: bytes, msg: Message) -> None:
+        self.pub.send_multipart(codec.encode_pub(topic, msg), copy=False)
+
+    def recv(self) -> tuple[bytes, Message] | None:
+        return self.decode(self.sub.recv_multipart(copy=False))
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Block until our own Hello comes back through the proxy."""
+        hello, deadline = self.hello(), time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.publish(self.hb_topic, hello)
+            if self.sub.poll(HELLO_EVERY * 1000) and self.echoes(self.recv(), hello):
+                return
+        raise TimeoutError("event bus did not echo our hello: is the router running?")
+
+    def heartbeat(self, **load) -> None:
+        """Publish a heartbeat if one is due (see `_beat`); call it from the main loop."""
+        hb = self._beat(load)
+        if hb is not None:
+            self.publish(self.hb_topic, hb)
 
 
 def exit_on_sigterm() -> None:

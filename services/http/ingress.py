@@ -4,20 +4,15 @@ One reader task takes everything addressed to this ingress (`out.<n>`) and every
 hands each event to the asyncio queue of its request; handlers only ever await their own queue.
 Every heartbeat heard also feeds the metrics Aggregator behind /metrics (`metrics_text`).
 
-No request is lost when another process dies (issue 7): http holds every open request, and a watchdog
-(`_watch`) acts on silence. Before Accepted it resubmits the same GenerateRequest (same id: everything downstream
-is idempotent by request id), until ADMIT_TIMEOUT. After Accepted it sends a `Resync` to the scheduler, which
-replays the stream from offset 0 (rows already delivered are dropped here by index), re-sends Accepted while the
-request waits, or answers `Unknown` (it restarted): then the request is resubmitted. A row past a gap asks for a
-resync at once. A request silent for GIVE_UP_S ends with TGI's error event: never a hang.
+No request is lost when another process dies: http holds every open request and acts on silence (`_watch`:
+resubmit, resync, give up), and a request that comes while the tokenizer is restarting waits for it
+(`_heard`). docs/recovery.md tells the protocol, with the state table of a request as seen from here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,13 +20,12 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from libs.protocol import Addresses, ProtocolError, codec, topics
+from libs.protocol import Addresses, codec, topics
 from libs.protocol.messages import (
     Abort,
     Accepted,
     GenerateRequest,
     Heartbeat,
-    Hello,
     RequestError,
     Resync,
     TextBatch,
@@ -40,6 +34,7 @@ from libs.protocol.messages import (
     Unknown,
 )
 from libs.runtime import bus, metrics, tracing
+from libs.runtime.async_bus import AsyncEventBus
 from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import ABANDONED_KEEP_S, ADMIT_TIMEOUT, GIVE_UP_S, STALL_S
@@ -110,42 +105,30 @@ class Ingress:
         metrics.init("http", index, settings)
         self.agg = metrics.Aggregator("http", index)
         tracing.init(settings.otlp_service_name, settings.otlp_endpoint, role="http", index=str(index))
-        self.out_topic = topics.out(index)
-        self.hb_topic = topics.hb("http", index)
         addresses = Addresses.parse(bus_spec)
-        ctx = zmq.asyncio.Context.instance()
-        self.push = bus.socket(zmq.PUSH, connect=addresses.intake, ctx=ctx)
-        self.pub = bus.socket(zmq.PUB, connect=addresses.events_in, ctx=ctx)
-        self.sub = bus.socket(zmq.SUB, connect=addresses.events_out, ctx=ctx)
-        for topic in (self.out_topic, topics.HB):
-            self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.push = bus.socket(zmq.PUSH, connect=addresses.intake, ctx=zmq.asyncio.Context.instance())
+        self.events = AsyncEventBus(addresses, "http", index, subscribe=[topics.out(index), topics.HB])
         self.queues: dict[str, asyncio.Queue] = {}
         self.replica_of: dict[str, int] = {}
         self.abandoned: dict[str, float] = {}  # aborted before the router told us the replica → when (expires)
         self.pending: dict[str, Pending] = {}
         self.replicas = max(1, settings.replicas)
         self.liveness = Liveness()
-        self._hello = secrets.token_hex(8)
-        self._confirmed = asyncio.Event()
+        self._heard_now: dict[str, asyncio.Event] = {}  # role → set when one of it is heard (`_heard`)
         self._tasks: list[asyncio.Task] = []
         # request ids not to count as requests of their own (best_of's other sequences, as TGI)
         self.quiet: set[str] = set()
 
     async def publish(self, topic: bytes, msg) -> None:
-        await self.pub.send_multipart(codec.encode_pub(topic, msg), copy=False)
+        await self.events.publish(topic, msg)
 
     async def start(self) -> None:
+        await self.events.start()  # our hello back proves the event bus carries our topics
         self._tasks = [
             asyncio.create_task(self._read()),
             asyncio.create_task(self._heartbeat()),
             asyncio.create_task(self._watch()),
         ]
-        while not self._confirmed.is_set():  # our hello back proves the event bus carries our topics
-            await self.publish(self.hb_topic, Hello(nonce=self._hello))
-            try:
-                await asyncio.wait_for(self._confirmed.wait(), 0.2)
-            except TimeoutError:
-                pass
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -153,25 +136,16 @@ class Ingress:
         tracing.shutdown()
 
     async def _heartbeat(self) -> None:
-        while True:
-            hb = Heartbeat(
-                role="http",
-                index=self.index,
-                pid=os.getpid(),
-                running=len(self.queues),
-                metrics=metrics.exposition(),  # for the other http processes' /metrics
-            )
-            await self.publish(self.hb_topic, hb)
-            await asyncio.sleep(1.0)
+        while True:  # its metrics feed the other http processes' /metrics
+            await self.events.heartbeat(running=len(self.queues))
+            await asyncio.sleep(self.events.heartbeat_in())
 
     async def _read(self) -> None:
         while True:
-            frames = await self.sub.recv_multipart(copy=False)
-            try:
-                _, msg = codec.decode_pub([f.buffer for f in frames])
-            except ProtocolError as e:
-                log.warning("dropped malformed event: %s", e)
+            got = await self.events.recv()
+            if got is None:
                 continue
+            msg = got[1]
             p = self.pending.get(getattr(msg, "request_id", ""))
             if p is not None:
                 p.heard = time.monotonic()
@@ -187,6 +161,9 @@ class Ingress:
             elif isinstance(msg, Heartbeat):
                 self.liveness.record(msg)
                 self.agg.observe(msg)
+                heard = self._heard_now.pop(msg.role, None)
+                if heard is not None:
+                    heard.set()
             elif isinstance(msg, Accepted):
                 if msg.request_id in self.abandoned:
                     self.abandoned.pop(msg.request_id, None)
@@ -204,8 +181,6 @@ class Ingress:
                 q = self.queues.get(msg.request_id)
                 if q is not None:
                     q.put_nowait(msg)
-            elif isinstance(msg, Hello) and msg.nonce == self._hello:
-                self._confirmed.set()
 
     async def _submit(self, p: Pending) -> None:
         p.submitted = p.heard = time.monotonic()
@@ -249,9 +224,32 @@ class Ingress:
         lv = self.liveness
         return bool(lv.alive("router") and lv.alive("tokenizer") and lv.alive("detokenizer") and lv.ready("scheduler"))
 
+    async def _heard(self, role: str, request_id: str) -> bool:
+        """Whether a process of `role` is alive, waiting first while one is awaited (restarting: lost less than
+        RESTART_WAIT_S ago, see Liveness.awaited), as the router waits for a detokenizer and a scheduler."""
+        if not self.liveness.awaited(role):
+            return bool(self.liveness.alive(role))
+        log.info("no live %s yet: the request waits for one", role, extra={"request_id": request_id})
+        started = time.monotonic()
+        while (left := self.liveness.wait_left(role)) > 0.0:
+            heard = self._heard_now.setdefault(role, asyncio.Event())
+            try:
+                await asyncio.wait_for(heard.wait(), left)
+            except TimeoutError:
+                pass
+        alive = bool(self.liveness.alive(role))
+        waited = time.monotonic() - started
+        log.info(
+            "%s after %.1f s",
+            f"a {role} is back" if alive else f"no {role} came",
+            waited,
+            extra={"request_id": request_id},
+        )
+        return alive
+
     async def tokenize(self, req: GenerateRequest) -> TokenizeResult:
         """Submit a mode="tokenize" request and return its tokens; raises Failure."""
-        if not self.liveness.alive("tokenizer"):
+        if not await self._heard("tokenizer", req.request_id):
             raise Failure("No tokenizer is available", "unavailable")
         q: asyncio.Queue = asyncio.Queue()
         self.queues[req.request_id] = q
@@ -279,7 +277,12 @@ class Ingress:
             timing = Timing(start=now - max(0.0, time.time() - req.received_at) if req.received_at else now)
         record = observe.RequestRecord(req, timing, quiet=rid in self.quiet)
         self.quiet.discard(rid)
-        if not self.liveness.alive("tokenizer"):
+        try:
+            heard = await self._heard("tokenizer", rid)
+        except asyncio.CancelledError:  # the client went away while it waited: nothing was sent
+            record.dropped()
+            raise
+        if not heard:
             record.failure("No tokenizer is available", "unavailable")
             raise Failure("No tokenizer is available", "unavailable")
         q: asyncio.Queue = asyncio.Queue()
