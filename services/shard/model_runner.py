@@ -22,7 +22,7 @@ from libs.protocol.params import SamplingParams
 from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch
 from services.shard.cpu_linear import use_onednn
 from services.shard.prompt_logprobs import chunk_logprobs
-from services.shard.sampling import choose, samples
+from services.shard.sampling import Choice, choose, samples
 
 
 class _History:
@@ -56,6 +56,28 @@ class _Sequence:
     last_token: int = -1  # the token sampled for it last: what a -1 in the plan's fed tokens stands for
 
 
+@dataclass
+class _Batch:
+    """One plan's rows laid out for a packed forward (what `_prepare` builds for forward, sample and pack)."""
+
+    seqs: np.ndarray  # per row: sequence handle
+    states: list[_Sequence]  # per row
+    cu: np.ndarray  # row bounds in the packed tokens: row i is [cu[i], cu[i + 1])
+    sample_rows: np.ndarray  # per row: whether it yields a token (bool)
+    draw_positions: np.ndarray  # per sampled row: the position of the token it draws
+    fed_ids: np.ndarray  # the fed token ids, placeholders filled in
+    input_ids: torch.Tensor  # the same, on the device
+    position_ids: torch.Tensor
+    paged: PagedBatch
+    keep: torch.Tensor  # positions that reach the LM head
+    prompt_rows: list[int]  # rows that report prompt logprobs
+    prompt_at: list[int]  # where each prompt row's run of logits starts among the kept ones
+    sample_at: np.ndarray  # where each sampled row's logits are among the kept ones
+
+    def sampled_states(self) -> list[_Sequence]:
+        return self.states if self.sample_rows.all() else [st for st, s in zip(self.states, self.sample_rows) if s]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -70,7 +92,6 @@ class ModelRunner:
         onednn_linear: bool = True,
     ) -> None:
         self.device = torch.device(device)
-        self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.watermark_gamma = watermark_gamma
@@ -102,12 +123,6 @@ class ModelRunner:
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.seqs: dict[int, _Sequence] = {}
-
-    @property
-    def bytes_per_block(self) -> int:
-        """KV memory of one block over all layers (K and V), for sizing `num_blocks`."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     # ---------------------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -149,6 +164,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _step(self, plan: StepPlan, result: StepResult) -> None:
+        """prepare → forward → sample → pack, as nano-vllm's ModelRunner.run."""
+        batch = self._prepare(plan)
+        logits = self._forward(batch)
+        choice = self._sample(batch, logits, result)
+        self._pack(batch, choice, result)
+
+    def _prepare(self, plan: StepPlan) -> _Batch:
+        """Check the plan's rows against what we hold; lay them out as one packed batch: positions, slots, tables."""
         seqs = np.asarray(plan.seqs, dtype=np.int64)
         num_tokens = np.asarray(plan.num_tokens, dtype=np.int64)
         context_lens = np.asarray(plan.context_lens, dtype=np.int64)
@@ -184,7 +207,7 @@ class ModelRunner:
         slot_mapping = tables[rows, positions // bs] * bs + positions % bs
 
         dev = self.device
-        batch = PagedBatch(
+        paged = PagedBatch(
             kv_cache=list(zip(self.k_cache, self.v_cache)),
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev),
@@ -195,33 +218,52 @@ class ModelRunner:
             host_context=context_lens,
             host_tables=tables,
         )
-        input_ids = torch.from_numpy(fed_ids).to(dev)[None]
-        position_ids = torch.from_numpy(positions).to(dev)[None]
         # rows still in their prompt that report prompt logprobs need the LM head on every fed position
         prompt_rows = [i for i, st in enumerate(states) if st.prefilling and st.sampling.prompt_logprobs]
         keep, sample_at, prompt_at = _kept_positions(cu, sample_rows, prompt_rows)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=torch.from_numpy(keep).to(dev),
-            paged=batch,
+        return _Batch(
+            seqs=seqs,
+            states=states,
+            cu=cu,
+            draw_positions=(context_lens + num_tokens)[sample_rows],
+            sample_rows=sample_rows,
+            fed_ids=fed_ids,
+            input_ids=torch.from_numpy(fed_ids).to(dev),
+            position_ids=torch.from_numpy(positions).to(dev),
+            paged=paged,
+            keep=torch.from_numpy(keep).to(dev),
+            prompt_rows=prompt_rows,
+            prompt_at=prompt_at,
+            sample_at=sample_at,
         )
-        logits = out.logits[0]
+
+    def _forward(self, batch: _Batch) -> torch.Tensor:
+        """One forward over every row; the logits of the kept positions only, [kept, vocab]."""
+        out = self.model(
+            input_ids=batch.input_ids[None],
+            position_ids=batch.position_ids[None],
+            use_cache=False,
+            logits_to_keep=batch.keep,
+            paged=batch.paged,
+        )
+        return out.logits[0]
+
+    def _sample(self, batch: _Batch, logits: torch.Tensor, result: StepResult) -> Choice:
+        """Prompt logprobs of the prompt rows (into `result`), then one token per sampled row."""
+        cu, states = batch.cu, batch.states
         for i, st in enumerate(states):  # the fed tokens join the history before the choice that reads it
             if st.history is not None:
-                st.history.extend(fed_ids[cu[i] : cu[i + 1]])
-
-        if prompt_rows:
-            self._prompt_logprobs(result, seqs, cu, states, prompt_rows, prompt_at, logits, input_ids[0])
-            logits = logits[torch.from_numpy(sample_at).to(dev)]
-        sampled = states if sample_rows.all() else [st for st, s in zip(states, sample_rows) if s]
+                st.history.extend(batch.fed_ids[cu[i] : cu[i + 1]])
+        if batch.prompt_rows:
+            self._prompt_logprobs(batch, logits, result)
+            logits = logits[torch.from_numpy(batch.sample_at).to(self.device)]
+        sampled = batch.sampled_states()
         # Each draw is seeded by the request's seed and the position of the token it draws: a sequence preempted
         # and recomputed, or replayed on a restarted shard, draws the same tokens again.
-        for st, position in zip(sampled, (context_lens + num_tokens)[sample_rows].tolist()):
+        for st, position in zip(sampled, batch.draw_positions.tolist()):
             if samples(st.sampling):
                 st.generator.manual_seed(draw_seed(st.sampling.seed, position))
-        choice = choose(
+        return choose(
             logits,
             [st.sampling for st in sampled],
             [st.generator for st in sampled],
@@ -229,9 +271,12 @@ class ModelRunner:
             watermark_gamma=self.watermark_gamma,
             watermark_delta=self.watermark_delta,
         )
-        result.seqs = seqs[sample_rows].astype(np.int32)
+
+    def _pack(self, batch: _Batch, choice: Choice, result: StepResult) -> None:
+        """The sampled tokens into the result's frames; a sampled row ends its sequence's prompt."""
+        result.seqs = batch.seqs[batch.sample_rows].astype(np.int32)
         result.token_ids = choice.token_ids.cpu().numpy().astype(np.int32)
-        for st, token in zip(sampled, result.token_ids.tolist()):  # a sampled row ends the prompt
+        for st, token in zip(batch.sampled_states(), result.token_ids.tolist()):
             st.prefilling, st.carried, st.last_token = False, None, token
         result.logprobs = choice.logprobs.cpu().numpy().astype(np.float32)
         if choice.top_counts is not None:
@@ -239,16 +284,16 @@ class ModelRunner:
             result.top_ids = choice.top_ids.cpu().numpy().astype(np.int32)
             result.top_logprobs = choice.top_logprobs.cpu().numpy().astype(np.float32)
 
-    def _prompt_logprobs(self, result, seqs, cu, states, prompt_rows, prompt_at, logits, fed) -> None:
+    def _prompt_logprobs(self, batch: _Batch, logits: torch.Tensor, result: StepResult) -> None:
         """Fill the result's prompt logprobs: one run per prompt row, in row order."""
-        runs = []
-        for i, at in zip(prompt_rows, prompt_at):
-            st, n = states[i], int(cu[i + 1] - cu[i])
-            lps, last = chunk_logprobs(logits[at : at + n], fed[cu[i] : cu[i + 1]], st.carried)
+        cu, runs = batch.cu, []
+        for i, at in zip(batch.prompt_rows, batch.prompt_at):
+            st, n = batch.states[i], int(cu[i + 1] - cu[i])
+            lps, last = chunk_logprobs(logits[at : at + n], batch.input_ids[cu[i] : cu[i + 1]], st.carried)
             st.carried = last  # dropped when the row samples (the prompt is over)
             runs.append(lps)
-        result.prompt_seqs = seqs[prompt_rows].astype(np.int32)
-        result.prompt_counts = (cu[1:] - cu[:-1])[prompt_rows].astype(np.int32)
+        result.prompt_seqs = batch.seqs[batch.prompt_rows].astype(np.int32)
+        result.prompt_counts = (cu[1:] - cu[:-1])[batch.prompt_rows].astype(np.int32)
         result.prompt_logprobs = torch.cat(runs).cpu().numpy().astype(np.float32)
 
 
