@@ -1,0 +1,209 @@
+"""Many LoRA adapters over one base model, mixed in one packed forward.
+
+The registry holds up to `max_loras` adapters, each in a slot. Once per step the runner says which adapter each
+row (or packed token) runs with; `group_rows` turns that into, per slot present, the packed token positions of its
+rows — a slice when they are contiguous (the common case when rows are ordered by adapter), else an index tensor.
+Every targeted linear then computes its base output as before and, for each adapter present, adds
+`(x[rows] @ A.T) @ B.T` to those rows only: a shrink to rank r and an expand, two small matmuls per adapter,
+with no per-token gather of weights. Base-model rows are never touched.
+
+Hooking: each targeted linear's `forward` is wrapped around whatever forward is installed at that time — torch's,
+services/shard/cpu_linear.py's prepacked oneDNN product or its fused q/k/v / gate/up member (which returns this
+member's column slice of the fused output: the delta is added in place to those columns only), or transformers'
+tensor-parallel forward. So `use_onednn` must run before adapters are loaded (it replaces `forward` itself);
+`LoraRegistry.check_hooks` says when something replaced ours afterwards.
+
+Tensor parallel (the wrapper sits outside transformers' TP forward, which does the collectives):
+- column-parallel layers (q/k/v/gate/up): x is whole and y is this rank's columns, so the rank holds the rows of B
+  for its columns and the full A; no communication.
+- row-parallel layers (o/down): x is this rank's slice of the inputs and y is already all-reduced, so the rank
+  holds A's columns for its inputs and the full B; the shrink outputs of every adapter present ([rows, r] each,
+  small) are summed over the ranks in one all-reduce per layer, then expanded on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.shard.lora_adapter import AdapterError, LoraAdapter, load_adapter
+
+BASE = -1  # the slot of base-model rows
+
+
+@dataclass
+class RowGroups:
+    """One step's rows by adapter slot: (slot, packed token positions) for every slot present, base excluded."""
+
+    num_tokens: int
+    groups: list[tuple[int, slice | torch.Tensor]]
+
+
+def group_rows(slots: Sequence[int] | np.ndarray, num_tokens: Sequence[int] | np.ndarray | None = None, device=None):
+    """Group packed rows by slot; row i holds `num_tokens[i]` consecutive tokens (None: one token per entry)."""
+    slots = np.asarray(slots, dtype=np.int64)
+    counts = np.ones(len(slots), dtype=np.int64) if num_tokens is None else np.asarray(num_tokens, dtype=np.int64)
+    per_token = np.repeat(slots, counts)
+    groups: list[tuple[int, slice | torch.Tensor]] = []
+    for slot in np.unique(slots).tolist():
+        if slot == BASE:
+            continue
+        idx = np.flatnonzero(per_token == slot)
+        if len(idx) == 0:
+            continue
+        first, last = int(idx[0]), int(idx[-1])
+        if last - first + 1 == len(idx):  # contiguous: a view, no gather / scatter
+            groups.append((slot, slice(first, last + 1)))
+        else:
+            groups.append((slot, torch.from_numpy(idx).to(device or "cpu")))
+    return RowGroups(int(counts.sum()), groups)
+
+
+def apply_lora(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    groups: RowGroups,
+    weights: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """y[rows] += (x[rows] @ A.T) @ B.T for each group whose slot has weights (in place where y allows);
+    `reduce` (row-parallel layers) sums the shrink outputs over the ranks before the expand."""
+    present = [(rows, weights[slot]) for slot, rows in groups.groups if slot in weights]
+    if not present:
+        return y
+    xf = x.reshape(-1, x.shape[-1])
+    if xf.shape[0] != groups.num_tokens:
+        raise ValueError(f"LoRA: the step's rows cover {groups.num_tokens} tokens, the layer got {xf.shape[0]}")
+    try:
+        yf = y.view(-1, y.shape[-1])
+    except RuntimeError:  # a layout a view cannot flatten: work on a copy
+        y = y.contiguous()
+        yf = y.view(-1, y.shape[-1])
+    shrunk = [(xf[rows] if isinstance(rows, slice) else xf.index_select(0, rows)) @ a.T for rows, (a, _) in present]
+    if reduce is not None:
+        sizes = [s.numel() for s in shrunk]
+        flat = reduce(torch.cat([s.reshape(-1) for s in shrunk]))
+        shrunk = [part.view_as(s) for part, s in zip(torch.split(flat, sizes), shrunk)]
+    for (rows, (_, b)), s in zip(present, shrunk):
+        if isinstance(rows, slice):
+            yf[rows].addmm_(s, b.T)
+        else:
+            yf.index_add_(0, rows, s @ b.T)
+    return y
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    torch.distributed.all_reduce(t)
+    return t
+
+
+def tp_split(module: torch.nn.Linear) -> tuple[str | None, int, int]:
+    """How `module` is sharded over the tensor-parallel group: ("col" | "row" | None, offset, local size) of the
+    sharded dimension (outputs for "col", inputs for "row"), read from its local weight's shape."""
+    weight = module.weight
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    out_local, in_local = local.shape
+    if out_local == module.out_features and in_local == module.in_features:
+        return None, 0, 0
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    # DTensor's Shard placement: chunks of ceil(n / world), the last one possibly shorter
+    if out_local != module.out_features:
+        return "col", rank * -(-module.out_features // world), out_local
+    return "row", rank * -(-module.in_features // world), in_local
+
+
+class LoraLayer:
+    """One targeted linear: the installed adapters' (A, B) by slot, and the wrapper around its forward."""
+
+    def __init__(self, module: torch.nn.Linear, registry: LoraRegistry) -> None:
+        self.module, self.registry = module, registry
+        self.inner = module.forward  # whatever is installed now (torch, oneDNN, fused member, TP)
+        self.split, self.offset, self.size = tp_split(module)
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        module.forward = self.forward
+
+    def install(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        if self.split == "col":
+            b = b[self.offset : self.offset + self.size]
+        elif self.split == "row":
+            a = a[:, self.offset : self.offset + self.size]
+        self.weights[slot] = (a.contiguous(), b.contiguous())
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self.inner(x, *args, **kwargs)
+        groups = self.registry.step_groups
+        if groups is None or not self.weights:
+            return y
+        return apply_lora(x, y, groups, self.weights, _all_reduce if self.split == "row" else None)
+
+
+class LoraRegistry:
+    """The adapters resident on one model (one shard rank): load / unload by name into `max_loras` slots."""
+
+    def __init__(self, model: torch.nn.Module, *, max_loras: int = 8, max_rank: int = 64) -> None:
+        self.model = model
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.slots: list[str | None] = [None] * max_loras
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.layers: dict[str, LoraLayer] = {}
+        self.step_groups: RowGroups | None = None
+
+    def loaded(self) -> list[str]:
+        return [name for name in self.slots if name is not None]
+
+    def slot_of(self, name: str | None) -> int:
+        """The slot of a loaded adapter; None or "" is the base model."""
+        if not name:
+            return BASE
+        try:
+            return self.slots.index(name)
+        except ValueError:
+            raise AdapterError(f"LoRA adapter {name!r} is not loaded") from None
+
+    def load(self, name: str, folder) -> LoraAdapter:
+        """Read, check and install an adapter; nothing changes if any check fails."""
+        if name in self.adapters:
+            raise AdapterError(f"LoRA adapter {name!r} is already loaded")
+        if None not in self.slots:
+            raise AdapterError(
+                f"cannot load LoRA adapter {name!r}: {self.max_loras} adapters are loaded (the maximum); unload one"
+            )
+        adapter = load_adapter(name, folder, self.model, max_rank=self.max_rank)
+        slot = self.slots.index(None)
+        modules = dict(self.model.named_modules())
+        for key, (a, b) in adapter.weights.items():
+            layer = self.layers.get(key)
+            if layer is None:
+                layer = self.layers[key] = LoraLayer(modules[key], self)
+            layer.install(slot, a, b)
+        self.slots[slot] = name
+        self.adapters[name] = adapter
+        return adapter
+
+    def unload(self, name: str) -> None:
+        slot = self.slot_of(name)
+        for layer in self.layers.values():
+            layer.weights.pop(slot, None)
+        self.slots[slot] = None
+        del self.adapters[name]
+
+    def check_hooks(self) -> None:
+        """Raise if something replaced a wrapped forward after the adapter hooks went on (it would drop them)."""
+        for key, layer in self.layers.items():
+            if layer.module.forward != layer.forward:
+                raise RuntimeError(f"LoRA: the forward of `{key}` was replaced after its adapter hook was installed")
+
+    def set_step(self, adapters: Sequence[str | None], num_tokens: Sequence[int] | np.ndarray | None = None):
+        """This step's adapter per row (None / "": base), row i holding num_tokens[i] packed tokens (None: one
+        per entry); every targeted linear of the next forward reads the grouping. Returns it."""
+        slots = [self.slot_of(a) for a in adapters]
+        device = next(self.model.parameters()).device
+        self.step_groups = group_rows(slots, num_tokens, device=device) if any(s != BASE for s in slots) else None
+        return self.step_groups
+
+    def clear_step(self) -> None:
+        self.step_groups = None

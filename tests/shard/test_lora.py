@@ -1,0 +1,317 @@
+"""LoRA adapters: our grouped apply against peft's PeftModel (the reference), and every refusal's message.
+
+The adapters are built here with peft on the tiny models, with A and B drawn at random (peft starts B at zero,
+which would hide any mistake in the B side and in the scaling), and saved as peft saves them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from libs.protocol.messages import NewSequence, StepPlan
+from libs.protocol.params import SamplingParams
+from services.shard.cpu_linear import use_onednn
+from services.shard.lora import BASE, LoraRegistry, apply_lora, group_rows
+from services.shard.lora_adapter import AdapterError, load_adapter
+from services.shard.model_runner import ModelRunner, _Sequence
+
+peft = pytest.importorskip("peft")
+
+# Ours and peft's differ only in summation order (B folded with its scale, oneDNN / fused q/k/v products):
+# measured max |diff| 4.9e-6 (llama) and 3.9e-6 (qwen2) on logits of magnitude ~10, so 5e-5 is a 10x margin,
+# while a wrong scale, slot or row moves the logits by more than 1e-1 (asserted below).
+ATOL = 5e-5
+
+ADAPTERS = {
+    "all": dict(
+        r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    ),
+    "qv_rs": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"]),
+    "mlp": dict(r=16, lora_alpha=32, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "patterns": dict(
+        r=8,
+        lora_alpha=8,
+        target_modules=["q_proj", "k_proj", "o_proj", "down_proj"],
+        exclude_modules=["k_proj"],
+        layers_to_transform=[1],
+        rank_pattern={"o_proj": 4},
+        alpha_pattern={"down_proj": 3},
+    ),
+    "regex": dict(r=2, lora_alpha=5, target_modules=r".*\.0\.(self_attn\.v_proj|mlp\.up_proj)"),
+}
+
+
+def _base(model_dir) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _build_adapter(model_dir, out, seed: int, **kwargs):
+    model = peft.get_peft_model(_base(model_dir), peft.LoraConfig(lora_dropout=0.0, **kwargs))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        (arch, name): _build_adapter(tiny_dirs[arch], root / arch / name, seed=i, **cfg)
+        for arch in ("llama", "qwen2")
+        for i, (name, cfg) in enumerate(ADAPTERS.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs, adapters):
+    """arch → PeftModel holding every adapter of that arch."""
+    refs = {}
+    for arch in ("llama", "qwen2"):
+        names = list(ADAPTERS)
+        ref = peft.PeftModel.from_pretrained(_base(tiny_dirs[arch]), adapters[arch, names[0]], adapter_name=names[0])
+        for name in names[1:]:
+            ref.load_adapter(adapters[arch, name], adapter_name=name)
+        refs[arch] = ref.eval()
+    return refs
+
+
+def _peft_logits(ref, name: str | None, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        if name is None:
+            with ref.disable_adapter():
+                return ref(input_ids=input_ids).logits
+        ref.set_adapter(name)
+        return ref(input_ids=input_ids).logits
+
+
+def _registry(model_dir, adapters, arch, onednn: bool, **kwargs) -> LoraRegistry:
+    model = _base(model_dir)
+    if onednn:
+        assert use_onednn(model) > 0  # before the hooks: they wrap the fused products
+        assert hasattr(model.model.layers[0].self_attn.q_proj, "fused_product")
+    registry = LoraRegistry(model, **kwargs)
+    for name in ADAPTERS:
+        registry.load(name, adapters[arch, name])
+    registry.check_hooks()
+    return registry
+
+
+# base rows and four adapters, the same adapter on rows apart (gathered) and side by side (a slice)
+ROWS = [None, "all", "qv_rs", "all", "mlp", None, "patterns", "patterns", "regex"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("onednn", [False, True])
+def test_mixed_batch_equals_peft(tiny_dirs, adapters, reference, arch, onednn):
+    registry = _registry(tiny_dirs[arch], adapters, arch, onednn)
+    gen = torch.Generator().manual_seed(7)
+    input_ids = torch.randint(3, 500, (len(ROWS), 12), generator=gen)
+    registry.set_step(ROWS, [12] * len(ROWS))
+    with torch.no_grad():
+        ours = registry.model(input_ids=input_ids).logits
+    worst = 0.0
+    for name in set(ROWS):
+        rows = [i for i, r in enumerate(ROWS) if r == name]
+        want = _peft_logits(reference[arch], name, input_ids[rows])
+        torch.testing.assert_close(ours[rows], want, atol=ATOL, rtol=0)
+        worst = max(worst, (ours[rows] - want).abs().max().item())
+        if name is not None:  # the adapter really changes the output (so the comparison can fail)
+            assert (want - _peft_logits(reference[arch], None, input_ids[rows])).abs().max() > 1e-1
+    print(f"{arch} onednn={onednn}: max |ours - peft| = {worst:.2e}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_prefill_through_the_runner(tiny_dirs, adapters, reference, arch):
+    """Rows of different lengths packed into [1, T] by the ModelRunner (paged attention, fused oneDNN linears)."""
+    runner = ModelRunner(str(tiny_dirs[arch]), num_blocks=32, block_size=4)
+    registry = LoraRegistry(runner.model)
+    for name in ADAPTERS:
+        registry.load(name, adapters[arch, name])
+    rows = ["mlp", None, "all", "qv_rs", "all", "regex"]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 9, 3, 11, 7, 6)]
+    need = [-(-len(p) // 4) for p in prompts]
+    starts = np.cumsum([0] + need)
+    plan = StepPlan(
+        step=1,
+        new=[NewSequence(i, SamplingParams()) for i in range(len(rows))],
+        blocks={i: list(range(starts[i], starts[i + 1])) for i in range(len(rows))},
+        seqs=np.arange(len(rows), dtype=np.int32),
+        num_tokens=np.array([len(p) for p in prompts], np.int32),
+        context_lens=np.zeros(len(rows), np.int32),
+        token_ids=np.array([t for p in prompts for t in p], np.int32),
+        sample=np.ones(len(rows), np.uint8),
+    )
+    for ns in plan.new:  # register the sequences as execute() would, then run its packed forward alone
+        runner.seqs[ns.seq] = _Sequence(ns.sampling, torch.Generator().manual_seed(0))
+    for seq, blocks in plan.blocks.items():
+        runner.seqs[seq].blocks.extend(blocks)
+    registry.set_step(rows, plan.num_tokens)
+    with torch.inference_mode():
+        last = runner._forward(runner._prepare(plan))
+    for i, (name, prompt) in enumerate(zip(rows, prompts)):
+        want = _peft_logits(reference[arch], name, torch.tensor([prompt]))[0, -1]
+        torch.testing.assert_close(last[i], want, atol=ATOL, rtol=0)
+
+
+def test_unload_frees_the_slot_and_leaves_the_others(tiny_dirs, adapters, reference):
+    registry = _registry(tiny_dirs["llama"], adapters, "llama", onednn=True, max_loras=len(ADAPTERS))
+    input_ids = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(1))
+    registry.unload("qv_rs")
+    with pytest.raises(AdapterError, match="'qv_rs' is not loaded"):
+        registry.set_step(["qv_rs", None], [10, 10])
+    registry.set_step(["all", "mlp"], [10, 10])
+    with torch.no_grad():
+        ours = registry.model(input_ids=input_ids).logits
+    torch.testing.assert_close(ours[:1], _peft_logits(reference["llama"], "all", input_ids[:1]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(ours[1:], _peft_logits(reference["llama"], "mlp", input_ids[1:]), atol=ATOL, rtol=0)
+    registry.load("again", adapters["llama", "qv_rs"])  # into the freed slot
+    assert registry.slot_of("again") == 1 and registry.loaded()[1] == "again"
+    registry.set_step(["again", None], [10, 10])
+    with torch.no_grad():
+        ours = registry.model(input_ids=input_ids).logits
+    torch.testing.assert_close(ours[:1], _peft_logits(reference["llama"], "qv_rs", input_ids[:1]), atol=ATOL, rtol=0)
+    registry.clear_step()
+    with torch.no_grad():
+        base = registry.model(input_ids=input_ids).logits
+    torch.testing.assert_close(base, _peft_logits(reference["llama"], None, input_ids), atol=ATOL, rtol=0)
+
+
+def test_group_rows_slices_and_gathers():
+    g = group_rows([BASE, 0, 0, 1, BASE, 1], [2, 3, 1, 2, 4, 1])
+    assert g.num_tokens == 13
+    (s0, r0), (s1, r1) = g.groups
+    assert (s0, r0) == (0, slice(2, 6))
+    assert s1 == 1 and r1.tolist() == [6, 7, 12]
+    assert group_rows([BASE, BASE]).groups == []
+
+
+def test_tensor_parallel_slices_sum_to_the_whole():
+    """Column-parallel: each rank's B rows give its output columns; row-parallel: each rank's A columns give a
+    partial shrink, and the summed shrinks expand to the whole delta (what the all-reduce does across ranks)."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(7, 12, generator=gen), torch.randn(10, 12, generator=gen)
+    a, b = torch.randn(4, 12, generator=gen), torch.randn(10, 4, generator=gen)
+    groups = group_rows([0, BASE, 0, 0], [2, 2, 1, 2])
+    whole = apply_lora(x, x @ w.T, groups, {0: (a, b)})
+    cols = [apply_lora(x, x @ w[o : o + 5].T, groups, {0: (a, b[o : o + 5])}) for o in (0, 5)]
+    torch.testing.assert_close(torch.cat(cols, dim=1), whole)
+    # rank 0 holds inputs 0..5, rank 1 inputs 6..11; the all-reduce adds rank 1's shrink to rank 0's
+    ((_, rows),) = groups.groups
+    rank1 = (x[rows, 6:] @ a[:, 6:].T).reshape(-1)
+    rank0 = apply_lora(x[:, :6], x @ w.T, groups, {0: (a[:, :6], b)}, reduce=lambda t: t + rank1)
+    torch.testing.assert_close(rank0, whole)
+
+
+# ---- refusals ------------------------------------------------------------------------------------------------
+
+
+def _copy(adapters, tmp_path, name="all", arch="llama"):
+    folder = tmp_path / name
+    shutil.copytree(adapters[arch, name], folder)
+    return folder
+
+
+def _edit(folder, **changes):
+    path = folder / "adapter_config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(use_dora=True), "'x': uses DoRA"),
+        (dict(modules_to_save=["lm_head"]), r"'x': trains whole modules \(modules_to_save"),
+        (dict(target_modules=["embed_tokens"]), "'x' targets the embedding `model.embed_tokens`"),
+        (dict(target_modules=["lm_head"]), "'x' targets the LM head `lm_head`"),
+        (dict(target_modules=["mlp"]), "'x' targets `model.layers.0.mlp`, a LlamaMLP: only linear layers"),
+        (dict(target_modules=["nothing"]), r"'x': target_modules \['nothing'\] match no linear layer"),
+        (dict(r=0), "malformed adapter_config.json: `r` must be a positive integer, got 0"),
+        (dict(target_modules=7), "malformed adapter_config.json: `target_modules` must be"),
+        (dict(peft_type="IA3"), "'x': is a IA3 adapter"),
+        (dict(bias="all"), "trains biases"),
+        (dict(rank_pattern={"q_proj": 3}), r"does not fit the base model: `model.layers.0.self_attn.q_proj` takes"),
+        (
+            dict(target_modules=["q_proj"]),
+            r"holds weights for `model\.layers\.\d\.(self_attn\.[kvo]|mlp\.\w+)_proj`, which is not a module its",
+        ),
+        (
+            dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_"]),
+            None,
+        ),  # an extra name that matches nothing changes nothing
+    ],
+)
+def test_config_refusals(tiny_dirs, adapters, tmp_path, changes, message):
+    folder = _copy(adapters, tmp_path)
+    _edit(folder, **changes)
+    model = _base(tiny_dirs["llama"])
+    if message is None:
+        load_adapter("x", folder, model)
+        return
+    with pytest.raises(AdapterError, match=message):
+        load_adapter("x", folder, model)
+
+
+def test_file_refusals(tiny_dirs, adapters, tmp_path):
+    model = _base(tiny_dirs["llama"])
+    with pytest.raises(AdapterError, match="'x': folder .* does not exist"):
+        load_adapter("x", tmp_path / "nope", model)
+    folder = _copy(adapters, tmp_path)
+    (folder / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterError, match="'x': malformed adapter_config.json: Expecting"):
+        load_adapter("x", folder, model)
+    (folder / "adapter_config.json").unlink()
+    with pytest.raises(AdapterError, match="has no adapter_config.json"):
+        load_adapter("x", folder, model)
+    folder = _copy(adapters, tmp_path, "mlp")
+    (folder / "adapter_model.safetensors").rename(folder / "adapter_model.bin")
+    with pytest.raises(AdapterError, match="has no adapter_model.safetensors .adapter_model.bin is pickle"):
+        load_adapter("x", folder, model)
+    (folder / "adapter_model.bin").write_bytes(b"\x00" * 10)
+    (folder / "adapter_model.bin").rename(folder / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="'x': cannot read adapter_model.safetensors"):
+        load_adapter("x", folder, model)
+    folder = _copy(adapters, tmp_path, "qv_rs")
+    _edit(folder, target_modules=["q_proj", "v_proj", "o_proj"])
+    with pytest.raises(AdapterError, match="lacks lora_A/lora_B of `model.layers.0.self_attn.o_proj`"):
+        load_adapter("x", folder, model)
+
+
+def test_adapter_of_another_model_does_not_fit(tiny_dirs, adapters):
+    # llama's k_proj is 64 → 64 (MHA), qwen2's 64 → 32 (GQA): same names, other shapes
+    with pytest.raises(AdapterError, match=r"`model.layers.0.self_attn.k_proj` takes 64 inputs to 32 outputs"):
+        load_adapter("x", adapters["llama", "all"], _base(tiny_dirs["qwen2"]))
+
+
+def test_registry_limits(tiny_dirs, adapters):
+    registry = LoraRegistry(_base(tiny_dirs["llama"]), max_loras=2, max_rank=8)
+    with pytest.raises(AdapterError, match=r"'mlp': rank 16 of `model.layers.0.mlp.gate_proj` is above the maximum"):
+        registry.load("mlp", adapters["llama", "mlp"])
+    assert registry.loaded() == [] and registry.layers == {}  # nothing half-installed
+    registry.load("a", adapters["llama", "all"])
+    with pytest.raises(AdapterError, match="'a' is already loaded"):
+        registry.load("a", adapters["llama", "qv_rs"])
+    registry.load("b", adapters["llama", "qv_rs"])
+    with pytest.raises(AdapterError, match="cannot load LoRA adapter 'c': 2 adapters are loaded"):
+        registry.load("c", adapters["llama", "regex"])
+
+
+def test_replacing_a_hooked_forward_is_caught(tiny_dirs, adapters):
+    model = _base(tiny_dirs["llama"])
+    registry = LoraRegistry(model)
+    registry.load("a", adapters["llama", "all"])
+    use_onednn(model)  # the wrong order: it replaces the forwards our hooks wrapped
+    with pytest.raises(RuntimeError, match="was replaced after its adapter hook"):
+        registry.check_hooks()
