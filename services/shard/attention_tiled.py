@@ -90,7 +90,12 @@ def attend_tiled(
     scaling: float,
     softcap: float | None,
     window: int,
+    kernel: str | None = None,  # "sdpa" / "eager"; None: sdpa unless the layer soft-caps (benchmarks force one)
 ) -> None:
+    if kernel is None:
+        kernel = "sdpa" if softcap is None else "eager"
+    elif kernel == "sdpa" and softcap is not None:
+        raise ValueError("SDPA cannot soft-cap attention scores")
     heads, _, head_dim = query.shape
     kv_heads = k_cache.shape[0]
     for row in rows:
@@ -101,12 +106,11 @@ def attend_tiled(
             q = query[:, row.q_start + t0 : row.q_start + t0 + tq]  # [heads, tq, D]
             mask = _tile_mask(row.q_pos + t0, tq, row.k_pos + k0, nk, window, query.device)
             kt, vt = k[:, k0 : k0 + nk], v[:, k0 : k0 + nk]
-            if softcap is None:
+            if kernel == "sdpa":
                 o = _sdpa_tile(q, kt, vt, mask, scaling)
-                STATS["sdpa"] += 1
             else:
                 o = eager_tile(q, kt, vt, mask, scaling, softcap)
-                STATS["eager"] += 1
+            STATS[kernel] += 1
             out[row.q_start + t0 : row.q_start + t0 + tq] = o.transpose(0, 1)
 
 

@@ -1,0 +1,212 @@
+"""Prefill attention kernels against each other: one layer's attention for one prompt of n tokens on CPU.
+
+Why the shard runs long prefill rows the way it does (services/shard/attention_tiled.py). Candidates, each reading
+its keys from the paged cache as the shard does:
+- `eager-whole`: the grouped path (one matmul over the whole [heads, n, n] score matrix, transformers' eager math)
+- `eager-tiles`: the tiled path with the eager math per query tile (what soft-capped models run)
+- `sdpa-tiles`: the tiled path with PyTorch's SDPA per tile (boolean mask, GQA in the kernel)
+- `sdpa-row`: one SDPA call for the whole row (is_causal for full attention, an [n, n] mask for a window)
+- `flex`: torch.compile'd FlexAttention over the whole row with a block mask (`--flex`: each shape compiles)
+Candidates run interleaved, round after round, so that load on the machine hits them alike; the table gives each
+one's median and its time relative to `sdpa-tiles`.
+
+    python -m launcher.bench.attention [--n 512,2048,8192] [--dtype float32,bfloat16] [--flex] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+# (name, heads, kv heads, head dim, sliding window of its local layers, scaling)
+SHAPES = {
+    "gemma3-270m": (4, 1, 256, 512, 256**-0.5),
+    "llama-64": (9, 3, 64, 0, 64**-0.5),  # SmolLM2-135M-like: a small-body model, no sliding window
+}
+EAGER_WHOLE_MAX_BYTES = 1.2 * 2**30  # skip the whole score matrix beyond this (the reason the tiled path exists)
+
+
+def cpu_flags() -> str:
+    try:
+        flags = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    model = next((ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("Model name")), "?")
+    have = next((ln.split(":", 1)[1].split() for ln in flags.splitlines() if ln.startswith("Flags")), [])
+    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in have]
+    return f"{model}; {' '.join(wanted) or 'no AVX-512'}"
+
+
+def _case(n: int, shape: str, dtype, window: int, block_size: int = 16):
+    """A one-row prefill of n tokens (context 0) over a random paged cache, as the shard's attention sees it."""
+    import numpy as np
+    import torch
+
+    from services.shard.attention import PagedBatch
+
+    heads, kv_heads, d, _, _ = SHAPES[shape]
+    gen = torch.Generator().manual_seed(0)
+    blocks = -(-n // block_size)
+    k_cache = torch.randn(kv_heads, blocks, block_size, d, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, blocks, block_size, d, generator=gen).to(dtype)
+    query = torch.randn(heads, n, d, generator=gen).to(dtype)
+    table = np.random.default_rng(0).permutation(blocks)[None].astype(np.int64)
+
+    def batch():
+        return PagedBatch(
+            kv_cache=[(k_cache, v_cache)],
+            slot_mapping=None,
+            cu_seqlens_q=None,
+            context_lens=None,
+            block_tables=None,
+            block_size=block_size,
+            host_cu=np.array([0, n]),
+            host_context=np.array([0]),
+            host_tables=table,
+        )
+
+    return query, k_cache, v_cache, torch.from_numpy(table[0]), batch
+
+
+def candidates(n: int, shape: str, dtype, window: int, flex: bool) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from services.shard import attention, attention_tiled
+
+    heads, kv_heads, d, _, scaling = SHAPES[shape]
+    query, k_cache, v_cache, table, batch = _case(n, shape, dtype, window)
+    ways = {}
+    if heads * n * n * 4 <= EAGER_WHOLE_MAX_BYTES:
+
+        def eager_whole():
+            attention_tiled.TILE_MIN_QUERIES = n + 1
+            groups, _ = batch().plan(window, query.device)
+            return attention._attend(query, k_cache, v_cache, groups, scaling, None)
+
+        ways["eager-whole"] = eager_whole
+
+    def tiles(kernel: str, tile: int):
+        def run():
+            attention_tiled.TILE_MIN_QUERIES, attention_tiled.TILE_QUERIES = 2, tile
+            _, rows = batch().plan(window, query.device)
+            out = query.new_empty(n, heads, d)
+            attention_tiled.attend_tiled(query, k_cache, v_cache, rows, out, scaling, None, window, kernel)
+            return out
+
+        return run
+
+    ways["eager-tiles"] = tiles("eager", 256)
+    for tile in (128, 256, 512):
+        ways["sdpa-tiles" + ("" if tile == 256 else f"-{tile}")] = tiles("sdpa", tile)
+
+    def whole_keys():
+        k = k_cache.index_select(1, table).view(kv_heads, -1, d)[:, :n]
+        v = v_cache.index_select(1, table).view(kv_heads, -1, d)[:, :n]
+        return k[None], v[None]
+
+    pos = torch.arange(n)
+    row_mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window) if window else None
+
+    def sdpa_row():
+        k, v = whole_keys()
+        causal = dict(is_causal=True) if row_mask is None else dict(attn_mask=row_mask)
+        return F.scaled_dot_product_attention(query[None], k, v, scale=scaling, enable_gqa=True, **causal)
+
+    ways["sdpa-row"] = sdpa_row
+    compile_s = None
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def visible(b, h, q_idx, kv_idx):
+            if window:
+                return (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+            return kv_idx <= q_idx
+
+        compiled = torch.compile(flex_attention, dynamic=False)
+        t = time.perf_counter()
+        block_mask = create_block_mask(visible, None, None, n, n, device="cpu")
+
+        def flex_run():
+            k, v = whole_keys()
+            return compiled(query[None], k, v, block_mask=block_mask, scale=scaling, enable_gqa=True)
+
+        flex_run()
+        compile_s = time.perf_counter() - t
+        ways["flex"] = flex_run
+    return ways, compile_s
+
+
+def measure(ns, shapes, dtypes, rounds: int, flex: bool) -> list[dict]:
+    import torch
+
+    from services.shard import attention_tiled
+
+    saved = attention_tiled.TILE_MIN_QUERIES, attention_tiled.TILE_QUERIES
+    rows = []
+    try:
+        for shape in shapes:
+            window = SHAPES[shape][3]
+            for kind in ("sliding", "full") if window else ("full",):
+                for dtype_name in dtypes:
+                    dtype = getattr(torch, dtype_name)
+                    for n in ns:
+                        ways, compile_s = candidates(n, shape, dtype, window if kind == "sliding" else 0, flex)
+                        times = {name: [] for name in ways}
+                        with torch.inference_mode():
+                            for fn in ways.values():  # warm up (first-call allocations, kernel selection)
+                                fn()
+                            for _ in range(rounds):
+                                for name, fn in ways.items():
+                                    t = time.perf_counter()
+                                    fn()
+                                    times[name].append(time.perf_counter() - t)
+                        med = {name: statistics.median(v) * 1000 for name, v in times.items()}
+                        rows.append(
+                            dict(shape=shape, layer=kind, dtype=dtype_name, n=n, ms=med, flex_compile_s=compile_s)
+                        )
+    finally:
+        attention_tiled.TILE_MIN_QUERIES, attention_tiled.TILE_QUERIES = saved
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", default="512,2048,8192")
+    ap.add_argument("--shape", default=",".join(SHAPES))
+    ap.add_argument("--dtype", default="float32,bfloat16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--flex", action="store_true", help="also FlexAttention (compiles once per shape: minutes)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, as the shard)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ns = [int(x) for x in args.n.split(",")]
+    rows = measure(ns, args.shape.split(","), args.dtype.split(","), args.rounds, args.flex)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"CPU: {cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    names = list(dict.fromkeys(name for r in rows for name in r["ms"]))
+    print("| shape | layer | dtype | n | " + " | ".join(f"{x} ms" for x in names) + " |")
+    print("|---|---|---|---:|" + "---:|" * len(names))
+    for r in rows:
+        base = r["ms"]["sdpa-tiles"]
+        cells = [f"{r['ms'][x]:.1f} ({r['ms'][x] / base:.2f}x)" if x in r["ms"] else "—" for x in names]
+        print(f"| {r['shape']} | {r['layer']} | {r['dtype']} | {r['n']} | " + " | ".join(cells) + " |")
+    compiles = [r for r in rows if r["flex_compile_s"] is not None]
+    for r in compiles:
+        print(
+            f"flex compile + first call, {r['shape']} {r['layer']} {r['dtype']} n={r['n']}: {r['flex_compile_s']:.0f} s"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
