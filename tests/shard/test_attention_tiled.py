@@ -150,3 +150,35 @@ def test_eager_tile_soft_caps():
     q, k, v = (torch.randn(2, 5, 8, generator=gen) * 4 for _ in range(3))
     capped = eager_tile(q, k, v, None, 1.0, 2.0)
     assert not torch.allclose(capped, eager_tile(q, k, v, None, 1.0, None))
+
+
+def test_an_8k_prompt_in_chunks(tiny_dirs, monkeypatch):
+    """A long context works at the default tile sizes: 8,192 prompt tokens in chunks of 2,048 (a full-attention
+    model, every tile seeing its whole causal prefix), the same greedy tokens as transformers' sdpa; no tile's
+    mask is larger than a tile of queries by the context, and the peak RSS growth of the chunks is reported."""
+    import resource
+
+    arch = "llama"
+    model_dir = tiny_dirs[arch]
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = tok.encode(CORPUS.read_text(encoding="utf-8")).ids
+    prompt = (ids * (-(-8192 // len(ids))))[:8192]
+    largest = []
+    tile_mask = attention_tiled._tile_mask
+
+    def recording(*args):
+        mask = tile_mask(*args)
+        largest.append(0 if mask is None else mask.numel())
+        return mask
+
+    monkeypatch.setattr(attention_tiled, "_tile_mask", recording)
+    STATS.clear()
+    runner = ModelRunner(str(model_dir), num_blocks=8192 // 16 + 4, block_size=16)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    got = drive(runner, [Request(prompt, 6, join=1, chunk=2048)])[0]
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    per_layer = sum(-(-2048 // attention_tiled.TILE_QUERIES) for _ in range(4))
+    assert STATS == {"sdpa": per_layer * runner.num_layers}
+    assert max(largest) <= attention_tiled.TILE_QUERIES * len(prompt)
+    print(f"\n8k prompt, chunks of 2048: peak RSS grew {grown_mib:.0f} MiB; largest tile mask {max(largest)} bytes")
+    assert got == _reference(model_dir, arch, prompt, 6)
