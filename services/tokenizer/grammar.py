@@ -15,8 +15,9 @@ Shapes accepted (`grammar_text` for `parameters.grammar` / `response_format`, `t
   "strict"}}`, `{"type":"text"}` (no constraint).
 
 JSON grammars bound their whitespace (one space, or one newline and an indent, between tokens), so a random model
-cannot loop on blanks; an object schema with `properties` and no word on extra keys allows no extra keys, as
-TGI's outlines regexes do (JSON Schema's default would let a model wander off into keys nobody asked for).
+cannot loop on blanks. A schema with `properties` is read as outlines (TGI's compiler) reads it: an object, with
+no keys beyond those listed unless it says otherwise (JSON Schema's defaults would allow any type and any extra
+key: TGI's own tool schema has no `"type": "object"`, and a model would wander off into keys nobody asked for).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ TOOL_OR_TEXT_CONTENT = r"/[ \t\r\n]*([^{ \t\r\n][\s\S]*)?/"
 _ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames", "unevaluatedItems")
 _MANY = ("anyOf", "oneOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "$functions")
+_TYPED_KEYS = ("type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref")
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref")
 
 
@@ -101,8 +103,9 @@ def _depth(value: Any) -> int:
 
 
 def _closed(schema: Any) -> Any:
-    """A copy of `schema` where objects that list `properties` and say nothing about other keys allow none
-    (outlines' reading, which TGI uses). allOf branches are left open: each lists only part of the keys."""
+    """A copy of `schema` read as outlines (TGI's compiler) reads it: a schema that lists `properties` is an
+    object, and allows no other keys unless it says so. allOf branches are left open: each lists only part of
+    the keys."""
     if isinstance(schema, list):
         return [_closed(s) for s in schema]
     if not isinstance(schema, dict):
@@ -110,6 +113,8 @@ def _closed(schema: Any) -> Any:
     out = dict(schema)
     if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
         out["additionalProperties"] = False
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _TYPED_KEYS):
+        out["type"] = "object"  # outlines (and TGI's tool schema) read `properties` as "an object"
     for key in _ONE:
         if isinstance(out.get(key), dict):
             out[key] = _closed(out[key])

@@ -288,3 +288,12 @@ def test_tool_errors_have_tgis_messages_and_type():
 def test_grammar_text_is_pure_and_needs_no_tokenizer():
     kind, text = grammar_text({"type": "regex", "value": "ab+"})
     assert kind == "regex" and LLMatcher.validate_grammar(text) == ""
+
+
+def test_a_schema_with_properties_is_an_object(compiler):
+    text = compiler.check({"type": "json", "value": {"properties": {"a": {"type": "integer"}}}}).grammar.text
+    assert accepts(compiler, text, '{"a": 1}')
+    for other in ("1.5", '"a"', "[1]", "null"):
+        assert not accepts(compiler, text, other)
+    text = compiler.check_tools(tool_grammar([WEATHER], "required")).grammar.text
+    assert not accepts(compiler, text, "0.5")

@@ -1,0 +1,220 @@
+"""Grammar-constrained sampling on the shard: one llguidance matcher per constrained sequence.
+
+The tokenizer checked and compiled each grammar already (services.tokenizer.grammar); only its text arrives here,
+and compiling it again against the same tokenizer.json takes milliseconds (fresh matchers are cached by text, so a
+tool schema shared by many requests compiles once). Per step:
+
+    open(seq, grammar, replay)   a new sequence with a grammar; `replay` = the tokens it generated already
+                                 (preemption and recompute, a restarted shard): the matcher is rebuilt from them
+    apply(logits, keys)          after the penalties, before temperature / top-k / top-p (TGI's order): every
+                                 token the grammar does not allow → -inf; returns the rows that have none left
+    advance(keys, tokens)        the sampled tokens move the matchers on; the masks of the next step are then
+                                 filled on a worker thread while the next forward pass runs (llguidance releases
+                                 the GIL and fills rows in parallel)
+    close(seq)                   the sequence is finished
+
+EOS is allowed exactly when the grammar is complete (llguidance sets the bits of every EOS id the LLTokenizer was
+given, so build it with all of the model's EOS ids); once the grammar cannot go on, EOS is all that is allowed.
+A row left with no allowed token (a matcher in error, e.g. after a token it refused) is reported for that
+sequence alone and gets EOS as its only choice, so the batch's sampling never sees a row of -inf.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+Key = Hashable  # the shard's sequence handle
+
+
+class RowError(NamedTuple):
+    row: int  # the row of the logits passed to apply()
+    key: Key
+    message: str
+
+
+class _State:
+    __slots__ = ("grammar", "matcher", "version", "error")
+
+    def __init__(self, grammar: str, matcher: LLMatcher, error: str | None) -> None:
+        self.grammar = grammar
+        self.matcher = matcher
+        self.version = 0  # bumped on every change, so a mask computed ahead is used only for the state it saw
+        self.error = error
+
+
+class Constraints:
+    """The constrained sequences of one shard and their token masks."""
+
+    def __init__(self, tokenizer: LLTokenizer, *, threads: int | None = None, cache_size: int = 64) -> None:
+        self.tokenizer = tokenizer
+        self.eos_ids = list(tokenizer.eos_tokens)
+        self.words = (tokenizer.vocab_size + 31) // 32  # int32 words per row of the bitmask
+        self._executor = LLExecutor(num_threads=threads)
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="masks")
+        self._states: dict[Key, _State] = {}
+        self._fresh: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar text → a compiled, unused matcher
+        self._cache_size = cache_size
+        self._ahead: concurrent.futures.Future | None = None  # (masks, {key: (row, version)}) for the next step
+
+    @classmethod
+    def from_file(cls, tokenizer_json: str, eos_ids: Sequence[int], **kwargs) -> Constraints:
+        """From the served tokenizer.json and all of the model's EOS ids (Gemma's 262k vocabulary: seconds)."""
+        return cls(LLTokenizer(tokenizer_json, eos_token=[int(i) for i in eos_ids]), **kwargs)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+    # ---- sequences ---------------------------------------------------------------------------------------
+    def _matcher(self, grammar: str) -> LLMatcher:
+        fresh = self._fresh.get(grammar)
+        if fresh is None:
+            fresh = LLMatcher(self.tokenizer, grammar, log_level=0)
+            if fresh.is_error():
+                return fresh  # not cached: the error is reported for this sequence
+            self._fresh[grammar] = fresh
+            if len(self._fresh) > self._cache_size:
+                self._fresh.popitem(last=False)
+        else:
+            self._fresh.move_to_end(grammar)
+        return fresh.deep_copy()
+
+    def open(self, key: Key, grammar: str, replay: Sequence[int] = ()) -> str | None:
+        """Start constraining `key`; replay the tokens it generated already. Returns the error, if any (it is
+        reported again by apply(), where the scheduler learns of it)."""
+        self._settle()
+        matcher = self._matcher(grammar)
+        state = _State(grammar, matcher, matcher.get_error() or None)
+        self._states[key] = state
+        if replay and state.error is None:
+            self._consume(state, [int(t) for t in replay])
+        return state.error
+
+    def rebuild(self, key: Key, tokens: Sequence[int]) -> str | None:
+        """Back to the grammar's start, then replay `tokens` (a recompute from the scheduler's token list)."""
+        return self.open(key, self._states[key].grammar, tokens)  # a fresh matcher: an error state never clears
+
+    def rollback(self, key: Key, num_tokens: int) -> bool:
+        """Undo the last `num_tokens` accepted tokens (a rejected speculative draft); False if llguidance cannot."""
+        self._settle()
+        state = self._states[key]
+        state.version += 1
+        return state.error is None and state.matcher.rollback(num_tokens)
+
+    def discard(self, key: Key) -> None:
+        self._states.pop(key, None)  # a mask being filled ahead holds its own reference to the matcher
+
+    def is_accepting(self, key: Key) -> bool:
+        """Whether the output so far is a complete answer (EOS may follow)."""
+        return self._states[key].matcher.is_accepting()
+
+    def _consume(self, state: _State, tokens: list[int]) -> None:
+        state.version += 1
+        matcher = state.matcher
+        for token in tokens:
+            if matcher.is_stopped() and token in self.eos_ids:
+                return  # EOS after a complete answer: the sequence ends here
+            if not matcher.consume_token(token):
+                state.error = matcher.get_error() or f"token {token} does not fit the grammar"
+                return
+
+    # ---- steps -------------------------------------------------------------------------------------------
+    def advance(self, keys: Sequence[Key | None], tokens: Sequence[int]) -> list[RowError]:
+        """Feed each constrained row's sampled token to its matcher, then start filling the next step's masks."""
+        self._settle()
+        errors, moved = [], []
+        for row, (key, token) in enumerate(zip(keys, tokens)):
+            state = self._states.get(key) if key is not None else None
+            if state is None:
+                continue
+            if state.error is None:
+                self._consume(state, [int(token)])
+                if state.error is not None:
+                    errors.append(RowError(row, key, state.error))
+            moved.append(key)
+        if moved:  # the states are taken here: the worker never reads the dict, which the caller changes
+            self._ahead = self._worker.submit(self._fill_ahead, moved, [self._states[k] for k in moved])
+        return errors
+
+    def _settle(self) -> None:
+        """Wait for the masks being filled ahead: nothing may move a matcher while llguidance reads it."""
+        if self._ahead is not None:
+            concurrent.futures.wait([self._ahead])
+
+    def _fill(self, states: list[_State]) -> np.ndarray:
+        masks = np.zeros((len(states), self.words), dtype=np.int32)
+        jobs = [(s.matcher, i) for i, s in enumerate(states) if s.error is None]
+        if jobs:
+            self._executor.unsafe_compute_mask_ptr(jobs, masks.ctypes.data, self.words * 4, len(states))
+        return masks
+
+    def _fill_ahead(
+        self, keys: list[Key], states: list[_State]
+    ) -> tuple[np.ndarray, dict[Key, tuple[int, int, _State]]]:
+        return self._fill(states), {k: (i, s.version, s) for i, (k, s) in enumerate(zip(keys, states))}
+
+    def masks(self, keys: Sequence[Key]) -> np.ndarray:
+        """[len(keys), words] int32 bitmasks (bit t of the row = token t allowed); the ones filled ahead are
+        reused when their matcher has not moved since, the rest are filled now."""
+        states = [self._states[k] for k in keys]
+        out = np.zeros((len(keys), self.words), dtype=np.int32)
+        ahead, where = (None, {}) if self._ahead is None else self._ahead.result()
+        self._ahead = None
+        missing = []
+        for i, (key, state) in enumerate(zip(keys, states)):
+            hit = where.get(key)
+            if hit is not None and hit[1] == state.version and hit[2] is state:
+                out[i] = ahead[hit[0]]
+            else:
+                missing.append(i)
+        if missing:
+            out[missing] = self._fill([states[i] for i in missing])
+        return out
+
+    def apply(self, logits: torch.Tensor, keys: Sequence[Key | None]) -> list[RowError]:
+        """Mask `logits` [rows, vocab] in place: each row whose key is constrained keeps only the tokens its
+        grammar allows. Rows of None (or an unconstrained key) are untouched. Returns the rows left with nothing
+        allowed; each of those gets the first EOS id as its only choice."""
+        rows = [i for i, k in enumerate(keys) if k is not None and k in self._states]
+        if not rows:
+            return []
+        self._settle()
+        bits = self.masks([keys[i] for i in rows])
+        allowed = unpack(bits, logits.shape[-1], logits.device)
+        errors = []
+        empty = (~allowed.any(dim=1)).nonzero().flatten().tolist()
+        for j in empty:
+            state = self._states[keys[rows[j]]]
+            errors.append(RowError(rows[j], keys[rows[j]], state.error or "no token fits the grammar"))
+            allowed[j, self.eos_ids[0]] = True
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+        return errors
+
+
+def unpack(bits: np.ndarray, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[rows, words] int32 bitmasks → [rows, vocab] bool (token ids past the tokenizer's vocabulary: False)."""
+    rows, words = bits.shape
+    if torch.device(device).type == "cpu":
+        flat = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little").view(bool)
+        allowed = torch.from_numpy(flat)
+    else:  # ship the packed words (32x smaller) and unpack on the device
+        packed = torch.from_numpy(bits).to(device, non_blocking=True)
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        allowed = ((packed[:, :, None] >> shifts) & 1).bool().reshape(rows, words * 32)
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab].contiguous()
+    pad = torch.zeros(rows, vocab - allowed.shape[1], dtype=torch.bool, device=allowed.device)
+    return torch.cat([allowed, pad], dim=1)

@@ -1,0 +1,267 @@
+"""services.shard.constraints on the tiny tokenizer with random logits: whatever the (meaningless) scores, the
+constrained rows produce outputs that parse and validate, and the matcher follows replay, rollback and errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from services.shard.constraints import Constraints, unpack
+from services.tokenizer.grammar import grammar_text, tool_grammar
+from tests.tiny_models import BOS, EOS, build_tokenizer
+
+MAX_STEPS = 400
+
+SCHEMAS = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 10, "maximum": 99},
+            "owner": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 8}, "admin": {"type": "boolean"}},
+                "required": ["name", "admin"],
+            },
+            "score": {"type": "number", "minimum": -1, "maximum": 1},
+            "note": {"type": "string", "maxLength": 5},  # optional
+        },
+        "required": ["id", "owner", "score"],
+    },
+    "array_enum": {
+        "type": "array",
+        "items": {"enum": ["red", "green", "blue", 3, None]},
+        "minItems": 2,
+        "maxItems": 4,
+    },
+    "ref": {
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}},
+        "type": "object",
+        "properties": {
+            "a": {"$ref": "#/$defs/point"},
+            "path": {"type": "array", "items": {"$ref": "#/$defs/point"}, "maxItems": 2},
+        },
+        "required": ["a", "path"],
+    },
+    "any_of": {
+        "anyOf": [
+            {"type": "integer", "minimum": 0, "maximum": 5},
+            {"type": "object", "properties": {"kind": {"const": "x"}}, "required": ["kind"]},
+        ]
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("constraints-tok")
+    build_tokenizer(folder)
+    return str(folder / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def cons(tok_path):
+    c = Constraints.from_file(tok_path, [EOS])
+    yield c
+    c.close()
+
+
+def grammar(value) -> str:
+    return grammar_text(value)[1]
+
+
+def generate(cons: Constraints, keys: list, seed: int, vocab: int | None = None, greedy: bool = False) -> dict:
+    """Random logits, masked, sampled, advanced, until every constrained row ends with EOS; the tokens per key."""
+    vocab = vocab or cons.tokenizer.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    out = {k: [] for k in keys}
+    live = list(keys)
+    for _ in range(MAX_STEPS):
+        if not any(k in cons for k in live):
+            break
+        logits = torch.randn(len(live), vocab, generator=gen) * 3
+        errors = cons.apply(logits, live)
+        assert errors == []
+        if greedy:
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            tokens = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)[:, 0].tolist()
+        assert cons.advance(live, tokens) == []
+        for k, t in zip(live, tokens):
+            if k is not None and k in cons:
+                out[k].append(t)
+                if t == EOS:
+                    cons.discard(k)
+    assert not any(k in cons for k in live), "a constrained row did not finish"
+    return out
+
+
+def text(cons: Constraints, tokens: list[int]) -> str:
+    assert tokens[-1] == EOS
+    return cons.tokenizer.decode_str(tokens[:-1])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_json_schemas_validate_whatever_the_logits(cons, seed):
+    keys = list(SCHEMAS)
+    for k in keys:
+        assert cons.open(k, grammar({"type": "json", "value": SCHEMAS[k]})) is None
+    out = generate(cons, keys + [None], seed)  # an unconstrained row rides along
+    for k in keys:
+        value = json.loads(text(cons, out[k]))
+        jsonschema.validate(value, SCHEMAS[k])
+
+
+def test_regex_gbnf_lark_and_tools(cons):
+    shapes = {
+        "regex": {"type": "regex", "value": r"[0-9]{3}-[a-z]{2,5}( ok)?"},
+        "gbnf": 'root ::= "{" ws "\\"answer\\"" ws ":" ws [0-9] [0-9]? ws "}"\nws ::= [ ]?',
+        "lark": {"type": "lark", "value": 'start: ("yes" | "no") ("!" | "?")'},
+    }
+    for k, v in shapes.items():
+        cons.open(k, grammar(v))
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": {"properties": {"n": {"enum": [1, 2]}}}}},
+        {"type": "function", "function": {"name": "g", "parameters": {"properties": {}}}},
+    ]
+    cons.open("tools", tool_grammar(tools, "required").text)
+    out = generate(cons, [*shapes, "tools"], seed=7)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,5}( ok)?", text(cons, out["regex"]))
+    assert re.fullmatch(r'\{ ?"answer" ?: ?[0-9]{1,2} ?\}', text(cons, out["gbnf"]))
+    assert re.fullmatch(r"(yes|no)[!?]", text(cons, out["lark"]))
+    call = json.loads(text(cons, out["tools"]))
+    assert call["function"]["_name"] in ("f", "g")
+
+
+def test_tool_auto_gives_a_call_or_plain_text(cons):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"n": {"enum": [1, 2]}}}}}]
+    auto = tool_grammar(tools, "auto").text
+    cons.open("plain", auto)
+    cons.open("call", auto, replay=cons.tokenizer.tokenize_str("{"))  # the model chose `{`: a call it must be
+    out = generate(cons, ["plain", "call"], seed=3)
+    plain = text(cons, out["plain"])
+    assert not plain.lstrip().startswith("{")
+    call = json.loads("{" + text(cons, out["call"]))
+    assert call["function"]["_name"] == "f" and "no_tool" not in json.dumps(call)
+
+
+def allowed(cons: Constraints, key) -> np.ndarray:
+    return unpack(cons.masks([key]), cons.tokenizer.vocab_size)[0].numpy()
+
+
+def test_eos_only_once_the_grammar_is_complete(cons):
+    g = grammar({"type": "regex", "value": "ab(c)?"})
+    cons.open("e", g)
+    assert not allowed(cons, "e")[EOS]
+    for token_text, complete in (("a", False), ("b", True), ("c", True)):
+        cons.advance(["e"], cons.tokenizer.tokenize_str(token_text))
+        assert cons.is_accepting("e") == complete
+        assert allowed(cons, "e")[EOS] == complete
+    mask = allowed(cons, "e")  # "abc": nothing may follow but EOS
+    assert mask[EOS] and mask.sum() == 1
+    cons.discard("e")
+    cons.open("e", g, replay=cons.tokenizer.tokenize_str("ab"))
+    mask = allowed(cons, "e")  # complete, and "c" may still follow
+    assert mask[EOS] and mask[cons.tokenizer.tokenize_str("c")[0]]
+    cons.discard("e")
+
+
+def test_every_eos_id_ends_a_grammar(tok_path):
+    c = Constraints.from_file(tok_path, [EOS, BOS])  # a model with two EOS ids
+    try:
+        for eos in (EOS, BOS):
+            c.open(eos, grammar({"type": "regex", "value": "ab"}), replay=c.tokenizer.tokenize_str("ab"))
+            mask = unpack(c.masks([eos]), c.tokenizer.vocab_size)[0]
+            assert mask[EOS] and mask[BOS] and int(mask.sum()) == 2
+            assert c.advance([eos], [eos]) == []
+    finally:
+        c.close()
+
+
+def test_replay_and_rebuild_give_the_same_state(cons):
+    g = grammar({"type": "json", "value": SCHEMAS["nested"]})
+    cons.open("run", g)
+    tokens = generate(cons, ["run"], seed=11)["run"]
+    for cut in (0, 1, len(tokens) // 2, len(tokens) - 1):
+        cons.open("a", g)
+        for t in tokens[:cut]:
+            cons.advance(["a"], [t])  # step by step, masks filled ahead in between
+        cons.open("b", g, replay=tokens[:cut])  # replayed at once (a recompute, a restarted shard)
+        cons.open("c", g, replay=tokens[:3])
+        cons.rebuild("c", tokens[:cut])
+        assert (cons.masks(["a"]) == cons.masks(["b"])).all()
+        assert (cons.masks(["a"]) == cons.masks(["c"])).all()
+        assert cons.is_accepting("a") == cons.is_accepting("b") == (cut == len(tokens) - 1)
+    for k in "abc":
+        cons.discard(k)
+
+
+def test_rollback_returns_to_an_earlier_state(cons):
+    g = grammar({"type": "json", "value": SCHEMAS["ref"]})
+    cons.open("r", g)
+    tokens = generate(cons, ["r"], seed=5)["r"]
+    cons.open("r", g, replay=tokens[:10])
+    cons.open("s", g, replay=tokens[:6])
+    assert cons.rollback("r", 4)
+    assert (cons.masks(["r"]) == cons.masks(["s"])).all()
+    cons.discard("r")
+    cons.discard("s")
+
+
+def test_masks_filled_ahead_equal_masks_filled_now(cons):
+    g = grammar({"type": "json", "value": SCHEMAS["array_enum"]})
+    cons.open("x", g)
+    cons.advance(["x"], cons.tokenizer.tokenize_str("["))  # starts filling the next mask on the worker
+    ahead = cons.masks(["x"])
+    assert (ahead == cons.masks(["x"])).all()  # the second call fills it now
+    assert allowed(cons, "x")[cons.tokenizer.tokenize_str('"')[0]]
+    cons.discard("x")
+
+
+def test_a_row_with_no_allowed_token_fails_alone(cons):
+    g = grammar({"type": "regex", "value": "[0-9]+"})
+    cons.open("bad", g)
+    cons.open("good", g)
+    errors = cons.advance(["good", "bad"], cons.tokenizer.tokenize_str("7") + cons.tokenizer.tokenize_str("x"))
+    assert [(e.row, e.key) for e in errors] == [(1, "bad")]
+    logits = torch.zeros(3, cons.tokenizer.vocab_size)
+    errors = cons.apply(logits, ["good", None, "bad"])
+    assert [(e.row, e.key) for e in errors] == [(2, "bad")] and "x" in errors[0].message
+    assert torch.isfinite(logits[1]).all()  # the unconstrained row is untouched
+    assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [EOS]  # the failed row can only end
+    finite = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert EOS in finite and all(cons.tokenizer.decode_str([t]).isdigit() for t in finite if t != EOS)
+    torch.multinomial(torch.softmax(logits, dim=-1), 1)  # the batch still samples
+    cons.discard("bad")
+    cons.discard("good")
+
+
+def test_a_grammar_that_does_not_compile_is_reported_at_apply(cons):
+    assert "unknown name" in cons.open("broken", '{"grammars": [{"lark_grammar": "start: nope"}]}')
+    errors = cons.apply(torch.zeros(1, cons.tokenizer.vocab_size), ["broken"])
+    assert errors[0].key == "broken"
+    cons.discard("broken")
+
+
+def test_logits_wider_than_the_vocabulary_mask_the_extra_ids(cons):
+    vocab = cons.tokenizer.vocab_size
+    cons.open("w", grammar({"type": "regex", "value": "a+"}))
+    logits = torch.zeros(1, vocab + 40)
+    cons.apply(logits, ["w"])
+    assert torch.isinf(logits[0, vocab:]).all()
+    out = generate(cons, ["w"], seed=1, vocab=vocab + 40, greedy=True)["w"]
+    assert re.fullmatch("a+", text(cons, out))
+
+
+def test_unpack_matches_the_bit_layout():
+    rng = np.random.default_rng(0)
+    bits = rng.integers(-(2**31), 2**31, size=(3, 5), dtype=np.int64).astype(np.int32)
+    want = np.array([[(int(w) >> b) & 1 for w in row for b in range(32)] for row in bits], dtype=bool)
+    assert (unpack(bits, 160).numpy() == want).all()
+    assert (unpack(bits, 150).numpy() == want[:, :150]).all()
+    padded = unpack(bits, 170).numpy()
+    assert (padded[:, :160] == want).all() and not padded[:, 160:].any()
