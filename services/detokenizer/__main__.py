@@ -1,9 +1,8 @@
 """`python -m services.detokenizer`: token rows in (tok.<k>), text rows out (out.<ingress>).
 
 A row for a request it has no stream of (this process restarted, or the open was lost with a router restart)
-or a row past a gap makes it ask the scheduler for a `Resync` (rate-limited per request); the scheduler answers
-with a reset batch: the request's open and every token from offset 0, which rebuilds the decoder state from
-scratch (decoding is deterministic) and re-emits every row; http drops the ones it already delivered.
+or a row past a gap makes it ask the scheduler for a `Resync` (`Detokenizer.wanted`); the reset batch that
+answers rebuilds the stream from offset 0. docs/recovery.md tells the whole protocol.
 """
 
 from __future__ import annotations

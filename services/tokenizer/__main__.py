@@ -1,4 +1,8 @@
-"""`python -m services.tokenizer`: render chat templates, validate as TGI does, tokenize, forward to admit."""
+"""`python -m services.tokenizer`: render chat templates, validate as TGI does, tokenize, forward to admit.
+
+It keeps nothing across requests: a request lost with it is resubmitted by http, and one that comes while it
+restarts waits in http (docs/recovery.md).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """kill -9 any one process: supervisord restarts it, its peers reconnect, and the server serves
-correctly again; and under load, no request in flight is lost (issue 7).
+correctly again; and under load, no request in flight is lost (docs/recovery.md).
 
 Under 16 concurrent streaming greedy requests, each role in turn is killed mid-generation: every stream
 still ends with exactly the tokens of an undisturbed run (transformers' generate(), tests/reference.py), or,
