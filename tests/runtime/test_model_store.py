@@ -178,13 +178,13 @@ def test_model_info_prefers_generation_config_and_imports_no_torch(tiny_model, t
     assert model_info(tmp_path)["eos_token_ids"] == [2]  # falls back to config.json
 
 
-# ---- the embedded default: locking and clean-up, with a stand-in conversion -------------------------
+# ---- the embedded models: names, locking and clean-up, with a stand-in conversion ------------------
 
 
 def test_concurrent_prepare_converts_once_and_failures_leave_nothing(tmp_path, monkeypatch):
     calls = []
 
-    def fake_convert(out: Path) -> None:
+    def fake_convert(model, out: Path) -> None:
         calls.append(out)
         time.sleep(0.3)  # long enough for the other thread to reach the lock
         (out / "config.json").write_text("{}")
@@ -200,7 +200,7 @@ def test_concurrent_prepare_converts_once_and_failures_leave_nothing(tmp_path, m
     assert len(calls) == 1 and results[0] == results[1] == model_store.default_model_dir(tmp_path)
     assert sorted(p.name for p in results[0].parent.iterdir()) == [f".{results[0].name}.lock", results[0].name]
 
-    def failing_convert(out: Path) -> None:
+    def failing_convert(model, out: Path) -> None:
         raise OSError("disk full")
 
     monkeypatch.setattr(model_store, "_convert_embedded_gguf", failing_convert)
@@ -214,50 +214,141 @@ def test_default_root_from_environment(tmp_path, monkeypatch):
     assert model_store.default_model_dir() == tmp_path / "models" / model_store.DEFAULT_MODEL_DIRNAME
 
 
-# ---- the embedded default, for real ------------------------------------------------------------------
+def test_embedded_models_by_short_name(tmp_path, monkeypatch):
+    """None is the default (the instruction-tuned SmolLM2); each embedded model has a name and a folder of its own,
+    and a short name wins over a same-named folder in the working directory."""
+    converted = []
+
+    def fake_convert(model, out: Path) -> None:
+        converted.append(model.name)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model_store, "_convert_embedded_gguf", fake_convert)
+    monkeypatch.setattr(model_store, "_fix_and_check", lambda out: None)
+    monkeypatch.setenv("SWITCHYARD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma-3-270m").mkdir()  # a folder without config.json: resolving it would fail
+    assert model_store.DEFAULT_MODEL.name == "smollm2-135m-instruct"
+    assert resolve_model(None) == tmp_path / "cache" / "models" / "smollm2-135m-instruct-q4_1"
+    assert resolve_model("smollm2-135m-instruct") == resolve_model(None)
+    assert resolve_model("gemma-3-270m") == tmp_path / "cache" / "models" / "gemma-3-270m-q4km"
+    assert converted == ["smollm2-135m-instruct", "gemma-3-270m"]  # each converted once
+    dirnames = [m.dirname for m in model_store.EMBEDDED.values()]
+    assert len(set(dirnames)) == len(dirnames)
+    for name in model_store.EMBEDDED:
+        assert name in model_store.MODEL_ID_HELP
 
 
-@pytest.fixture(scope="module")
-def default_model() -> Path:
-    """The default cache's folder: the one `make model` converted before the tests (or this converts it), and the
-    one the e2e Gemma tests serve. Converting a second copy into a fresh cache cost 2 minutes of every CI run.
-    A change to the conversion must change DEFAULT_MODEL_DIRNAME, or a warm cache keeps the old folder."""
+def test_conversion_reports_each_stage(tmp_path, monkeypatch, caplog):
+    def fake_convert(model, out: Path) -> None:
+        for n, what in enumerate(("reading", "dequantizing", "tokenizer"), 1):
+            model_store._stage(model, n, what, time.monotonic())
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model_store, "_convert_embedded_gguf", fake_convert)
+    monkeypatch.setattr(model_store, "_fix_and_check", lambda out: None)
+    with caplog.at_level("INFO", logger=model_store.__name__):
+        prepare_default_model(tmp_path)
+    lines = [r.getMessage() for r in caplog.records]
+    assert "converting it once" in lines[0]
+    assert [f"[{n}/{model_store.STAGES}]" in line for n, line in zip(range(1, 5), lines[1:5])] == [True] * 4
+    assert lines[-1].startswith("prepared ")
+    caplog.clear()
+    with caplog.at_level("INFO", logger=model_store.__name__):
+        prepare_default_model(tmp_path)
+    assert caplog.records == []  # a cached folder is returned silently
+
+
+# ---- the embedded models, for real -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=list(model_store.EMBEDDED))
+def embedded(request) -> tuple[str, Path]:
+    """The default cache's folders: the ones `make model` / `make model-gemma` converted before the tests (or this
+    converts them), and the ones the e2e tests serve. Converting second copies into a fresh cache cost minutes of
+    every CI run. A change to the conversion must change the model's dirname, or a warm cache keeps the old folder."""
     started = time.monotonic()
-    path = prepare_default_model()
-    print(f"prepared the embedded model in {time.monotonic() - started:.1f} s")
-    return path
+    path = model_store.prepare_embedded(model_store.EMBEDDED[request.param])
+    print(f"prepared {request.param} in {time.monotonic() - started:.1f} s")
+    return request.param, path
+
+
+EXPECTED = {  # model_type, eos ids, bos id, vocab size; the BOS the tokenizer prepends (None: none)
+    "smollm2-135m-instruct": ("llama", {2, 0}, 1, 49152, None),  # <|im_end|>, <|endoftext|>
+    "gemma-3-270m": ("gemma3_text", {1, 106}, 2, 262144, 2),  # <eos>, <end_of_turn>
+}
 
 
 @pytest.mark.slow
-def test_default_model_is_converted_once(default_model):
+def test_embedded_model_is_converted_once(embedded):
+    name, folder = embedded
     started = time.monotonic()
-    assert prepare_default_model(default_model.parent.parent) == default_model
+    assert model_store.prepare_embedded(model_store.EMBEDDED[name], folder.parent.parent) == folder
     assert time.monotonic() - started < 1
-    assert resolve_model(str(default_model)) == default_model.resolve()
-    names = {p.name for p in default_model.iterdir()}
+    assert resolve_model(str(folder)) == folder.resolve()
+    names = {p.name for p in folder.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
     assert not any(n.endswith(".gguf") for n in names)
-    assert [p.name for p in default_model.parent.iterdir() if ".tmp-" in p.name] == []
-    info = model_info(default_model)
-    assert info["model_type"] == "gemma3_text"
-    assert {1, 106} <= set(info["eos_token_ids"])  # <eos> and <end_of_turn>
-    assert info["bos_token_id"] == 2 and info["vocab_size"] == 262144
+    assert [p.name for p in folder.parent.iterdir() if ".tmp-" in p.name] == []
+    info = model_info(folder)
+    model_type, eos, bos, vocab, _ = EXPECTED[name]
+    assert info["model_type"] == model_type
+    assert eos <= set(info["eos_token_ids"])
+    assert info["bos_token_id"] == bos and info["vocab_size"] == vocab
 
 
 @pytest.mark.slow
-def test_default_model_tokenizer_parity_and_generation(default_model):
+def test_embedded_model_tokenizer_parity(embedded):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    name, folder = embedded
+    hf = AutoTokenizer.from_pretrained(folder)
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for text in ["The capital of France is", "Hello, world!", " a\n\n b  ", "naïve café ☕ 東京", "In 2024: 12345", ""]:
+        assert raw.encode(text).ids == hf(text).input_ids
+        assert raw.decode(raw.encode(text).ids) == text
+    bos = EXPECTED[name][4]
+    assert (hf("x").input_ids[0] == bos) if bos is not None else (hf.bos_token_id not in hf("x").input_ids)
+    eos_names = model_store.EMBEDDED[name].eos_tokens
+    assert set(hf.convert_tokens_to_ids(list(eos_names))) == EXPECTED[name][1]
+
+
+@pytest.mark.slow
+def test_default_model_chats(embedded):
+    """The default is instruction-tuned: its GGUF's ChatML template is in the folder, where the server's tokenizer
+    finds it, and greedy decoding answers a question (a known answer of this model)."""
     import torch
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(default_model)
-    raw = Tokenizer.from_file(str(default_model / "tokenizer.json"))
-    for text in ["The capital of France is", "Hello, world!", " a\n\n b  ", "naïve café ☕ 東京", ""]:
-        assert raw.encode(text).ids == hf(text).input_ids
-        assert hf(text).input_ids[0] == 2  # <bos> is prepended
-    assert hf.convert_ids_to_tokens([1, 106]) == ["<eos>", "<end_of_turn>"]
+    from services.tokenizer.chat_template import ChatTemplates
 
-    model = AutoModelForCausalLM.from_pretrained(default_model)
+    name, folder = embedded
+    if name != model_store.DEFAULT_MODEL.name:
+        pytest.skip("the chat check is the default model's")
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    hf = AutoTokenizer.from_pretrained(folder)
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ChatTemplates.load(folder).render(messages) == text  # what the server renders
+    assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    assert hf.decode(out[0, len(ids) :], skip_special_tokens=True) == "The capital of France is Paris."
+
+
+@pytest.mark.slow
+def test_gemma_base_model_generates(embedded):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name, folder = embedded
+    if name != "gemma-3-270m":
+        pytest.skip("the base-model check is Gemma's")
+    hf = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
     continuations = {}
     for prompt in ("The capital of France is", "def fibonacci(n):"):
         ids = hf(prompt, return_tensors="pt")
