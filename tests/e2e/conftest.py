@@ -1,5 +1,6 @@
-"""Real servers for the end-to-end tests: one on a tiny test model, one on the embedded Gemma, one on the tiny
-model with the API's special flags (api key, payload limit, 2 concurrent requests, CORS, chat template)."""
+"""Real servers for the end-to-end tests: one on a tiny test model, one on the tiny model with the API's special
+flags (api key, payload limit, 2 concurrent requests, CORS, chat template). The embedded models' servers are
+their tests' own (test_gemma.py: Gemma-3-270M by name; test_quickstart.py: the default model)."""
 
 from __future__ import annotations
 
