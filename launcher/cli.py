@@ -4,7 +4,9 @@ Every flag also reads its environment variable as TGI's launcher does (`--model-
 `--port` ← PORT, …). The launcher resolves the model once (Hub download or the embedded default),
 makes a private run directory for the bus sockets, and runs supervisord with the six programs of
 `supervisord.conf`. Ctrl-C (or SIGTERM) stops supervisord, which stops every program; the run
-directory is removed on the way out.
+directory is removed on the way out. If the launcher is killed outright, supervisord gets the
+parent-death signal and stops the server all the same, and the next `switchyard serve` removes the
+run directory left behind (launcher/supervise.py, launcher/rundir.py).
 
 Scale-out: --tokenizer-workers, --detokenizer-workers, --http-workers, --replicas (× --num-shard)
 set how many processes each program runs; --bus-address puts the bus on tcp instead of the run
@@ -22,10 +24,9 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from launcher import bench, bus_flags, keygen, supervise, tap
+from launcher import bench, bus_flags, keygen, rundir, supervise, tap
 from libs.protocol import Addresses
 from libs.runtime import model_store
 from libs.runtime.settings import Settings
@@ -325,7 +326,13 @@ def serve(args: argparse.Namespace) -> int:
     settings = settings_from(args, model_path)
     counts = programs(args)
     bus_flags.check(settings, counts)
-    run_dir = tempfile.mkdtemp(prefix="switchyard-", dir="/tmp")  # mkdtemp makes it 0700 (and holds supervisord's)
+    for stale in rundir.remove_stale():  # only servers provably dead: their lock is free (launcher/rundir.py)
+        log.info("removed the run directory %s of a server that is no longer running", stale)
+    try:
+        path, lock_fd = rundir.create()  # 0700; locked for as long as this server lives
+    except OSError as e:
+        raise SystemExit(f"error: cannot make a run directory under {rundir.root()}: {e}") from None
+    run_dir = str(path)
     try:
         settings = settings.replace(bus=settings.bus or f"ipc://{run_dir}")
         if settings.num_shard > 1 and counts["shard"]:  # each replica's ranks rendezvous on one of these
@@ -347,9 +354,29 @@ def serve(args: argparse.Namespace) -> int:
         here = ", ".join(f"{role}×{n}" for role, n in counts.items() if n)
         log.info("serving %s on %s:%d (run directory %s)", settings.model_id, host, port, run_dir)
         log.info("programs: %s; bus %s", here, settings.bus)
-        return supervise.run(ROOT / "supervisord.conf", env, ROOT, Path(run_dir))
+        url = f"http://{_url_host(host)}:{port}"
+        ready = f"ready: {settings.model_id} at {url} (Ctrl-C to stop)"
+        return supervise.run(
+            ROOT / "supervisord.conf",
+            env,
+            ROOT,
+            path,
+            lock_fd=lock_fd,
+            health_url=f"{url}/health" if counts["http"] else None,
+            ready_message=ready,
+        )
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+        os.close(lock_fd)
+
+
+def _url_host(hostname: str) -> str:
+    """Where a client on this machine reaches a server listening on `hostname`."""
+    if hostname in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if hostname == "::":
+        return "[::1]"
+    return f"[{hostname}]" if ":" in hostname else hostname
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,16 +1,32 @@
-"""Run supervisord in the foreground: forward Ctrl-C/SIGTERM, give up on a program that cannot start.
+"""Run supervisord in the foreground: forward Ctrl-C/SIGTERM, give up on a program that cannot start,
+say when the server is ready, and make the server's lifetime the launcher's.
 
 supervisord restarts a program that dies; one that keeps dying at start (a model that cannot load)
 ends FATAL and would leave a server that never becomes healthy. We ask supervisord over its socket
 every few seconds and stop the whole server in that case, with a non-zero exit, as TGI's launcher does.
+
+Lifetime: supervisord runs in its own session (a terminal's Ctrl-C reaches only us, and we stop it in
+order), so nothing would stop it if we were killed outright. On Linux it is started with the
+parent-death signal (prctl PR_SET_PDEATHSIG) set to SIGTERM: when the launcher dies, by any signal,
+SIGKILL included, the kernel sends supervisord SIGTERM and it stops every program as on Ctrl-C
+(SIGKILL after stopwaitsecs). We chose this over the launcher exec'ing supervisord because the
+launcher must outlive supervisord: it watches for FATAL programs, announces readiness and removes the
+run directory, none of which supervisord does. Caveats, both met here: the signal fires when the
+*thread* that forked the child exits (we fork from the main thread, which Python ends last), and it is
+cleared when the child gains privileges (a setuid binary, or supervisord's `user=`, which the
+configuration does not use). Elsewhere there is no such signal: we say so at start.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 import xmlrpc.client
 from pathlib import Path
 
@@ -18,6 +34,7 @@ from supervisor.xmlrpc import SupervisorTransport
 
 log = logging.getLogger("switchyard.launcher")
 POLL_S = 2.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def fatal_programs(socket_path: Path) -> list[str]:
@@ -33,11 +50,69 @@ def fatal_programs(socket_path: Path) -> list[str]:
         transport.close()
 
 
-def run(conf: Path, env: dict[str, str], cwd: Path, run_dir: Path) -> int:
+def die_with_parent():
+    """A preexec_fn that makes the child get SIGTERM when this process dies, or None where the platform
+    has no parent-death signal."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            os._exit(127)
+        if os.getppid() != parent:  # the parent died before the signal was armed: it will never come
+            os._exit(1)
+
+    return preexec
+
+
+_direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own port: never via an http_proxy
+
+
+def healthy(url: str) -> bool:
+    try:
+        with _direct.open(url, timeout=1) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+def run(
+    conf: Path,
+    env: dict[str, str],
+    cwd: Path,
+    run_dir: Path,
+    lock_fd: int | None = None,
+    health_url: str | None = None,
+    ready_message: str = "",
+) -> int:
+    """Run supervisord until it exits. `lock_fd` (the run directory's lock) is inherited by supervisord so
+    the lock outlives us until supervisord has stopped everything; once `health_url` answers 200,
+    `ready_message` is logged."""
     cmd = [sys.executable, "-m", "supervisor.supervisord", "-n", "-c", str(conf)]
+    preexec = die_with_parent()
+    if preexec is None:
+        log.warning(
+            "%s has no parent-death signal: if this launcher is killed outright (kill -9), supervisord and the "
+            "services keep running; stop them with `kill <pid in %s/supervisord.pid>`",
+            sys.platform,
+            run_dir,
+        )
     # its own session: a terminal's Ctrl-C reaches only us, and we stop supervisord, which stops the rest
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+        preexec_fn=preexec,
+        pass_fds=() if lock_fd is None else (lock_fd,),
+    )
     failed: list[str] = []
+    waiting = health_url is not None
 
     def stop(signum=None, frame=None):
         if proc.poll() is None:
@@ -47,10 +122,13 @@ def run(conf: Path, env: dict[str, str], cwd: Path, run_dir: Path) -> int:
     signal.signal(signal.SIGTERM, stop)
     while True:
         try:
-            code = proc.wait(timeout=POLL_S)
+            code = proc.wait(timeout=0.5 if waiting else POLL_S)
             return 1 if failed else code
         except subprocess.TimeoutExpired:
             pass
         if not failed and (failed := fatal_programs(run_dir / "supervisor.sock")):
             log.error("%s could not start (see the log above); stopping", ", ".join(failed))
             stop()
+        if waiting and not failed and healthy(health_url):
+            waiting = False
+            log.info("%s", ready_message)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import zmq
 
-from launcher import bus_flags
+from launcher import bus_flags, rundir
 from libs.protocol import Addresses, ProtocolError, codec
 from libs.protocol.messages import FINISH_NAMES, FINISH_NONE, Heartbeat, Hello, TextBatch, TokenBatch
 from libs.runtime import bus
@@ -60,19 +60,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the subscription (default 10)")
 
 
-def find_bus(tmp: str = "/tmp") -> str:
-    """The bus of the only running server of this user: its run directory, /tmp/switchyard-*."""
-    found = []
-    for d in sorted(Path(tmp).glob("switchyard-*")):
-        try:
-            if d.is_dir() and d.stat().st_uid == os.getuid() and (d / "events-out").exists():
-                found.append(d)
-        except OSError:
-            continue
+def find_bus(where: Path | None = None) -> str:
+    """The bus of the only live server of this user: its run directory under the run root (/tmp, or
+    $SWITCHYARD_RUN_ROOT). A directory left by a server that died is not one: its lock is free."""
+    base = where or rundir.root()
+    found = [d for d in rundir.live(base) if (d / "events-out").exists()]  # a tcp bus leaves no socket here
     if len(found) == 1:
         return f"ipc://{found[0]}"
     if not found:
-        raise SystemExit(f"error: no running Switchyard found (no {tmp}/switchyard-*/events-out); give --bus")
+        raise SystemExit(f"error: no running Switchyard found (no live {base}/switchyard-*); give --bus")
     listing = "\n  ".join(f"ipc://{d}" for d in found)
     raise SystemExit(f"error: several Switchyard servers are running; pick one with --bus:\n  {listing}")
 

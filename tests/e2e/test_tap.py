@@ -4,6 +4,7 @@ filters by topic, and detaching leaves the server serving."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -20,13 +21,14 @@ pytestmark = pytest.mark.e2e
 
 
 class Tap:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, env: dict | None = None):
         cmd = [sys.executable, "-m", "launcher.tap", "--json", *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.rows: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        attached = self.proc.stderr.readline()
-        assert "# attached to" in attached, attached + self.proc.stderr.read()
+        self.attached = self.proc.stderr.readline()
+        assert "# attached to" in self.attached, self.attached + self.proc.stderr.read()
 
     def _read(self) -> None:
         for line in self.proc.stdout:

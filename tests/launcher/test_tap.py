@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
-from launcher import tap
+from launcher import rundir, tap
 from libs.protocol import Addresses, codec, topics
 from libs.protocol.messages import (
     FINISH_EOS,
@@ -88,20 +90,33 @@ def test_other_rows():
     assert tap.rows(b"hb.scheduler.0000", Heartbeat(role="scheduler", index=0, pid=7), request="a" * 32) == []
 
 
-def test_find_bus(tmp_path):
-    with pytest.raises(SystemExit, match="no running Switchyard"):
-        tap.find_bus(str(tmp_path))
-    (tmp_path / "switchyard-e2e.lock").write_text("")  # not a run directory
-    (tmp_path / "switchyard-stale").mkdir()  # no socket: not running
-    one = tmp_path / "switchyard-one"
-    one.mkdir()
-    (one / "events-out").write_text("")
-    assert tap.find_bus(str(tmp_path)) == f"ipc://{one}"
-    two = tmp_path / "switchyard-two"
-    two.mkdir()
-    (two / "events-out").write_text("")
-    with pytest.raises(SystemExit, match=f"(?s)several.*ipc://{one}.*ipc://{two}"):
-        tap.find_bus(str(tmp_path))
+def test_find_bus_attaches_only_to_a_live_server():
+    where = Path(tempfile.mkdtemp(prefix="sy-tap-", dir="/tmp"))
+    held = []
+    try:
+        with pytest.raises(SystemExit, match="no running Switchyard"):
+            tap.find_bus(where)
+        (where / "switchyard-e2e.lock").write_text("")  # not a run directory
+        (where / "switchyard-other").mkdir()  # no lock: not a server we know to be running
+        dead, fd = rundir.create(where)
+        (dead / "events-out").write_text("")  # a server that died: its sockets stay, its lock is free
+        os.close(fd)
+        with pytest.raises(SystemExit, match="no running Switchyard"):
+            tap.find_bus(where)
+        one, fd = rundir.create(where)
+        held.append(fd)
+        (one / "events-out").write_text("")
+        assert tap.find_bus(where) == f"ipc://{one}"
+        two, fd = rundir.create(where)
+        held.append(fd)
+        (two / "events-out").write_text("")
+        with pytest.raises(SystemExit, match="several") as e:
+            tap.find_bus(where)
+        assert f"ipc://{one}" in str(e.value) and f"ipc://{two}" in str(e.value) and str(dead) not in str(e.value)
+    finally:
+        for fd in held:
+            os.close(fd)
+        shutil.rmtree(where)
 
 
 @pytest.fixture

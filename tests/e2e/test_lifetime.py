@@ -1,0 +1,142 @@
+"""A server lives as long as its launcher: kill -9 of the launcher stops every process of it and frees its
+port; a run directory left by a server that died never passes for a live one, and the next server removes it.
+
+The servers here keep their run directories under a root of their own ($SWITCHYARD_RUN_ROOT), so the other
+servers on this machine (other tests, other users of /tmp) neither disturb the tap's choice nor get swept.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher import rundir
+from tests.e2e.server import ROOT, Server, session_processes
+from tests.e2e.test_tap import Tap, generate
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def run_root():
+    root = tempfile.mkdtemp(prefix="sy-life-", dir="/tmp")  # short: ipc socket paths are limited
+    yield {rundir.ROOT_VAR: root}
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.2)
+    return cond()
+
+
+def server_pids(server: Server) -> list[int]:
+    """supervisord and its programs (they share supervisord's session)."""
+    sid = server.supervisord_sid()
+    assert sid is not None
+    pids = session_processes(sid)
+    assert len(pids) >= 7, pids  # supervisord and six programs
+    return pids
+
+
+def start(model_dir, log: Path, env: dict, port: int | None = None) -> Server:
+    server = Server(model_dir, log, *(["--port", str(port)] if port else []), env=env)
+    if port:  # the later --port wins over the one Server picked
+        server.port, server.url = port, f"http://127.0.0.1:{port}"
+    try:
+        server.wait_healthy()
+    except BaseException:
+        server.proc.kill()
+        raise
+    return server
+
+
+def tap_without_bus(env: dict) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "launcher.tap", "--timeout", "5"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+
+
+def test_killing_the_launcher_stops_its_server_and_frees_its_port(tiny_model_dir, tmp_path, run_root):
+    first = start(tiny_model_dir, tmp_path / "first.log", run_root)
+    # it says where it serves and how to stop it, once it is up
+    ready = f"ready: {tiny_model_dir} at {first.url} (Ctrl-C to stop)"
+    assert wait_until(lambda: ready in first.log_path.read_text(), 30), first.tail()
+    run_dir, pids = first.run_dir(), server_pids(first)
+
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    first.log.close()
+    assert wait_until(lambda: not any(map(alive, pids)), 30), [p for p in pids if alive(p)]
+    # the run directory stays behind (no one was left to remove it), but provably dead
+    assert os.path.isdir(run_dir) and rundir.state(Path(run_dir)) == rundir.DEAD
+
+    second = start(tiny_model_dir, tmp_path / "second.log", run_root, port=first.port)  # the port is free
+    try:
+        assert not os.path.exists(run_dir)  # removed as stale by the next server
+        assert f"removed the run directory {run_dir} of a server that is no longer running" in second.tail(200)
+        assert second.run_dir() != run_dir
+    finally:
+        second.stop()
+
+
+def kill_whole_server(server: Server) -> tuple[str, list[int]]:
+    """kill -9 every process of a server at once, as the OOM killer or a CI timeout does: nothing cleans up."""
+    run_dir, pids = server.run_dir(), server_pids(server)
+    supervisord = int((Path(run_dir) / "supervisord.pid").read_text())
+    os.kill(supervisord, signal.SIGSTOP)  # frozen: it neither restarts programs nor stops them cleanly
+    server.proc.send_signal(signal.SIGKILL)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    server.proc.wait()
+    server.log.close()
+    assert wait_until(lambda: not any(map(alive, pids)), 30)
+    return run_dir, pids
+
+
+def test_tap_finds_the_one_live_server_among_dead_ones(tiny_model_dir, tmp_path, run_root):
+    dead = start(tiny_model_dir, tmp_path / "dead.log", run_root)
+    try:
+        live = start(tiny_model_dir, tmp_path / "live.log", run_root)
+    except BaseException:
+        kill_whole_server(dead)
+        raise
+    try:
+        both = tap_without_bus(run_root)  # two live servers: the tap cannot choose
+        assert both.returncode != 0 and "pick one with --bus" in both.stderr, both.stderr
+        assert f"ipc://{dead.run_dir()}" in both.stderr and f"ipc://{live.run_dir()}" in both.stderr
+
+        dead_dir, _ = kill_whole_server(dead)
+        assert (Path(dead_dir) / "events-out").exists()  # its sockets are left, as after any crash
+
+        tap = Tap(env=run_root)  # no --bus
+        try:
+            assert f"ipc://{live.run_dir()}" in tap.attached
+            answer = generate(live.url, "the quick brown fox", 6)
+            seen = tap.until_final(1)
+        finally:
+            tap.stop()
+        tokens = [r["token_id"] for r in seen if r["event"] == "token"]
+        assert tokens == [t["id"] for t in answer["details"]["tokens"]]
+    finally:
+        live.stop()
