@@ -7,7 +7,7 @@ one. It prints, per row:
   - text batches (out.*): request id, index, text (and the final info on a request's last row);
   - anything else on the chosen topics (heartbeats, aborts, errors …): one summary line.
 
-    switchyard tap                         # token and text events of the only local server
+    switchyard tap                         # token and text events of the only live local server
     switchyard tap --request 5f0c…         # one request
     switchyard tap --topic hb. --json      # heartbeats, as JSON lines
     switchyard tap --bus ipc:///tmp/switchyard-abc123   (or tcp://host:port)
@@ -45,7 +45,7 @@ TAP_TOPIC = b"tap."  # nothing in the server subscribes to it: our hello disturb
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bus", help="ipc:///run/dir or tcp://host:port (default: the one local server's run dir)")
+    p.add_argument("--bus", help="ipc:///run/dir or tcp://host:port (default: the one live local server's)")
     p.add_argument(
         "--curve-public-key",
         default=os.environ.get(bus_flags.PUBLIC_VAR),

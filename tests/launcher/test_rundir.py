@@ -144,3 +144,8 @@ def test_a_child_started_by_the_launcher_dies_with_it_even_by_sigkill():
         parent.wait()
         if "child" in locals() and alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_elsewhere_there_is_no_parent_death_signal(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert supervise.die_with_parent() is None  # and supervise.run warns at start
