@@ -1,0 +1,154 @@
+"""The cost of LoRA adapters on one linear: the base product alone against the base plus the grouped apply
+(services/shard/lora.py) for rows spread over 4 adapters, and against a per-token gather of the weights (what a
+kernel that looks up each token's adapter does, as vLLM's punica path).
+
+Rows are laid out two ways: sorted (each adapter's rows side by side: slices, no gather) and interleaved (round
+robin: index gathers and scatters). The base product is the one the shard serves with (oneDNN, prepacked) where
+available. Every variant is timed interleaved with the others, rounds times, and the median kept, so load on the
+machine hits all alike.
+
+    python -m launcher.bench.lora [--rows 16,64] [--ranks 8,16] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+SHAPES = {"SmolLM2-135M gate/up 576→1536": (576, 1536), "2048→8192": (2048, 8192)}
+ADAPTERS = 4
+
+
+def _ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return "unknown"
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni")
+    return " ".join(f for f in wanted if f in flags) or "no avx2"
+
+
+def _variants(base, x, weights, a_stack, b_stack) -> dict:
+    """The four ways to compute one step's product for these rows (closures over one shape's tensors)."""
+    import torch
+
+    from services.shard.lora import apply_lora, group_rows
+
+    m = x.shape[0]
+    sorted_slots = [i * ADAPTERS // m for i in range(m)]
+    mixed_slots = [i % ADAPTERS for i in range(m)]
+    by_token = torch.tensor(mixed_slots)
+
+    def grouped(slots):
+        groups = group_rows(slots)  # once per step in the shard; counted here once per product, an upper bound
+        return apply_lora(x, base(x), groups, weights)
+
+    def gathered():
+        y = base(x)
+        shrink = torch.bmm(a_stack[by_token], x[:, :, None])  # per token: its adapter's A
+        return y + torch.bmm(b_stack[by_token], shrink)[:, :, 0]
+
+    return {
+        "base": lambda: base(x),
+        "sorted": lambda: grouped(sorted_slots),
+        "interleaved": lambda: grouped(mixed_slots),
+        "gather": gathered,
+    }
+
+
+def measure(rows_list: list[int], ranks: list[int], rounds: int = 5, reps: int = 5) -> list[dict]:
+    import torch
+
+    from services.shard import cpu_linear
+
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for label, (n_in, n_out) in SHAPES.items():
+        weight = torch.randn(n_out, n_in, generator=gen) * 0.02
+        if cpu_linear.available():
+            packed = cpu_linear._pack(weight)
+
+            def base(x, packed=packed, n_out=n_out):
+                return cpu_linear._linear(x, packed, None, n_out)
+        else:
+
+            def base(x, weight=weight):
+                return torch.nn.functional.linear(x, weight)
+
+        for r in ranks:
+            weights = {
+                s: (torch.randn(r, n_in, generator=gen) * 0.02, torch.randn(n_out, r, generator=gen) * 0.02)
+                for s in range(ADAPTERS)
+            }
+            a_stack = torch.stack([weights[s][0] for s in range(ADAPTERS)])  # [adapters, r, in]
+            b_stack = torch.stack([weights[s][1] for s in range(ADAPTERS)])  # [adapters, out, r]
+            for m in rows_list:
+                x = torch.randn(m, n_in, generator=gen)
+                variants = _variants(base, x, weights, a_stack, b_stack)
+                with torch.inference_mode():
+                    for fn in variants.values():  # warm up
+                        fn()
+                    # the same slots per row: grouped and per-token gather must agree
+                    torch.testing.assert_close(variants["interleaved"](), variants["gather"](), atol=1e-4, rtol=1e-4)
+                    times: dict[str, list[float]] = {k: [] for k in variants}
+                    for _ in range(rounds):
+                        for k, fn in variants.items():
+                            times[k].append(_ms(fn, reps))
+                med = {k: statistics.median(v) for k, v in times.items()}
+                results.append({"shape": label, "rank": r, "rows": m, **med})
+    return results
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| linear | r | rows | base ms | + grouped, sorted | + grouped, interleaved | per-token gather |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in results:
+        base = row["base"]
+
+        def cell(k, row=row, base=base):
+            return f"{row[k]:.3f} (+{100 * (row[k] / base - 1):.0f}%)"
+
+        lines.append(
+            f"| {row['shape']} | {row['rank']} | {row['rows']} | {base:.3f} | {cell('sorted')} | "
+            f"{cell('interleaved')} | {cell('gather')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.bench.lora", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="16,64", help="rows per step (comma list)")
+    parser.add_argument("--ranks", default="8,16", help="adapter ranks (comma list)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="calls per timing (median of rounds)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = measure(
+        [int(v) for v in args.rows.split(",")], [int(v) for v in args.ranks.split(",")], args.rounds, args.reps
+    )
+    print(
+        f"{ADAPTERS} adapters; torch {torch.__version__}, {torch.get_num_threads()} threads; CPU flags: {_cpu_flags()}"
+    )
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
