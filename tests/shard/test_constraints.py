@@ -265,3 +265,5 @@ def test_unpack_matches_the_bit_layout():
     assert (unpack(bits, 150).numpy() == want[:, :150]).all()
     padded = unpack(bits, 170).numpy()
     assert (padded[:, :160] == want).all() and not padded[:, 160:].any()
+    blocked = unpack(bits, 170, blocked=True).numpy()
+    assert (blocked == ~padded).all()
