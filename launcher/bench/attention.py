@@ -26,7 +26,7 @@ SHAPES = {
     "gemma3-270m": (4, 1, 256, 512, 256**-0.5),
     "llama-64": (9, 3, 64, 0, 64**-0.5),  # SmolLM2-135M-like: a small-body model, no sliding window
 }
-EAGER_WHOLE_MAX_BYTES = 1.2 * 2**30  # skip the whole score matrix beyond this (the reason the tiled path exists)
+EAGER_WHOLE_MAX_BYTES = 2**28  # fp32 scores; skip the whole score matrix beyond this (the reason the tiled path exists)
 
 
 def cpu_flags() -> str:
@@ -71,7 +71,7 @@ def _case(n: int, shape: str, dtype, window: int, block_size: int = 16):
     return query, k_cache, v_cache, torch.from_numpy(table[0]), batch
 
 
-def candidates(n: int, shape: str, dtype, window: int, flex: bool) -> dict:
+def candidates(n: int, shape: str, dtype, window: int, flex: bool, sweep: bool) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -100,8 +100,9 @@ def candidates(n: int, shape: str, dtype, window: int, flex: bool) -> dict:
         return run
 
     ways["eager-tiles"] = tiles("eager", 256)
-    for tile in (128, 256, 512):
-        ways["sdpa-tiles" + ("" if tile == 256 else f"-{tile}")] = tiles("sdpa", tile)
+    ways["sdpa-tiles"] = tiles("sdpa", 256)
+    if sweep:  # the tile size
+        ways["sdpa-tiles-128"], ways["sdpa-tiles-512"] = tiles("sdpa", 128), tiles("sdpa", 512)
 
     def whole_keys():
         k = k_cache.index_select(1, table).view(kv_heads, -1, d)[:, :n]
@@ -140,7 +141,7 @@ def candidates(n: int, shape: str, dtype, window: int, flex: bool) -> dict:
     return ways, compile_s
 
 
-def measure(ns, shapes, dtypes, rounds: int, flex: bool) -> list[dict]:
+def measure(ns, shapes, dtypes, rounds: int, flex: bool, sweep_at=(2048,), progress=None) -> list[dict]:
     import torch
 
     from services.shard import attention_tiled
@@ -154,12 +155,14 @@ def measure(ns, shapes, dtypes, rounds: int, flex: bool) -> list[dict]:
                 for dtype_name in dtypes:
                     dtype = getattr(torch, dtype_name)
                     for n in ns:
-                        ways, compile_s = candidates(n, shape, dtype, window if kind == "sliding" else 0, flex)
+                        w = window if kind == "sliding" else 0
+                        ways, compile_s = candidates(n, shape, dtype, w, flex, sweep=n in sweep_at)
                         times = {name: [] for name in ways}
                         with torch.inference_mode():
-                            for fn in ways.values():  # warm up (first-call allocations, kernel selection)
-                                fn()
-                            for _ in range(rounds):
+                            if n <= 2048:  # warm up (first-call allocations, kernel selection); long rows amortise it
+                                for fn in ways.values():
+                                    fn()
+                            for _ in range(rounds if n <= 2048 else 1):
                                 for name, fn in ways.items():
                                     t = time.perf_counter()
                                     fn()
@@ -168,6 +171,8 @@ def measure(ns, shapes, dtypes, rounds: int, flex: bool) -> list[dict]:
                         rows.append(
                             dict(shape=shape, layer=kind, dtype=dtype_name, n=n, ms=med, flex_compile_s=compile_s)
                         )
+                        if progress is not None:
+                            progress(rows[-1])
     finally:
         attention_tiled.TILE_MIN_QUERIES, attention_tiled.TILE_QUERIES = saved
     return rows
@@ -188,18 +193,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     ns = [int(x) for x in args.n.split(",")]
-    rows = measure(ns, args.shape.split(","), args.dtype.split(","), args.rounds, args.flex)
+    names = ["eager-whole", "eager-tiles", "sdpa-tiles", "sdpa-tiles-128", "sdpa-tiles-512", "sdpa-row", "flex"]
+
+    def line(r: dict) -> None:
+        base = r["ms"]["sdpa-tiles"]
+        cells = [f"{r['ms'][x]:.1f} ({r['ms'][x] / base:.2f}x)" if x in r["ms"] else "—" for x in names]
+        print(f"| {r['shape']} | {r['layer']} | {r['dtype']} | {r['n']} | " + " | ".join(cells) + " |", flush=True)
+
+    if not args.json:
+        print(f"CPU: {cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+        print("| shape | layer | dtype | n | " + " | ".join(f"{x} ms" for x in names) + " |")
+        print("|---|---|---|---:|" + "---:|" * len(names), flush=True)
+    rows = measure(
+        ns, args.shape.split(","), args.dtype.split(","), args.rounds, args.flex, progress=None if args.json else line
+    )
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"CPU: {cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    names = list(dict.fromkeys(name for r in rows for name in r["ms"]))
-    print("| shape | layer | dtype | n | " + " | ".join(f"{x} ms" for x in names) + " |")
-    print("|---|---|---|---:|" + "---:|" * len(names))
-    for r in rows:
-        base = r["ms"]["sdpa-tiles"]
-        cells = [f"{r['ms'][x]:.1f} ({r['ms'][x] / base:.2f}x)" if x in r["ms"] else "—" for x in names]
-        print(f"| {r['shape']} | {r['layer']} | {r['dtype']} | {r['n']} | " + " | ".join(cells) + " |")
     compiles = [r for r in rows if r["flex_compile_s"] is not None]
     for r in compiles:
         print(
