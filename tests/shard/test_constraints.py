@@ -215,10 +215,16 @@ def test_rollback_returns_to_an_earlier_state(cons):
 def test_masks_filled_ahead_equal_masks_filled_now(cons):
     g = grammar({"type": "json", "value": SCHEMAS["array_enum"]})
     cons.open("x", g)
+    start = cons.masks(["x"])
     cons.advance(["x"], cons.tokenizer.tokenize_str("["))  # starts filling the next mask on the worker
+    assert cons._ahead is not None
     ahead = cons.masks(["x"])
     assert (ahead == cons.masks(["x"])).all()  # the second call fills it now
     assert allowed(cons, "x")[cons.tokenizer.tokenize_str('"')[0]]
+    assert not (ahead == start).all()
+    cons.advance(["x"], cons.tokenizer.tokenize_str('"'))
+    assert cons.rollback("x", 2)  # the mask filled ahead (after `["`) is stale now: not used
+    assert (cons.masks(["x"]) == start).all()
     cons.discard("x")
 
 
