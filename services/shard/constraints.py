@@ -227,11 +227,17 @@ def unpack(bits: np.ndarray, vocab: int, device: torch.device | str = "cpu", blo
         packed = bits.view(np.uint8)
         flat = np.unpackbits(~packed if blocked else packed, axis=1, bitorder="little").view(bool)
         out = torch.from_numpy(flat)
-    else:  # ship the packed words (32x smaller) and unpack on the device
-        packed = torch.from_numpy(bits).to(device, non_blocking=True)
-        shifts = torch.arange(32, dtype=torch.int32, device=device)
-        out = ((packed[:, :, None] >> shifts) & 1).reshape(rows, words * 32) == (0 if blocked else 1)
+    else:
+        out = unpack_on(bits, device, blocked)
     if out.shape[1] >= vocab:
         return out[:, :vocab]
     pad = torch.full((rows, vocab - out.shape[1]), blocked, dtype=torch.bool, device=out.device)
     return torch.cat([out, pad], dim=1)
+
+
+def unpack_on(bits: np.ndarray, device: torch.device | str, blocked: bool = False) -> torch.Tensor:
+    """unpack's accelerator path: ship the packed words (32x smaller than the mask) and unpack on the device."""
+    rows, words = bits.shape
+    packed = torch.from_numpy(bits).to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    return ((packed[:, :, None] >> shifts) & 1).reshape(rows, words * 32) == (0 if blocked else 1)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.shard.constraints import Constraints, unpack
+from services.shard.constraints import Constraints, unpack, unpack_on
 from services.tokenizer.grammar import grammar_text, tool_grammar
 from tests.tiny_models import BOS, EOS, build_tokenizer
 
@@ -273,3 +273,6 @@ def test_unpack_matches_the_bit_layout():
     assert (padded[:, :160] == want).all() and not padded[:, 160:].any()
     blocked = unpack(bits, 170, blocked=True).numpy()
     assert (blocked == ~padded).all()
+    # the accelerator path (torch shifts), run on the CPU here
+    assert (unpack_on(bits, "cpu").numpy() == want).all()
+    assert (unpack_on(bits, "cpu", blocked=True).numpy() == ~want).all()
