@@ -10,6 +10,7 @@ from aiohttp import web
 
 from libs.runtime import logs
 from libs.runtime.settings import Settings
+from services.http.generation import Permits
 from services.http.ingress import Ingress
 from services.http.middleware import middlewares
 from services.http.openai_api import OpenAIRoutes
@@ -22,11 +23,10 @@ def build_app(settings: Settings, ingress) -> web.Application:
     """The app with every route and TGI's layers (CORS, API key, payload limit)."""
     # aiohttp stops reading a body past client_max_size; the payload middleware turns that into TGI's 413
     app = web.Application(client_max_size=settings.payload_limit, middlewares=middlewares(settings))
-    routes = Routes(settings, ingress)
-    routes.install(app)
-    openai = OpenAIRoutes(settings, ingress, routes)
+    permits = Permits(settings.max_concurrent_requests)  # one semaphore for both APIs, as TGI's
+    openai = OpenAIRoutes(settings, ingress, permits)
+    Routes(settings, ingress, permits, openai).install(app)
     openai.install(app)
-    routes.openai = openai
     return app
 
 

@@ -38,50 +38,11 @@ from libs.runtime.async_bus import AsyncEventBus
 from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import ABANDONED_KEEP_S, ADMIT_TIMEOUT, GIVE_UP_S, STALL_S
-from services.http import observe
+from services.http import telemetry
+from services.http.errors import LOST, Failure
+from services.http.timing import Timing
 
 log = logging.getLogger("switchyard.http")
-
-LOST = "Request failed during generation: Server error: the request was lost in a restart"
-ERROR_STATUS = {
-    "validation": 422,
-    "template_error": 422,
-    "overloaded": 429,
-    "generation": 424,
-    "incomplete_generation": 500,
-    "unavailable": 503,
-}
-
-
-class Failure(Exception):
-    """A request ended in an error, in TGI's shape."""
-
-    def __init__(self, message: str, error_type: str):
-        super().__init__(message)
-        self.message, self.error_type = message, error_type
-
-    @property
-    def status(self) -> int:
-        return ERROR_STATUS.get(self.error_type, 500)
-
-    def body(self) -> dict:
-        return {"error": self.message, "error_type": self.error_type}
-
-
-@dataclass
-class Timing:
-    """When (time.monotonic) a request passed each point this process can see.
-
-    The http process never sees the queue or the prefill directly: `accepted` (the router placed
-    the request) closes validation, the first token row closes queueing plus prefill, the last row
-    closes inference. The x-*-time headers (services.http.middleware) are built from these.
-    """
-
-    start: float
-    accepted: float | None = None
-    first: float | None = None
-    last: float | None = None
-    input_length: int = 0
 
 
 @dataclass
@@ -218,7 +179,7 @@ class Ingress:
 
     def metrics_text(self) -> str:
         """/metrics: every process's registry merged, then what heartbeats say of each process."""
-        return self.agg.render() + observe.legacy_text(self.liveness)
+        return self.agg.render() + telemetry.legacy_text(self.liveness)
 
     def healthy(self) -> bool:
         lv = self.liveness
@@ -269,13 +230,13 @@ class Ingress:
         """Submit `req` and yield its text rows up to the final one; raises Failure.
 
         `timing`, when given, is filled in as the request passes each point (see Timing). Every request
-        is recorded here (observe.RequestRecord): TGI's request metrics, the http span, the log line.
+        is recorded here (telemetry.RequestRecord): TGI's request metrics, the http span, the log line.
         """
         rid = req.request_id
         if timing is None:  # a stream: its clock starts when http read it
             now = time.monotonic()
             timing = Timing(start=now - max(0.0, time.time() - req.received_at) if req.received_at else now)
-        record = observe.RequestRecord(req, timing, quiet=rid in self.quiet)
+        record = telemetry.RequestRecord(req, timing, quiet=rid in self.quiet)
         self.quiet.discard(rid)
         try:
             heard = await self._heard("tokenizer", rid)

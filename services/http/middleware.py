@@ -1,5 +1,5 @@
-"""What TGI's router layers do around every route: CORS, the API key, the payload limit, and the
-x-* response headers of the generation routes.
+"""What TGI's router layers do around every route: CORS, the API key, the payload limit, and a JSON answer
+to any error no handler expected.
 
 Choices:
 - CORS: TGI's CorsLayer allows any origin when --cors-allow-origin is not given, so do we
@@ -10,8 +10,6 @@ Choices:
   case-insensitively), compared in constant time.
 - Payload limit: a body over --payload-limit is a 413 with TGI's message, in TGI's JSON error shape
   (TGI sends it as plain text, which its own client cannot parse).
-- x-compute-type: env COMPUTE_TYPE as TGI; without it "gpu+optimized" (TGI's default) when an
-  NVIDIA device is present, else "cpu".
 - Errors no handler expected (e.g. JSON nested deeper than the decoder recurses) still answer in
   TGI's JSON error shape, never aiohttp's plain-text 500: nesting is TGI's 400 (serde_json's
   recursion limit), a body the bus cannot carry (an int past 64 bits inside chat messages or tools,
@@ -22,20 +20,15 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
-import os
-import time
 
 from aiohttp import web
 
 from libs.protocol import ProtocolError
-from libs.protocol.messages import FinalInfo
 from libs.runtime.logs import escape
 from libs.runtime.settings import Settings
-from services.http.ingress import Timing
+from services.http.errors import DEPTH, layer_error_response
 
 PAYLOAD_MESSAGE = "Failed to buffer the request body: length limit exceeded"
-DEPTH_MESSAGE = "Failed to parse the request body as JSON: recursion limit exceeded"
 log = logging.getLogger("switchyard.http")
 # TGI's "base routes": the only ones behind --api-key
 PROTECTED = {
@@ -51,16 +44,6 @@ PROTECTED = {
 CORS_METHODS = "GET,POST"
 CORS_HEADERS = "content-type"
 CORS_VARY = "origin, access-control-request-method, access-control-request-headers"
-
-
-def compute_type() -> str:
-    if os.environ.get("COMPUTE_TYPE"):
-        return os.environ["COMPUTE_TYPE"]
-    return "gpu+optimized" if os.path.exists("/dev/nvidia0") else "cpu"
-
-
-def _error(status: int, message: str, error_type: str) -> web.Response:
-    return web.json_response({"error": message, "error_type": error_type}, status=status)
 
 
 def middlewares(settings: Settings) -> list:
@@ -108,11 +91,11 @@ def middlewares(settings: Settings) -> list:
     @web.middleware
     async def payload_limit(request: web.Request, handler):
         if request.content_length is not None and request.content_length > settings.payload_limit:
-            return _error(413, PAYLOAD_MESSAGE, "payload_too_large")
+            return layer_error_response(413, PAYLOAD_MESSAGE, "payload_too_large")
         try:  # a chunked body has no length up front: aiohttp stops reading at client_max_size
             return await handler(request)
         except web.HTTPRequestEntityTooLarge:
-            return _error(413, PAYLOAD_MESSAGE, "payload_too_large")
+            return layer_error_response(413, PAYLOAD_MESSAGE, "payload_too_large")
 
     @web.middleware
     async def errors(request: web.Request, handler):
@@ -126,11 +109,13 @@ def middlewares(settings: Settings) -> list:
             if _response_started(request):  # mid-stream: nothing left to answer with; aiohttp closes it
                 raise
             if isinstance(e, RecursionError):
-                return _error(400, DEPTH_MESSAGE, "validation")
+                return layer_error_response(400, DEPTH, "validation")
             if isinstance(e, ProtocolError):  # the body holds what the bus cannot carry, e.g. an int past 64 bits
-                return _error(422, f"Failed to deserialize the JSON body into the target type: {e}", "validation")
+                return layer_error_response(
+                    422, f"Failed to deserialize the JSON body into the target type: {e}", "validation"
+                )
             log.exception("unexpected error on %s %s", request.method, escape(request.path))
-            return _error(500, "Internal server error", "internal")
+            return layer_error_response(500, "Internal server error", "internal")
 
     return [cors, api_key, payload_limit, errors]
 
@@ -139,44 +124,3 @@ def _response_started(request: web.Request) -> bool:
     """Whether a (streamed) response already sent or queued its headers (aiohttp keeps this private)."""
     writer = request.writer
     return bool(getattr(writer, "_headers_written", False) or getattr(writer, "_headers_buf", None))
-
-
-def stream_headers(inputs: str) -> dict[str, str]:
-    """TGI's headers on the SSE routes."""
-    return {
-        "x-compute-type": compute_type(),
-        "x-compute-characters": str(len(inputs)),
-        "X-Accel-Buffering": "no",
-    }
-
-
-def timing_headers(timing: Timing, inputs: str, final: FinalInfo, end: float | None = None) -> dict[str, str]:
-    """TGI's headers on a finished non-streamed request.
-
-    TGI splits its total time at the moment the request was queued (validation before) and the
-    moment its batch started (queue before, inference after). The http process sees neither, so:
-    validation = read → Accepted (tokenizer + router placement), queue = Accepted → first token
-    row (queueing AND the prefill), inference = first token row → last one (the decode steps).
-    """
-    end = time.monotonic() if end is None else end
-    accepted = timing.accepted or end
-    first = timing.first or accepted
-    last = timing.last or end
-    inference = max(last - first, 0.0)
-    tokens = max(final.generated_tokens, 1)
-
-    def ms(seconds: float) -> str:
-        return str(math.floor(max(seconds, 0.0) * 1000))
-
-    return {
-        "x-compute-type": compute_type(),
-        "x-compute-time": repr(max(end - timing.start, 0.0)),
-        "x-compute-characters": str(len(inputs)),
-        "x-total-time": ms(end - timing.start),
-        "x-validation-time": ms(accepted - timing.start),
-        "x-queue-time": ms(first - accepted),
-        "x-inference-time": ms(inference),
-        "x-time-per-token": ms(inference / tokens),
-        "x-prompt-tokens": str(final.input_length),
-        "x-generated-tokens": str(final.generated_tokens),
-    }

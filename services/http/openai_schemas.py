@@ -1,34 +1,36 @@
-"""OpenAI-style request bodies (TGI's ChatRequest / CompletionRequest) and the response and chunk shapes.
+"""OpenAI's API as TGI serves it: the request bodies (TGI's ChatRequest / CompletionRequest), their mapping to TGI's
+Parameters, and the response and chunk structs with their builders.
 
-Parsing follows TGI's serde types (unknown fields ignored, unsigned fields reject negatives with a 422);
-the mapping to TGI's Parameters follows TGI's `ChatRequest::try_into_generate` and `completions` (reference
-§1.6/§1.7). Where TGI is needlessly strict for OpenAI clients, we accept more: `stop` may be a bare string,
-`stream_options` may be null, `response_format: {"type": "text"}` means no constraint, and completions honour
-`echo`. TGI's tool grammar and tool-call parsing are in services.http.openai_tools.
+These structs are what the routes (services.http.openai_api) decode and encode and what the OpenAPI document
+(services.http.openapi) is generated from, so the two cannot drift apart. Field order is the order written on
+the wire. Parsing follows TGI's serde types (unknown fields ignored, unsigned fields reject negatives with a
+422); the mapping follows TGI's `ChatRequest::try_into_generate` and `completions`. Where TGI is needlessly strict
+for OpenAI clients, we accept more: `stop` may be a bare string, `stream_options` may be null,
+`response_format: {"type": "text"}` means no constraint, and completions honour `echo`.
+
+A new request field goes on ChatRequest / CompletionRequest and into `chat_parameters` / `completion_parameters`
+(structured output: `response_format`, whose grammar the tokenizer validates; LoRA: `model`, see `adapter`). TGI's
+tool grammar and the reading of tool calls are in services.http.openai_tools.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Annotated, Any
 
 import msgspec
-import orjson
 
-from libs.protocol.messages import FinalInfo, TextRow, TokenText
+from libs.protocol.messages import FinalInfo, TextRow
 from libs.protocol.params import Parameters
+from services.http.tgi_schemas import U32, U64, SimpleToken, check_u64, clean_logprob, token_rows
 
-U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
-U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # msgspec stops at int64; seeds above it are rare
+REF = "#/components/schemas/{name}"  # where the OpenAPI document (services.http.openapi) keeps each struct
 
 
-class OpenAIError(Exception):
-    """A request refused before generation, as TGI's ErrorResponse with an HTTP status."""
-
-    def __init__(self, status: int, message: str, error_type: str):
-        super().__init__(message)
-        self.status, self.message, self.error_type = status, message, error_type
+def forwarded(kind: type[msgspec.Struct]) -> Any:
+    """A JSON object passed on to the tokenizer as sent (unknown keys included), whose shape is checked
+    against `kind` (see ChatRequest.__post_init__) and documented as `kind`."""
+    return Annotated[dict[str, Any], msgspec.Meta(extra_json_schema={"$ref": REF.format(name=kind.__name__)})]
 
 
 # ---- request bodies ---------------------------------------------------------------------------
@@ -45,7 +47,7 @@ class ImagePart(msgspec.Struct, tag_field="type", tag="image_url"):
 
 
 class ChatMessage(msgspec.Struct):
-    """Checks a message's shape only: the message travels to the tokenizer as sent."""
+    """A chat message; passed on to the chat template as sent."""
 
     role: str
     content: str | list[TextPart | ImagePart] | None = None
@@ -61,6 +63,8 @@ class FunctionDefinition(msgspec.Struct):
 
 
 class Tool(msgspec.Struct):
+    """A tool; passed on to the chat template as sent."""
+
     function: FunctionDefinition
     type: str = "function"
 
@@ -86,9 +90,16 @@ def _convert(value, kind, field: str):
         raise ValueError(str(e).replace("`$", f"`$.{field}")) from None
 
 
-class ChatBody(msgspec.Struct):
-    messages: list[dict[str, Any]]
-    model: str | None = None
+MessageObject = forwarded(ChatMessage)
+ToolObject = forwarded(Tool)
+GrammarObject = Annotated[
+    dict[str, Any], msgspec.Meta(description="TGI's grammar `{type, value}`; `{type: text}` is no constraint")
+]
+
+
+class ChatRequest(msgspec.Struct):
+    messages: list[MessageObject]
+    model: str | None = None  # not "tgi" nor the served model: a LoRA adapter's name (see `adapter`)
     frequency_penalty: float | None = None
     logit_bias: list[float] | None = None  # ignored, as TGI (whose type is an array, not OpenAI's map)
     logprobs: bool | None = None
@@ -96,23 +107,23 @@ class ChatBody(msgspec.Struct):
     max_tokens: U32 | None = None
     max_completion_tokens: U32 | None = None  # OpenAI's newer name for max_tokens
     n: U32 | None = None  # ignored, as TGI
-    presence_penalty: float | None = None
+    presence_penalty: float | None = None  # repetition_penalty = presence_penalty + 2 (TGI)
     stop: str | list[str] | None = None
     stream: bool = False
     seed: U64 | None = None
-    temperature: float | None = None
+    temperature: float | None = None  # 0 = greedy
     top_p: float | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolObject] | None = None
     tool_prompt: str | None = None
     tool_choice: str | ToolChoiceObject | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: GrammarObject | None = None
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # not TGI's (ignored, as TGI does); only the `text-generation` client sends this key, see `sends_done`
     repetition_penalty: float | None | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self):
-        # the messages and tools stay plain dicts (forwarded as sent) but must have TGI's shapes
+        check_u64(self, "seed")
         messages = _convert(self.messages, list[ChatMessage], "messages")
         for i, m in enumerate(messages):
             if m.content is None and m.tool_calls is None:
@@ -135,38 +146,42 @@ class ChatBody(msgspec.Struct):
         """
         return not (self.model == "tgi" and self.repetition_penalty is not msgspec.UNSET)
 
+    @property
+    def characters(self) -> str:
+        """The text of the messages, for x-compute-characters (TGI counts the rendered prompt, which only the
+        tokenizer sees)."""
+        out = []
+        for m in self.messages:
+            content = m.get("content")
+            if isinstance(content, str):
+                out.append(content)
+            elif isinstance(content, list):
+                out.extend(p.get("text", "") for p in content if isinstance(p, dict))
+        return "".join(out)
 
-class CompletionBody(msgspec.Struct):
+
+class CompletionRequest(msgspec.Struct):
     prompt: str | list[str]
-    model: str | None = None
+    model: str | None = None  # as ChatRequest.model
     max_tokens: U32 | None = None
-    temperature: float | None = None
+    temperature: float | None = None  # 0 = greedy
     top_p: float | None = None
     stream: bool = False
     seed: U64 | None = None
-    suffix: str | None = None
+    suffix: str | None = None  # refused, as TGI
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None
     stop: str | list[str] | None = None
     echo: bool | None = None  # OpenAI's: the prompt is prepended to the text (TGI ignores it)
 
     def __post_init__(self):
+        check_u64(self, "seed")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("Empty array detected. Do not use an empty array for the prompt.")
 
     @property
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else self.prompt
-
-
-def parse(raw: bytes, kind: type[msgspec.Struct]):
-    """Decode a JSON body as TGI's axum does: malformed JSON is a 400, a wrong shape a 422."""
-    try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError as e:
-        raise OpenAIError(422, f"Failed to deserialize the JSON body into the target type: {e}", "validation") from None
-    except msgspec.DecodeError as e:
-        raise OpenAIError(400, f"Failed to parse the request body as JSON: {e}", "validation") from None
 
 
 # ---- request → TGI parameters -----------------------------------------------------------------
@@ -188,7 +203,7 @@ def adapter(model: str | None, model_id: str) -> str | None:
     return None if model in (None, "", "tgi", model_id) else model
 
 
-def chat_parameters(body: ChatBody, grammar: dict | None, model_id: str) -> Parameters:
+def chat_parameters(body: ChatRequest, grammar: dict | None, model_id: str) -> Parameters:
     do_sample, temperature = _sampling(body.temperature)
     if grammar is None and body.response_format is not None and body.response_format.get("type") != "text":
         grammar = body.response_format  # TGI's GrammarType; the tokenizer validates (or refuses) it
@@ -210,7 +225,7 @@ def chat_parameters(body: ChatBody, grammar: dict | None, model_id: str) -> Para
     )
 
 
-def completion_parameters(body: CompletionBody, model_id: str) -> Parameters:
+def completion_parameters(body: CompletionRequest, model_id: str) -> Parameters:
     do_sample, temperature = _sampling(body.temperature)
     # TGI also asks for decoder_input_details when not streaming, only to count prompt tokens from the
     # prefill list; FinalInfo.input_length gives that count without the LM head over the whole prompt.
@@ -230,33 +245,150 @@ def completion_parameters(body: CompletionBody, model_id: str) -> Parameters:
 
 
 # ---- responses --------------------------------------------------------------------------------
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionTopLogprob(msgspec.Struct):
+    token: str
+    logprob: float | None
+
+
+class ChatCompletionLogprob(msgspec.Struct):
+    token: str
+    logprob: float | None
+    top_logprobs: list[ChatCompletionTopLogprob]
+
+
+class ChatCompletionLogprobs(msgspec.Struct):
+    content: list[ChatCompletionLogprob]
+
+
+class ToolCallFunction(msgspec.Struct):
+    description: str | None
+    name: str
+    arguments: str  # a JSON text, as TGI
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    type: str
+    function: ToolCallFunction
+
+
+class OutputMessage(msgspec.Struct, kw_only=True):
+    """The answer: its content, or (a tool was called) its tool calls and no content key, as TGI."""
+
+    role: str
+    content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatCompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: OutputMessage
+    logprobs: ChatCompletionLogprobs | None  # only with `logprobs`
+    finish_reason: str
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True, tag_field="object", tag="chat.completion"):
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class DeltaFunction(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    arguments: str
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True):
+    index: int
+    id: str
+    type: str
+    function: DeltaFunction
+
+
+class ChatCompletionDelta(msgspec.Struct, kw_only=True):
+    """Every key is written, `tool_calls: null` too. A forced tool call streams as its JSON text in `content`."""
+
+    # (the `text-generation` client requires tool_calls; TGI itself streams tool calls as tool_calls deltas)
+    role: str
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatCompletionDelta
+    logprobs: ChatCompletionLogprobs | None
+    finish_reason: str | None  # on the last token's chunk only
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True, tag_field="object", tag="chat.completion.chunk"):
+    """One token; or, last with `stream_options.include_usage`, no choices and the usage."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: Usage | None
+
+
+class CompletionComplete(msgspec.Struct, kw_only=True):
+    index: int  # the prompt's
+    text: str
+    logprobs: None = None  # always null, as TGI
+    finish_reason: str
+
+
+class Completion(msgspec.Struct, kw_only=True, tag_field="object", tag="text_completion"):
+    """One choice per prompt, in prompt order; usage summed over the prompts."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionComplete]
+    usage: Usage
+
+
+class CompletionChunk(msgspec.Struct, kw_only=True, tag_field="object", tag="text_completion"):
+    """One token of one prompt. `finish_reason` is "" until the prompt's last chunk, which carries the finish
+    reason (not mapped to "stop") and the usage."""
+
+    # the key order differs from Completion's (choices before system_fingerprint), as it always has
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionComplete]
+    system_fingerprint: str
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatTokenizeResponse(msgspec.Struct):
+    tokenize_response: list[SimpleToken]
+    templated_text: str
+
+
 def openai_finish(reason: str) -> str:
     """TGI's FinishReason::format(true): only eos_token becomes "stop"."""
     return "stop" if reason == "eos_token" else reason
 
 
-def usage(final: FinalInfo) -> dict:
-    return {
-        "prompt_tokens": final.input_length,
-        "completion_tokens": final.generated_tokens,
-        "total_tokens": final.input_length + final.generated_tokens,
-    }
+def usage(final: FinalInfo) -> Usage:
+    return Usage(final.input_length, final.generated_tokens, final.input_length + final.generated_tokens)
 
 
-def _lp(value: float | None) -> float | None:
-    return None if value is None or math.isnan(value) else value
-
-
-def _alternative(t: TokenText) -> dict:
-    return {"token": t.text, "logprob": _lp(t.logprob)}
-
-
-def token_logprob(row: TextRow) -> dict:
-    return {"token": row.text, "logprob": _lp(row.logprob), "top_logprobs": [_alternative(t) for t in row.top_tokens]}
-
-
-def token_rows(rows: list[TextRow]) -> list[TextRow]:
-    return [r for r in rows if r.token_id >= 0]  # a bare end row (token -1) carries no token
+def token_logprob(row: TextRow) -> ChatCompletionLogprob:
+    tops = [ChatCompletionTopLogprob(t.text, clean_logprob(t.logprob)) for t in row.top_tokens]
+    return ChatCompletionLogprob(row.text, clean_logprob(row.logprob), tops)
 
 
 class Envelope:
@@ -265,74 +397,53 @@ class Envelope:
     def __init__(self, model: str, fingerprint: str):
         self.model, self.fingerprint = model, fingerprint
 
-    def head(self, obj: str) -> dict:
+    def head(self) -> dict:
         # TGI's id is always ""; created is unix seconds at the time of writing
-        return {"object": obj, "id": "", "created": int(time.time()), "model": self.model}
+        return {"id": "", "created": int(time.time()), "model": self.model, "system_fingerprint": self.fingerprint}
 
-    def chat_completion(self, rows: list[TextRow], logprobs: bool, tool_calls: list[dict] | None = None) -> dict:
+    def chat_completion(self, rows: list[TextRow], logprobs: bool, tool_calls: list[ToolCall] | None = None):
         final = rows[-1].final
         if tool_calls is not None:
-            message = {"role": "assistant", "tool_calls": tool_calls}
+            message = OutputMessage(role="assistant", tool_calls=tool_calls)
         else:
-            message = {"role": "assistant", "content": final.generated_text}
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": {"content": [token_logprob(r) for r in token_rows(rows)]} if logprobs else None,
-            "finish_reason": openai_finish(final.finish_reason),
-        }
-        out = self.head("chat.completion")
-        out.update(system_fingerprint=self.fingerprint, choices=[choice], usage=usage(final))
-        return out
+            message = OutputMessage(role="assistant", content=final.generated_text)
+        choice = ChatCompletionChoice(
+            index=0,
+            message=message,
+            logprobs=ChatCompletionLogprobs([token_logprob(r) for r in token_rows(rows)]) if logprobs else None,
+            finish_reason=openai_finish(final.finish_reason),
+        )
+        return ChatCompletion(**self.head(), choices=[choice], usage=usage(final))
 
-    def chat_chunk(self, row: TextRow, logprobs: bool) -> dict:
-        """One token as TGI streams it; `tool_calls: null` too, which the `text-generation` client requires."""
-        delta = {"role": "assistant", "content": "" if row.special else row.text, "tool_calls": None}
+    def chat_chunk(self, row: TextRow, logprobs: bool) -> ChatCompletionChunk:
+        """One token as TGI streams it: a special token's content is ""."""
+        delta = ChatCompletionDelta(role="assistant", content="" if row.special else row.text)
         lp = None
         if logprobs and row.token_id >= 0:
-            lp = {"content": [token_logprob(row)]}
+            lp = ChatCompletionLogprobs([token_logprob(row)])
         finish = openai_finish(row.final.finish_reason) if row.final is not None else None
-        out = self.head("chat.completion.chunk")
-        out.update(
-            system_fingerprint=self.fingerprint,
-            choices=[{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
-            usage=None,
-        )
-        return out
+        choice = ChatCompletionChunkChoice(index=0, delta=delta, logprobs=lp, finish_reason=finish)
+        return ChatCompletionChunk(**self.head(), choices=[choice], usage=None)
 
-    def usage_chunk(self, final: FinalInfo) -> dict:
-        out = self.head("chat.completion.chunk")
-        out.update(system_fingerprint=self.fingerprint, choices=[], usage=usage(final))
-        return out
+    def usage_chunk(self, final: FinalInfo) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**self.head(), choices=[], usage=usage(final))
 
-    def completion(self, results: list[tuple[str, list[TextRow]]], echo: bool) -> dict:
-        """One choice per prompt, in prompt order; usage summed over the prompts."""
-        choices, total = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    def completion(self, results: list[tuple[str, list[TextRow]]], echo: bool) -> Completion:
+        choices, prompt_tokens, completion_tokens = [], 0, 0
         for index, (prompt, rows) in enumerate(results):
             final = rows[-1].final
             text = prompt + final.generated_text if echo else final.generated_text
-            choices.append(
-                {"index": index, "text": text, "logprobs": None, "finish_reason": openai_finish(final.finish_reason)}
-            )
-            for key, value in usage(final).items():
-                total[key] += value
-        out = self.head("text_completion")
-        out.update(system_fingerprint=self.fingerprint, choices=choices, usage=total)
-        return out
+            choices.append(CompletionComplete(index=index, text=text, finish_reason=openai_finish(final.finish_reason)))
+            prompt_tokens += final.input_length
+            completion_tokens += final.generated_tokens
+        total = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+        return Completion(**self.head(), choices=choices, usage=total)
 
-    def completion_chunk(self, index: int, row: TextRow, prefix: str = "") -> dict:
-        """TGI's stream: finish_reason "" until the last chunk, which has TGI's own name and the usage."""
+    def completion_chunk(self, index: int, row: TextRow, prefix: str = "") -> CompletionChunk:
         final = row.final
-        choice = {"index": index, "text": prefix + row.text, "logprobs": None, "finish_reason": ""}
-        out = self.head("text_completion")
-        out.update(choices=[choice], system_fingerprint=self.fingerprint)
+        choice = CompletionComplete(index=index, text=prefix + row.text, finish_reason="")
+        out = CompletionChunk(**self.head(), choices=[choice])
         if final is not None:
-            choice["finish_reason"] = final.finish_reason
-            out["usage"] = usage(final)
+            choice.finish_reason = final.finish_reason
+            out.usage = usage(final)
         return out
-
-
-def sse(event: dict | str) -> bytes:
-    """One SSE event as the TGI routes write it: `data: ` + compact JSON, then a blank line."""
-    body = event.encode() if isinstance(event, str) else orjson.dumps(event)
-    return b"data: " + body + b"\n\n"

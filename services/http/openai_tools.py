@@ -1,14 +1,15 @@
 """TGI's tools for OpenAI chat: the grammar that forces a tool call (ToolGrammar::apply) and the reading of the
 call back out of the generated JSON.
 
-The tool structs themselves are request-body shapes (services.http.openai_schemas), which the ChatBody checks.
+The tool structs themselves, those of the request and of the answer, are in services.http.openai_schemas.
 """
 
 from __future__ import annotations
 
 import orjson
 
-from services.http.openai_schemas import ChatBody, OpenAIError, ToolChoiceObject
+from services.http.errors import Failure
+from services.http.openai_schemas import ChatRequest, ToolCall, ToolCallFunction, ToolChoiceObject
 
 NO_TOOL = {
     "type": "function",
@@ -20,11 +21,11 @@ NO_TOOL = {
 }
 
 
-def tool_error(message: str) -> OpenAIError:
-    return OpenAIError(422, f"Tool error: {message}", "tool_error")
+def tool_error(message: str) -> Failure:
+    return Failure(f"Tool error: {message}", "tool_error")
 
 
-def tool_grammar(body: ChatBody) -> tuple[list[dict] | None, dict | None]:
+def tool_grammar(body: ChatRequest) -> tuple[list[dict] | None, dict | None]:
     """TGI's ToolGrammar::apply: the tools the template sees and the JSON-schema grammar that forces a call."""
     if body.tools is not None and body.response_format is not None:
         raise tool_error("Grammar and tools are mutually exclusive")
@@ -61,7 +62,7 @@ def tool_grammar(body: ChatBody) -> tuple[list[dict] | None, dict | None]:
     return tools, {"type": "json", "value": schema}
 
 
-def parse_tool_call(generated_text: str) -> list[dict] | None:
+def parse_tool_call(generated_text: str) -> list[ToolCall] | None:
     """TGI's non-stream tool output: {"function": {"_name": …, …}} → tool_calls; None for `no_tool`'s content."""
     try:
         value = orjson.loads(generated_text)
@@ -77,9 +78,7 @@ def parse_tool_call(generated_text: str) -> list[dict] | None:
     if name == "no_tool":
         return None
     arguments_text = orjson.dumps(arguments).decode()
-    return [
-        {"id": "0", "type": "function", "function": {"description": None, "name": name, "arguments": arguments_text}}
-    ]
+    return [ToolCall(id="0", type="function", function=ToolCallFunction(None, name, arguments_text))]
 
 
 def no_tool_content(generated_text: str) -> str:

@@ -1,7 +1,8 @@
 """Our own OpenAPI 3.1 document: every route we serve, with the schemas of what it takes and answers.
 
-The schemas are those of the structs in services.http.openapi_types.TYPES (the TGI structs the routes encode,
-and the OpenAI shapes); JSON Schema comes from msgspec, whose 2020-12 dialect is OpenAPI 3.1's.
+The schemas are those of the structs in TYPES: the very structs the routes decode and encode (TGI's API in
+services.http.tgi_schemas, OpenAI's in services.http.openai_schemas, the errors in services.http.errors).
+JSON Schema comes from msgspec, whose 2020-12 dialect is OpenAPI 3.1's.
 """
 
 from __future__ import annotations
@@ -9,10 +10,32 @@ from __future__ import annotations
 import msgspec
 
 from libs.runtime.settings import Settings
+from services.http import errors
+from services.http import openai_schemas as oa
+from services.http import tgi_schemas as tgi
 from services.http.middleware import PROTECTED
-from services.http.openapi_types import TYPES
+from services.http.openai_schemas import REF
 
-REF = "#/components/schemas/{name}"
+TYPES = (
+    tgi.GenerateRequest,
+    tgi.CompatGenerateRequest,
+    tgi.GenerateResponse,
+    tgi.StreamResponse,
+    tgi.SimpleToken,
+    tgi.Info,
+    tgi.ModelsInfo,
+    oa.ChatRequest,
+    oa.ChatMessage,  # the shape of ChatRequest.messages, which pass on as sent
+    oa.Tool,  # of ChatRequest.tools, likewise
+    oa.CompletionRequest,
+    oa.ChatCompletion,
+    oa.ChatCompletionChunk,
+    oa.Completion,
+    oa.CompletionChunk,
+    oa.ChatTokenizeResponse,
+    errors.ErrorResponse,
+    errors.OpenAIStreamError,
+)
 
 
 # ---- paths ------------------------------------------------------------------------------------
@@ -81,7 +104,7 @@ def _paths() -> dict:
     generated_list = {"type": "array", "items": _ref("GenerateResponse")}
     tgi_events = _one_of("StreamResponse", "ErrorResponse")  # errors arrive in-stream, with 200
     chat_events = _one_of("ChatCompletionChunk", "OpenAIStreamError")  # then `data: [DONE]`
-    completion_events = _one_of("Completion", "OpenAIStreamError")
+    completion_events = _one_of("CompletionChunk", "OpenAIStreamError")
     health = {
         "get": _op(
             "health",

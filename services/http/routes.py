@@ -13,13 +13,18 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from libs.protocol.messages import GenerateRequest, TextRow
+from libs.protocol.messages import GenerateRequest
 from libs.runtime import metrics
 from libs.runtime.settings import Settings
-from services.http import middleware, observe, openapi, schemas
-from services.http.ingress import Failure, Ingress, Timing
+from services.http import openapi
+from services.http import tgi_schemas as tgi
+from services.http.errors import DEPTH, Failure, error_body, error_response
+from services.http.generation import Permits, bus_request, collect
+from services.http.ingress import Ingress
+from services.http.openai_api import OpenAIRoutes
+from services.http.responses import json_response, open_stream, sse
+from services.http.timing import Timing, timing_headers
 
-VERSION = "3.3.6-dev0"  # the TGI API version we implement
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SAGEMAKER_MISMATCH = (
     "Failed to deserialize the JSON body into the target type: "
@@ -43,35 +48,17 @@ SWAGGER_UI = """<!doctype html>
 """
 
 
-def error_response(status: int, message: str, error_type: str) -> web.Response:
-    return web.json_response({"error": message, "error_type": error_type}, status=status, dumps=_dumps)
-
-
-def _dumps(obj) -> str:
-    return orjson.dumps(obj).decode()
-
-
-def json_response(obj, status: int = 200, headers: dict | None = None) -> web.Response:
-    """A typed response struct (services.http.schemas) as JSON."""
-    return web.Response(body=msgspec.json.encode(obj), status=status, headers=headers, content_type="application/json")
-
-
-def sse(obj) -> bytes:
-    """One SSE event: `data: ` with one space (every client probed accepts it, some need it)."""
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
-
-
 def local_metrics() -> str:
     """This process's registry alone, for an ingress without an aggregator (tests' stand-ins)."""
     return metrics.merge([metrics.exposition()])
 
 
 class Routes:
-    def __init__(self, settings: Settings, ingress: Ingress):
+    def __init__(self, settings: Settings, ingress: Ingress, permits: Permits, openai: OpenAIRoutes):
         self.settings = settings
         self.ingress = ingress
-        self.in_flight = 0
-        self.openai = None  # the OpenAIRoutes, set by __main__: /invocations dispatches chat/completions to it
+        self.permits = permits
+        self.openai = openai  # /invocations hands chat and completion bodies to it
         self._openapi: bytes | None = None
 
     def install(self, app: web.Application) -> None:
@@ -91,46 +78,29 @@ class Routes:
 
     # ---- helpers --------------------------------------------------------------------------
     async def _read(self, request: web.Request, kind: type, stream: bool = False, mode: str = "generate"):
-        body = schemas.parse_body(await request.read(), kind)
+        """The body and its GenerateRequest; raises Failure."""
+        try:
+            body = tgi.parse_body(await request.read(), kind)
+        except RecursionError:  # TGI's 400; the OpenAI routes leave it to the errors middleware
+            raise Failure(DEPTH, "validation", 400) from None
         stream = stream or getattr(body, "stream", False)  # the compat body says it itself
-        wire = GenerateRequest(
-            request_id=uuid.uuid4().hex,
-            ingress=self.ingress.index,
-            inputs=body.inputs,
-            parameters=body.wire_parameters(),
-            received_at=time.time(),
-            mode=mode,
-            stream=stream,
-            traceparent=request.headers.get("traceparent"),
+        wire = bus_request(
+            request, self.ingress.index, body.wire_parameters(), inputs=body.inputs, mode=mode, stream=stream
         )
         return body, wire
-
-    @contextlib.contextmanager
-    def permit(self, n: int = 1):
-        """TGI's semaphore: no waiting, an immediate 429 when full; best_of N takes N permits."""
-        if self.in_flight + n > self.settings.max_concurrent_requests:
-            observe.count_overloaded(n)  # TGI counts a 429 as a request and a failure{err="overloaded"}
-            raise Failure("Model is overloaded", "overloaded")
-        self.in_flight += n
-        try:
-            yield
-        finally:
-            self.in_flight -= n
-
-    async def _collect(self, wire: GenerateRequest, timing: Timing | None) -> list[TextRow]:
-        async with contextlib.aclosing(self.ingress.generate(wire, timing)) as rows:
-            return [row async for row in rows]
 
     async def _best_of(self, wire: GenerateRequest, n: int, timing: Timing):
         """N requests at once (TGI's generate_best_of); the first failure wins; the best mean logprob wins.
 
         Returns (best rows, the other sequences' rows in their order)."""
         copies = [msgspec.structs.replace(wire, request_id=uuid.uuid4().hex) for _ in range(n)]
-        with self.permit(n):
+        with self.permits.hold(n):
             quiet = getattr(self.ingress, "quiet", None)
             if quiet is not None:  # TGI counts best_of as one request: the other sequences go unrecorded
                 quiet.update(c.request_id for c in copies[1:])
-            tasks = [asyncio.create_task(self._collect(c, timing if i == 0 else None)) for i, c in enumerate(copies)]
+            tasks = [
+                asyncio.create_task(collect(self.ingress, c, timing if i == 0 else None)) for i, c in enumerate(copies)
+            ]
             try:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
                 for task in tasks:
@@ -141,17 +111,17 @@ class Routes:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-        scores = [schemas.mean_logprob(rows) for rows in results]
+        scores = [tgi.mean_logprob(rows) for rows in results]
         best = max(range(n), key=lambda i: (scores[i], -i))  # ties: the first, as TGI's strict `>`
         return results[best], [rows for i, rows in enumerate(results) if i != best]
 
     # ---- generation -----------------------------------------------------------------------
     async def generate(self, request: web.Request, compat: bool = False) -> web.StreamResponse:
-        kind = schemas.CompatGenerateRequest if compat else schemas.GenerateRequest
+        kind = tgi.CompatGenerateRequest if compat else tgi.GenerateRequest
         try:
             body, wire = await self._read(request, kind)
-        except schemas.BodyError as e:
-            return error_response(e.status, str(e), "validation")
+        except Failure as e:
+            return error_response(e)
         params = wire.parameters
         # return_full_text null: false on /generate, true on POST / (TGI's compat default for a
         # text-generation model)
@@ -164,12 +134,12 @@ class Routes:
             if 1 < n <= self.settings.max_best_of:
                 rows, others = await self._best_of(wire, n, timing)
             else:  # a best_of over the limit goes alone: the tokenizer answers TGI's BestOf error
-                with self.permit():
-                    rows, others = await self._collect(wire, timing), None
+                with self.permits.hold():
+                    rows, others = await collect(self.ingress, wire, timing), None
         except Failure as e:
-            return error_response(e.status, e.message, e.error_type)
-        out = schemas.generate_response(body.inputs, params, rows, full, others)
-        headers = middleware.timing_headers(timing, body.inputs, rows[-1].final)
+            return error_response(e)
+        out = tgi.generate_response(body.inputs, params, rows, full, others)
+        headers = timing_headers(timing, body.inputs, rows[-1].final)
         return json_response([out] if compat else out, headers=headers)
 
     async def compat(self, request: web.Request) -> web.StreamResponse:
@@ -177,23 +147,21 @@ class Routes:
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         try:
-            _, wire = await self._read(request, schemas.GenerateRequest, stream=True)
-        except schemas.BodyError as e:
-            return error_response(e.status, str(e), "validation")
+            _, wire = await self._read(request, tgi.GenerateRequest, stream=True)
+        except Failure as e:
+            return error_response(e)
         return await self._stream(request, wire, bool(wire.parameters.return_full_text))
 
     async def _stream(self, request: web.Request, wire: GenerateRequest, full: bool) -> web.StreamResponse:
         """SSE; TGI answers 200 and reports every error in-stream."""
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        response = web.StreamResponse(headers={**headers, **middleware.stream_headers(wire.inputs)})
-        await response.prepare(request)
+        response = await open_stream(request, wire.inputs)
         try:
-            with self.permit():
+            with self.permits.hold():
                 async with contextlib.aclosing(self.ingress.generate(wire)) as rows:
                     async for row in rows:
-                        await response.write(sse(schemas.stream_event(row, wire.inputs, wire.parameters, full)))
+                        await response.write(sse(tgi.stream_event(row, wire.inputs, wire.parameters, full)))
         except Failure as e:
-            await response.write(sse(schemas.ErrorResponse(e.message, e.error_type)))
+            await response.write(sse(error_body(e)))
         except ConnectionResetError:  # the client went away; closing the rows above aborted the request
             return response
         await response.write_eof()
@@ -204,36 +172,34 @@ class Routes:
         try:
             data = orjson.loads(await request.read())
         except orjson.JSONDecodeError as e:
-            return error_response(400, f"Failed to parse the request body as JSON: {e}", "validation")
+            return error_response(Failure(f"Failed to parse the request body as JSON: {e}", "validation", 400))
         if isinstance(data, dict):
             if "inputs" in data:
                 return await self.compat(request)
-            if "messages" in data and self.openai is not None:
+            if "messages" in data:
                 return await self.openai.chat(request)
-            if "prompt" in data and self.openai is not None:
+            if "prompt" in data:
                 return await self.openai.completions(request)
-        return error_response(422, SAGEMAKER_MISMATCH, "validation")
+        return error_response(Failure(SAGEMAKER_MISMATCH, "validation"))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """TGI's [SimpleToken]: no permit, no parameter validation (the tokenizer only tokenizes)."""
         try:
-            _, wire = await self._read(request, schemas.GenerateRequest, mode="tokenize")
+            _, wire = await self._read(request, tgi.GenerateRequest, mode="tokenize")
             result = await self.ingress.tokenize(wire)
-        except schemas.BodyError as e:
-            return error_response(e.status, str(e), "validation")
         except Failure as e:
-            return error_response(e.status, e.message, e.error_type)
-        return json_response(schemas.simple_tokens(result.text, result.ids, result.starts, result.stops))
+            return error_response(e)
+        return json_response(tgi.simple_tokens(result.text, result.ids, result.starts, result.stops))
 
     # ---- info -----------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         if self.ingress.healthy():
             return web.Response(status=200)
-        return error_response(503, "unhealthy", "healthcheck")
+        return error_response(Failure("unhealthy", "healthcheck", 503))
 
-    def info_struct(self) -> schemas.Info:
+    def info_struct(self) -> tgi.Info:
         s = self.settings
-        return schemas.Info(
+        return tgi.Info(
             model_id=s.model_id,
             model_sha=s.model_sha or None,
             model_pipeline_tag="text-generation",
@@ -245,7 +211,7 @@ class Routes:
             validation_workers=s.validation_workers,
             max_client_batch_size=s.max_client_batch_size,
             router="switchyard",
-            version=VERSION,
+            version=tgi.VERSION,
             sha=None,
             docker_label=os.environ.get("DOCKER_LABEL") or None,
         )
@@ -254,8 +220,8 @@ class Routes:
         return json_response(self.info_struct())
 
     async def models(self, request: web.Request) -> web.Response:
-        model = schemas.ModelInfo(id=self.settings.model_id, object="model", created=0, owned_by=self.settings.model_id)
-        return json_response(schemas.ModelsInfo(object="list", data=[model]))
+        model = tgi.ModelInfo(id=self.settings.model_id, object="model", created=0, owned_by=self.settings.model_id)
+        return json_response(tgi.ModelsInfo(object="list", data=[model]))
 
     async def metrics(self, request: web.Request) -> web.Response:
         render = getattr(self.ingress, "metrics_text", local_metrics)
@@ -266,5 +232,5 @@ class Routes:
 
     async def openapi(self, request: web.Request) -> web.Response:
         if self._openapi is None:
-            self._openapi = orjson.dumps(openapi.document(self.settings, VERSION))
+            self._openapi = orjson.dumps(openapi.document(self.settings, tgi.VERSION))
         return web.Response(body=self._openapi, content_type="application/json")

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.e2e
 PROMPT = "the quick brown fox jumps over a lazy dog"
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]
 
-# TGI's documented paths (reference §9); ours must describe at least these
+# TGI's documented paths; ours must describe at least these
 TGI_PATHS = {
     "/",
     "/chat_tokenize",

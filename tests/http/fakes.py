@@ -18,7 +18,8 @@ from libs.protocol.messages import FinalInfo, GenerateRequest, TextRow, Tokenize
 from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
 from services.http.__main__ import build_app
-from services.http.ingress import Failure, Timing
+from services.http.errors import Failure
+from services.http.timing import Timing
 
 PROMPT_IDS = [2, 651, 6037]
 PROMPT_TEXTS = ["<bos>", "The", " capital"]

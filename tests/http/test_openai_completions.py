@@ -8,7 +8,7 @@ import math
 from openai.types import Completion
 
 from libs.protocol.messages import TextRow
-from services.http.ingress import Failure
+from services.http.errors import Failure
 from tests.http.test_openai_routes import MODEL, events, script, serve
 
 

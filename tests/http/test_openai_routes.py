@@ -7,7 +7,6 @@ SDK itself, talking to the route), and the `text-generation` client's chat types
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import numpy as np
 import openai
@@ -21,7 +20,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from libs.protocol.messages import FinalInfo, TextRow, TokenizeResult, TokenText
 from libs.runtime.settings import Settings
-from services.http.ingress import Failure
+from services.http.errors import Failure
+from services.http.generation import Permits
 from services.http.openai_api import OpenAIRoutes
 
 MODEL = "org/tiny"
@@ -80,31 +80,16 @@ class FakeIngress:
         )
 
 
-class FakeRoutes:
-    def __init__(self, limit=10):
-        self.limit, self.in_flight = limit, 0
-
-    @contextlib.contextmanager
-    def permit(self, n=1):
-        if self.in_flight + n > self.limit:
-            raise Failure("Model is overloaded", "overloaded")
-        self.in_flight += n
-        try:
-            yield
-        finally:
-            self.in_flight -= n
-
-
 def serve(test, limit=10):
     """Run `test(client, ingress)` against the OpenAI routes on a real local port."""
-    ingress, routes = FakeIngress(), FakeRoutes(limit)
+    ingress, permits = FakeIngress(), Permits(limit)
 
     async def main():
         app = web.Application()
-        OpenAIRoutes(SETTINGS, ingress, routes).install(app)
+        OpenAIRoutes(SETTINGS, ingress, permits).install(app)
         async with TestClient(TestServer(app)) as client:
             await test(client, ingress)
-        assert routes.in_flight == 0  # every permit returned
+        assert permits.in_flight == 0  # every permit returned
 
     asyncio.run(main())
     return ingress

@@ -11,7 +11,7 @@ from openapi_spec_validator import validate
 
 from libs.runtime.settings import Settings
 from services.http import openapi
-from services.http.ingress import Failure
+from services.http.errors import Failure
 from tests.http.fakes import FakeIngress, client, rows, run
 
 
@@ -116,8 +116,90 @@ def test_real_responses_validate():
         check(document, post_ok("/generate"), {"generated_text": "x", "details": {"finish_reason": "length"}})
 
 
+def test_real_openai_responses_validate():
+    """The OpenAI routes' bodies and events are the document's structs too (over a fake bus: tokens with
+    alternatives, a forced tool call, errors before and inside a stream)."""
+
+    def answer(req, n):
+        last = (req.messages or [{}])[-1].get("content")
+        if req.inputs == "fail" or last == "fail":
+            return Failure("Input validation error: `top_p` must be > 0.0 and < 1.0", "validation")
+        if last == "tool":
+            return rows(req.request_id, ['{"function": {"_name": "f", "x": 1}}'], [-0.5])
+        return rows(req.request_id, [" a", "b"], [-0.5, -1.0], top_n=2, finish="eos_token")
+
+    chat = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    cases = [
+        ("/v1/chat/completions", {"messages": chat, "logprobs": True, "top_logprobs": 2}, 200),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "tool"}], "tools": tools}, 200),
+        ("/v1/chat/completions", {"messages": chat, "stream": True, "stream_options": {"include_usage": True}}, 200),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "fail"}], "stream": True}, 200),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "fail"}]}, 422),
+        ("/v1/completions", {"prompt": ["p", "q"], "echo": True}, 200),
+        ("/v1/completions", {"prompt": ["p", "fail"], "stream": True}, 200),
+        ("/v1/completions", {"prompt": "p", "suffix": "s"}, 422),
+        ("/chat_tokenize", {"messages": chat}, 200),
+        ("/invocations", {"messages": chat}, 200),
+        ("/invocations", {"prompt": "p", "stream": True}, 200),
+    ]
+
+    async def scenario():
+        async with client(FakeIngress(answer)) as c:
+            out = []
+            for path, body, _ in cases:
+                r = await c.post(path, json=body)
+                out.append((r.status, r.headers["Content-Type"].split(";")[0], await r.read()))
+            return out
+
+    document = doc()
+    for (path, _, status), (got, media, raw) in zip(cases, run(scenario())):
+        assert got == status, (path, raw)
+        schema = response_schema(document, "post", path, str(status), media)
+        if media == "text/event-stream":
+            events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+            assert events[-1] == b"[DONE]"
+            for event in events[:-1]:
+                check(document, schema, json.loads(event))
+        else:
+            check(document, schema, json.loads(raw))
+
+
+@pytest.mark.parametrize(
+    "path, body, struct",
+    [
+        ("/generate", lambda seed: {"inputs": "p", "parameters": {"seed": seed}}, "GenerateParameters"),
+        (
+            "/v1/chat/completions",
+            lambda seed: {"messages": [{"role": "user", "content": "hi"}], "seed": seed},
+            "ChatRequest",
+        ),
+        ("/v1/completions", lambda seed: {"prompt": "p", "seed": seed}, "CompletionRequest"),
+    ],
+)
+def test_seed_takes_the_documented_bound(path, body, struct):
+    """`seed` is TGI's u64 on every route: the document's bound is the parser's."""
+    seed = doc()["components"]["schemas"][struct]["properties"]["seed"]["anyOf"][0]
+    assert (seed["minimum"], seed["maximum"]) == (0, 2**64 - 1)
+
+    async def scenario():
+        async with client(FakeIngress()) as c:
+            out = []
+            for value in (2**64 - 1, 2**64, -1):
+                r = await c.post(path, json=body(value))
+                out.append((r.status, await r.json()))
+            return out
+
+    (top, _), (over, error), (negative, _) = run(scenario())
+    assert (top, over, negative) == (200, 422, 422)
+    assert error["error"].endswith(
+        f"seed: invalid value: integer `{2**64}`, expected u64"
+        + (" - at `$.parameters`" if path == "/generate" else "")
+    )
+
+
 def test_openai_examples_from_the_reference_validate():
-    """The shapes TGI documents for its OpenAI routes (reference §1.6/§1.7) fit our schemas."""
+    """The shapes TGI documents for its OpenAI routes fit our schemas."""
     document = doc()
     chat = {
         "object": "chat.completion",

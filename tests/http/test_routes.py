@@ -5,7 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-from services.http.ingress import Failure
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from libs.runtime.settings import Settings
+from services.http.errors import Failure
+from services.http.generation import Permits
+from services.http.routes import Routes
 from tests.http.fakes import FakeIngress, client, rows, run
 
 PROMPT = "The capital"
@@ -223,20 +229,17 @@ def test_invocations_dispatch_by_shape():
     class OpenAI:
         async def chat(self, request):
             calls.append(("chat", await request.json()))
-            from aiohttp import web
-
             return web.json_response({"object": "chat.completion"})
 
         async def completions(self, request):
             calls.append(("completions", await request.json()))
-            from aiohttp import web
-
             return web.json_response({"object": "text_completion"})
 
     async def scenario():
-        async with client(FakeIngress()) as c:
-            routes = next(r.handler.__self__ for r in c.app.router.routes() if r.resource.canonical == "/invocations")
-            routes.openai = OpenAI()
+        settings = Settings(model_id="org/tiny")
+        app = web.Application()
+        Routes(settings, FakeIngress(), Permits(4), OpenAI()).install(app)
+        async with TestClient(TestServer(app)) as c:
             out = []
             for body in (
                 {"inputs": PROMPT},

@@ -1,9 +1,10 @@
-"""What the http process records about each generation: TGI's request metrics, the http span, the log line.
+"""What the http process reports: each generation's TGI request metrics, http span and log line
+(`RequestRecord`), and on /metrics what the heartbeats say of every process (`legacy_text`).
 
 `Ingress.generate` (the one path every TGI/OpenAI generation takes) opens a `RequestRecord` and tells it
 what it sees: accepted, each row, the end (success, failure, or the client gone). The phase split is the
-one of the x-*-time headers (services.http.middleware.timing_headers): validation = read → accepted,
-queue = accepted → first row (queueing and prefill), inference = first row → last row.
+one of the x-*-time headers (services.http.timing): validation = read → accepted, queue = accepted → first
+row (queueing and prefill), inference = first row → last row.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from opentelemetry.trace import Status, StatusCode
 from libs.protocol.messages import FinalInfo, GenerateRequest, Heartbeat
 from libs.runtime import metrics, tracing
 from libs.runtime.liveness import Liveness
+from services.http.timing import Timing
 
 log = logging.getLogger("switchyard.http")
 
-# TGI's `err` label of tgi_request_failure for each error_type (reference §5; TGI counts its three template
-# errors as "template" and IncompleteGeneration as "incomplete"); "dropped" is a client that went away.
+# TGI's `err` label of tgi_request_failure for each error_type (TGI counts its three template errors as
+# "template" and IncompleteGeneration as "incomplete"); "dropped" is a client that went away.
 ERR_LABEL = {
     "validation": "validation",
     "overloaded": "overloaded",
@@ -49,7 +51,7 @@ def count_overloaded(n: int = 1) -> None:
 class RequestRecord:
     """One generation's metrics, span and log line; `timing` is the Timing the request fills in."""
 
-    def __init__(self, req: GenerateRequest, timing, *, quiet: bool = False):
+    def __init__(self, req: GenerateRequest, timing: Timing, *, quiet: bool = False):
         self.rid = req.request_id
         self.timing = timing
         # quiet: a secondary sequence of best_of, which TGI does not count as a request of its own

@@ -1,11 +1,15 @@
-"""TGI's request bodies and response shapes, as typed structs, and the builders of the responses.
+"""TGI's API: its request bodies and response shapes as typed structs, and the builders of the responses.
 
 Types follow TGI's serde structs: unknown fields are ignored, bools, `stop` and `parameters` are not
 nullable, every other parameter accepts null, unsigned fields reject negatives (a 422 before
-validation). The response structs are what the routes encode and what the OpenAPI document
-(services.http.openapi) is generated from, so the two cannot drift apart. Struct names are TGI's
-schema names. Fields with a default are omitted when empty (TGI's skip_serializing_if); fields
+validation). These structs are what the routes (services.http.routes) decode and encode and what the
+OpenAPI document (services.http.openapi) is generated from, so the two cannot drift apart. Struct names
+are TGI's schema names. Fields with a default are omitted when empty (TGI's skip_serializing_if); fields
 without one are always written, as null when None.
+
+A new request parameter is a field of GenerateParameters, carried to the tokenizer by `to_wire` (as
+`grammar` and `adapter_id` are; the tokenizer validates them). The OpenAI API (services.http.openai_schemas)
+maps its own fields onto the same Parameters.
 """
 
 from __future__ import annotations
@@ -17,12 +21,35 @@ import msgspec
 
 from libs.protocol.messages import FinalInfo, TextRow, TokenText
 from libs.protocol.params import Parameters
+from services.http.errors import Failure
 
+VERSION = "3.3.6-dev0"  # the TGI API version we implement
 U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
-# usize/u64: msgspec bounds stop at int64, so the top is checked in __post_init__
+# usize/u64: msgspec bounds stop at int64, so the top is checked by check_u64 (in __post_init__)
 U64 = Annotated[int, msgspec.Meta(ge=0, extra_json_schema={"maximum": 2**64 - 1})]
 I32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+def check_u64(body: msgspec.Struct, *names: str) -> None:
+    """The top of U64 fields, from a struct's __post_init__ (msgspec reports the ValueError as a ValidationError)."""
+    for name in names:
+        value = getattr(body, name)
+        if value is not None and value >= 2**64:
+            raise ValueError(f"{name}: invalid value: integer `{value}`, expected u64")
+
+
+def parse_body(raw: bytes, kind: type):
+    """Decode a JSON body as TGI's axum does: malformed JSON is a 400 and a wrong type a 422 (Failures).
+
+    JSON nested deeper than msgspec recurses raises RecursionError: TGI's 400 too (serde_json's limit),
+    answered by the route or by the errors middleware."""
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        raise Failure(f"Failed to deserialize the JSON body into the target type: {e}", "validation") from None
+    except msgspec.DecodeError as e:
+        raise Failure(f"Failed to parse the request body as JSON: {e}", "validation", 400) from None
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -55,10 +82,7 @@ class GenerateParameters(msgspec.Struct, kw_only=True):
     adapter_id: str | None = None
 
     def __post_init__(self):
-        for name in ("best_of", "truncate", "seed"):
-            value = getattr(self, name)
-            if value is not None and value >= 2**64:  # msgspec reports it as a ValidationError
-                raise ValueError(f"{name}: invalid value: integer `{value}`, expected u64")
+        check_u64(self, "best_of", "truncate", "seed")
 
     def to_wire(self) -> Parameters:
         fields = msgspec.structs.asdict(self)
@@ -80,24 +104,6 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 
 class CompatGenerateRequest(GenerateRequest, kw_only=True):
     stream: bool = False
-
-
-class BodyError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def parse_body(raw: bytes, kind: type):
-    """Decode a JSON body; malformed JSON is a 400 and a wrong type a 422, as in TGI (axum)."""
-    try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError as e:
-        raise BodyError(422, f"Failed to deserialize the JSON body into the target type: {e}") from None
-    except msgspec.DecodeError as e:
-        raise BodyError(400, f"Failed to parse the request body as JSON: {e}") from None
-    except RecursionError:  # nesting deeper than msgspec recurses: serde_json's limit in TGI, a 400 there too
-        raise BodyError(400, "Failed to parse the request body as JSON: recursion limit exceeded") from None
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -154,11 +160,6 @@ class StreamResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
     details: StreamDetails | None  # only on the last event, and only with details
 
 
-class ErrorResponse(msgspec.Struct):
-    error: str
-    error_type: str
-
-
 class SimpleToken(msgspec.Struct):
     id: int
     text: str
@@ -196,40 +197,41 @@ class ModelsInfo(msgspec.Struct):
 
 
 # ---- builders ---------------------------------------------------------------------------------
-def _logprob(value: float | None) -> float | None:
+def clean_logprob(value: float | None) -> float | None:
+    """NaN (no logprob computed) is null."""
     return None if value is None or math.isnan(value) else value
 
 
 def token(row: TextRow) -> Token:
-    return Token(id=row.token_id, text=row.text, logprob=_logprob(row.logprob), special=row.special)
+    return Token(id=row.token_id, text=row.text, logprob=clean_logprob(row.logprob), special=row.special)
 
 
 def alternative(t: TokenText) -> Token:
-    return Token(id=t.id, text=t.text, logprob=_logprob(t.logprob), special=t.special)
+    return Token(id=t.id, text=t.text, logprob=clean_logprob(t.logprob), special=t.special)
 
 
 def full_text(prompt: str, final: FinalInfo, return_full_text: bool) -> str:
     return prompt + final.generated_text if return_full_text else final.generated_text
 
 
-def _token_rows(rows: list[TextRow]) -> list[TextRow]:
+def token_rows(rows: list[TextRow]) -> list[TextRow]:
     return [r for r in rows if r.token_id >= 0]  # a bare end row (token -1) carries no token
 
 
 def mean_logprob(rows: list[TextRow]) -> float:
     """TGI's best_of score: the mean logprob of the generated tokens."""
-    logprobs = [r.logprob for r in _token_rows(rows)]
+    logprobs = [r.logprob for r in token_rows(rows)]
     return sum(logprobs) / len(logprobs) if logprobs else -math.inf
 
 
 def _sequence(rows: list[TextRow], params: Parameters) -> dict:
     final = rows[-1].final
-    tokens = _token_rows(rows)
+    tokens = token_rows(rows)
     out = {
         "finish_reason": final.finish_reason,
         "generated_tokens": final.generated_tokens,
         "seed": final.seed,
-        "prefill": [PrefillToken(id=t.id, text=t.text, logprob=_logprob(t.logprob)) for t in final.prefill],
+        "prefill": [PrefillToken(id=t.id, text=t.text, logprob=clean_logprob(t.logprob)) for t in final.prefill],
         "tokens": [token(r) for r in tokens],
     }
     if params.top_n_tokens:
