@@ -110,12 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds a step may take before the scheduler reports its shards hung (/health 503 until it returns)",
     )
-    flag(
-        "plans-in-flight",
-        type=int,
-        default=0,
-        help="step plans sent ahead of the shard's results: 1, 2, or 0 = 2 while steps take under 50 ms, else 1",
-    )
     flag("num-shard", type=int, default=1, help="tensor-parallel shards per replica (gloo on CPU, NCCL on CUDA)")
     flag("replicas", type=int, default=1, help="model replicas: a scheduler and num-shard shards each")
     flag("tokenizer-workers", type=int, default=1, help="tokenizer processes")
@@ -237,7 +231,6 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         max_batch_total_tokens=total,
         max_batch_size=args.max_batch_size,
         shard_stall_timeout=args.shard_stall_timeout,
-        plans_in_flight=args.plans_in_flight,
         replicas=args.replicas,
         num_shard=args.num_shard,
         tokenizer_workers=args.tokenizer_workers,

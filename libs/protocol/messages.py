@@ -103,8 +103,7 @@ class StepPlan(Message, tag="plan", kw_only=True):
         ("seqs", "<i4"),  # per row: sequence handle
         ("num_tokens", "<i4"),  # per row: tokens fed this step (prompt length, or 1 for a decode)
         ("context_lens", "<i4"),  # per row: tokens already in the KV cache before this step
-        ("token_ids", "<i4"),  # the fed tokens of all rows, concatenated; -1: the token the shard sampled for the
-        #                        row's sequence last (a step planned before the previous one's result came back)
+        ("token_ids", "<i4"),  # the fed tokens of all rows, concatenated
         ("sample", "u1"),  # per row: 1 if the row's last position yields a token this step
     )
 

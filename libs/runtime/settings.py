@@ -44,9 +44,6 @@ class Settings:
     max_batch_size: int = 256
     # seconds a step may take before the scheduler says its shards hang (not ready: /health 503) until it returns
     shard_stall_timeout: float = 60.0
-    # step plans the scheduler keeps sent ahead of the shard's results: 1, 2, or 0 = 2 while steps take under
-    # PLAN_AHEAD_BELOW_S (a fast accelerator), else 1 (services/scheduler/__main__.py says why)
-    plans_in_flight: int = 0
     validation_workers: int = 1
     max_client_batch_size: int = 4
     replicas: int = 1  # model replicas: one scheduler each, with num_shard shards

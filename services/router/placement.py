@@ -3,33 +3,23 @@
 Load comes from the schedulers' heartbeats (queue + running), plus what this router placed since a replica's
 last heartbeat, so a burst between two heartbeats does not all land on the replica that looked idlest.
 
-Prefix affinity: a prompt's full KV blocks are hashed as a chain (the hash of block i covers blocks 0..i), the
-same unit a replica's prefix cache reuses. The router remembers which replica last took each chain hash; a new
+Prefix affinity: a prompt's full KV blocks are hashed as a chain (libs/protocol/prefix_hash.py), the same unit a
+replica's prefix cache reuses. The router remembers which replica last took each chain hash; a new
 request goes to the replica holding its longest known prefix unless that replica is busier than the least loaded
 one by more than `slack` requests — then load wins and the prefix is recomputed elsewhere.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
 import numpy as np
 
 from libs.protocol.messages import Heartbeat
+from libs.protocol.prefix_hash import prefix_hashes
 from libs.runtime.settings import BLOCK_SIZE
 
 MAX_REMEMBERED = 100_000  # chain hashes kept (LRU); ~100 bytes each
-
-
-def prefix_hashes(input_ids: np.ndarray, block_size: int = BLOCK_SIZE) -> list[bytes]:
-    """Chain hashes of the prompt's full blocks, shortest prefix first."""
-    ids = np.ascontiguousarray(input_ids, dtype="<i4")
-    out, h = [], b""
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        h = hashlib.blake2b(h + ids[start : start + block_size].tobytes(), digest_size=16).digest()
-        out.append(h)
-    return out
 
 
 class Placement:
@@ -58,7 +48,7 @@ class Placement:
             self._since_hb[0] += 1
             return 0
         least = min(load, key=lambda r: (load[r], r))
-        hashes = prefix_hashes(input_ids)
+        hashes = prefix_hashes(input_ids, BLOCK_SIZE)
         chosen = least
         for h in reversed(hashes):  # the longest prefix some live replica holds
             r = self.owner.get(h)

@@ -1,16 +1,16 @@
 """`python -m services.scheduler`: one replica's batching loop.
 
-The loop can keep two step plans in flight: while the shard computes step N, step N+1 already waits in its
-socket (decode rows feed a placeholder for the token N is sampling: the shard fills it in), so the shard never
-waits for the scheduler. When N's tokens come back they are taken in, step N+2 is planned and sent, and only then
-are N's tokens published to the detokenizers. The price: a request that arrives during N joins at N+2, a stream
-that ends with EOS at N was also fed at N+1 (that token is dropped), and an abort takes effect a step later.
-It pays where a step is short next to the round trip it hides (~1-2 ms here): measured on a 2-core CPU with
-150 ms steps it gained nothing and cost joining requests a step of TTFT, so by default (--plans-in-flight 0)
-the scheduler plans ahead only while steps take under PLAN_AHEAD_BELOW_S, and else plans each step after the
-last one's result (and still before publishing it).
+One turn of the loop runs its phases in order, each a method:
+- receive: every message that came in (new requests, shard results and restarts, control, resyncs), from one
+  poll (`_receive`, the only place that reads a socket);
+- control: aborts and stop-sequence hits end their requests;
+- plan/send: the next step's plan goes to the shards;
+- publish: the previous step's tokens go to the detokenizers, while the shards compute this step, so encoding
+  and sending them is off the model's critical path;
+- await: receive until this step's result is in (or the shards restarted under it);
+- apply: the batcher takes the sampled tokens in (stops by length and EOS); they are published next turn.
 
-When a process dies (issue 7) the scheduler is where requests are saved from, since it holds their tokens:
+When a process dies the scheduler is where requests are saved from, since it holds their tokens:
 - a shard restart (its connection drops, or a new ShardReady) requeues the running requests for re-prefill by
   the preemption path (Batcher.requeue_running): nothing is streamed twice;
 - a `Resync` (http saw a stall, a detokenizer a gap or an unknown request) is answered with the request's whole
@@ -22,7 +22,7 @@ When a process dies (issue 7) the scheduler is where requests are saved from, si
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 
 import zmq
 
@@ -44,13 +44,13 @@ from libs.runtime import bus, model_store, service
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import REPLAY_EVERY
 from services.scheduler.batcher import Batcher, Emitted
-from services.scheduler.batches import token_batch
-from services.scheduler.observe import StepObserver
 from services.scheduler.recovery import Forgotten, StreamLog
-
-PLAN_AHEAD_BELOW_S = 0.05  # --plans-in-flight 0: two plans in flight while the last step's forward took less
+from services.scheduler.telemetry import StepObserver
+from services.scheduler.token_batch import token_batch
 
 ROLE = "scheduler"
+IDLE_POLL_MS = 500  # a receive with nothing to do waits this long (and a shard not ready is probed this often)
+AWAIT_POLL_MS = 1000  # a receive while a step runs wakes this often to check for a stall and beat
 
 
 class SchedulerService:
@@ -74,9 +74,9 @@ class SchedulerService:
         self.ready = False  # shards answered the probe plan
         self.shard_ranks: set[int] = {0}  # shards do not heartbeat: their process_up is ours to report
         self.step = 0
-        self.in_flight: deque[StepPlan] = deque()  # plans sent whose results are not in yet, oldest first
-        self.step_sent = 0.0  # when the oldest plan in flight became the shards' work (0: none in flight)
-        self.last_forward_s = 1.0  # the shard's time for the last step (unknown: plan one at a time)
+        self.step_sent = 0.0  # when the plan in flight was sent (0: none in flight)
+        self.result: StepResult | None = None  # the newest result received, until the await phase takes it
+        self.unpublished: list[Emitted] | None = None  # the last step's rows, published after the next plan is sent
         self.pending_ctl: list[Abort | StopHit] = []
         self.streams = StreamLog()  # every request's open and rows, for resyncs
         self.forgotten = Forgotten()  # aborted (or ended) ids that must not run again
@@ -87,27 +87,58 @@ class SchedulerService:
         for sock in (self.inbox, self.results, self.events.sub, self.shard_watch):
             self.poller.register(sock, zmq.POLLIN)
 
-    # ---- input handling -------------------------------------------------------------------
-    def _take(self, sock: zmq.Socket) -> StepResult | None:
-        """Handle one message from `sock`; a StepResult is returned to the caller."""
-        if sock is self.events.sub:
-            got = self.events.recv()
-            if got and isinstance(got[1], (Abort, StopHit)):
-                self.pending_ctl.append(got[1])
-            elif got and isinstance(got[1], Resync):
-                self._resync(got[1])
-            return None
-        if sock is self.shard_watch:
-            sock.recv_multipart()
-            self.log.warning("a shard dropped its connection; requeueing the running requests")
-            self._shard_lost()
-            return None
-        msg = bus.recv(sock)
+    # ---- the loop -------------------------------------------------------------------------
+    def run(self, log) -> None:
+        self.log = log
+        self.events.start()
+        # say "here, not ready" before probing the shards: a restarted scheduler shows in /health (503) until its
+        # shards answered, even when it is back before its old heartbeats go stale
+        self._beat()
+        while True:
+            self.turn()
+
+    def turn(self) -> None:
+        """receive → control → plan/send → publish (the last step's rows) → await → apply."""
+        if not self.ready:  # after our own restart the shard does not knock again: knock ourselves
+            self._probe()
+        busy = self.unpublished is not None or (self.ready and self.batcher.has_work())
+        self._receive(0 if busy else IDLE_POLL_MS)
+        self._control()
+        plan = self._plan_and_send() if self.ready else None
+        self._publish_unpublished()
+        if plan is not None:
+            result = self._await(plan)
+            if result is not None:
+                self.unpublished = self._apply(plan, result)
+        self._beat()
+
+    # ---- receive --------------------------------------------------------------------------
+    def _receive(self, timeout_ms: int) -> None:
+        """Take in every message that arrives within `timeout_ms` (or is already there)."""
+        for sock, _ in self.poller.poll(timeout_ms):
+            if sock is self.events.sub:
+                self._on_event()
+            elif sock is self.shard_watch:
+                sock.recv_multipart()
+                self.log.warning("a shard dropped its connection; requeueing the running requests")
+                self._shard_lost()
+            else:
+                self._on_message(bus.recv(sock))
+
+    def _on_event(self) -> None:
+        got = self.events.recv()
+        if got and isinstance(got[1], (Abort, StopHit)):
+            self.pending_ctl.append(got[1])
+        elif got and isinstance(got[1], Resync):
+            self._resync(got[1])
+
+    def _on_message(self, msg) -> None:
+        """A placed request (inbox), or a shard's ShardReady or StepResult (results)."""
         if isinstance(msg, TokenizedRequest):
             rid = msg.request_id
             if rid in self.forgotten or self.streams.get(rid) is not None:
                 self.log.info("dropped an aborted or repeated request", extra={"request_id": rid})
-                return None
+                return
             if rid not in self.batcher.by_request:
                 self.observer.arrived(msg)
             self.batcher.add(msg)
@@ -121,8 +152,7 @@ class SchedulerService:
             if msg.step == 0 and not self.ready:
                 self.ready = True
                 self.log.info("shards ready")
-            return msg
-        return None
+            self.result = msg
 
     def _probe(self) -> None:
         """Step 0: a shard that hears it drops all sequence state and answers; then we are ready."""
@@ -133,7 +163,9 @@ class SchedulerService:
         # always, also when idle: the prefix index names KV blocks that died with the shard
         self.batcher.requeue_running()
 
-    def _apply_ctl(self) -> None:
+    # ---- control --------------------------------------------------------------------------
+    def _control(self) -> None:
+        """Aborts and stop-sequence hits received since the last turn end their requests."""
         for msg in self.pending_ctl:
             ended = self.batcher.finish(msg.request_id)
             if isinstance(msg, Abort):
@@ -176,7 +208,32 @@ class SchedulerService:
         elif msg.ingress >= 0 and rid not in self.forgotten:
             self.events.publish(topics.out(msg.ingress), Unknown(request_id=rid))
 
-    # ---- output ---------------------------------------------------------------------------
+    # ---- plan/send ------------------------------------------------------------------------
+    def _plan_and_send(self) -> StepPlan | None:
+        """The next step's plan, sent to the shards; None when there is nothing to run."""
+        if not self.batcher.has_work():
+            return None
+        self.observer.plan_started()
+        plan = self.batcher.plan(self.step + 1)
+        if plan is None:
+            return None
+        self.step = plan.step
+        self.observer.planned(plan)
+        self.result = None
+        bus.send(self.plans, plan)
+        self.step_sent = time.monotonic()
+        return plan
+
+    # ---- publish --------------------------------------------------------------------------
+    def _publish_unpublished(self) -> None:
+        """The last applied step's rows, sent while the shards compute the next step."""
+        if self.unpublished is None:
+            return
+        rows, self.unpublished = self.unpublished, None
+        started = time.perf_counter()
+        self._publish(rows)
+        self.observer.published(time.perf_counter() - started)
+
     def _publish(self, rows: list[Emitted]) -> None:
         """One columnar token batch per detokenizer shard."""
         by_detok: dict[int, list[Emitted]] = defaultdict(list)
@@ -191,6 +248,43 @@ class SchedulerService:
             self.events.publish(topics.tok(k), batch)
         self.observer.ended(rows)
 
+    # ---- await ----------------------------------------------------------------------------
+    def _await(self, plan: StepPlan) -> StepResult | None:
+        """Receive until the plan's result is in; None when the shards restarted under the step."""
+        warned = False
+        while self.result is None or self.result.step != plan.step:
+            self._receive(AWAIT_POLL_MS)
+            if self.stalled() and not warned:
+                warned = True
+                self.log.error("step %d: no result from the shards for %.0f s; reporting not ready", plan.step,
+                               time.monotonic() - self.step_sent)  # fmt: skip
+            self._beat()
+            if not self.ready:  # the shard restarted mid-step: its requests are requeued
+                self.step_sent = 0.0
+                self.observer.result(plan.step, None)
+                self.batcher.forget_plans()
+                return None
+        if warned:
+            self.log.info("step %d: the shards answered again", plan.step)
+        result, self.result, self.step_sent = self.result, None, 0.0
+        return result
+
+    def stalled(self) -> bool:
+        """A step has been out longer than --shard-stall-timeout: a shard hangs (alive, so no disconnect)."""
+        return self.step_sent > 0 and time.monotonic() - self.step_sent > self.settings.shard_stall_timeout
+
+    # ---- apply ----------------------------------------------------------------------------
+    def _apply(self, plan: StepPlan, result: StepResult) -> list[Emitted] | None:
+        """The batcher takes the step's tokens in; None when the step failed (its requests fail with it)."""
+        self.observer.result(plan.step, result)
+        if result.error:
+            self._fail_running(result.error)
+            self.batcher.forget_plans()
+            return None
+        rows = self.batcher.apply(result)
+        self.observer.applied(plan.step)
+        return rows
+
     def _fail_running(self, error: str) -> None:
         self.log.error("step failed: %s", error)
         rows = []
@@ -204,91 +298,20 @@ class SchedulerService:
             rows.append(self.batcher.finish(req.request_id, FINISH_ERROR))
         self._publish([r for r in rows if r is not None])
 
-    # ---- the loop -------------------------------------------------------------------------
-    def run_step(self) -> bool:
-        """Run steps until there is no work: keep one or two plans sent, take each result in as it comes.
-
-        The next step is planned and sent before this step's tokens are published, so publishing (encoding and
-        sending the detokenizers' batches) is off the model's critical path too."""
-        self._fill()
-        if not self.in_flight:
-            return False
-        while self.in_flight:
-            rows = self._await_result()
-            if rows is None:  # the shard restarted under the step, or the step failed: the rest is void
-                self.in_flight.clear()
-                self.batcher.forget_plans()
-                return True
-            self._apply_ctl()
-            self._fill()
-            started = time.perf_counter()
-            self._publish(rows)
-            self.observer.published(time.perf_counter() - started)
-        return True
-
-    def _fill(self) -> None:
-        """Plan and send steps until enough are out (or there is nothing to plan)."""
-        depth = self.settings.plans_in_flight or (2 if self.last_forward_s < PLAN_AHEAD_BELOW_S else 1)
-        while len(self.in_flight) < depth and self.ready and self.batcher.has_work():
-            self.observer.plan_started()
-            plan = self.batcher.plan(self.step + 1)
-            if plan is None:
-                return
-            self.step = plan.step
-            self.observer.planned(plan)
-            bus.send(self.plans, plan)
-            if not self.in_flight:
-                self.step_sent = time.monotonic()
-            self.in_flight.append(plan)
-
-    def _await_result(self) -> list[Emitted] | None:
-        """The oldest plan's tokens, taken in by the batcher; None when it brought none (error or shard loss)."""
-        obs = self.observer
-        plan = self.in_flight.popleft()
-        result, warned = None, False
-        while result is None or result.step != plan.step:
-            for sock, _ in self.poller.poll(1000):
-                got = self._take(sock)
-                if got is not None:
-                    result = got
-            if self.stalled() and not warned:
-                warned = True
-                self.log.error("step %d: no result from the shards for %.0f s; reporting not ready", plan.step,
-                               time.monotonic() - self.step_sent)  # fmt: skip
-            self._beat()
-            if not self.ready:  # the shard restarted mid-step: its requests are requeued
-                self.step_sent = 0.0
-                obs.result(plan.step, None)
-                self._apply_ctl()
-                return None
-        self.step_sent = time.monotonic() if self.in_flight else 0.0  # the next plan is the shards' work now
-        if warned:
-            self.log.info("step %d: the shards answered again", plan.step)
-        obs.result(plan.step, result)
-        self.last_forward_s = result.forward_s
-        if result.error:
-            self._fail_running(result.error)
-            self._apply_ctl()
-            return None
-        rows = self.batcher.apply(result)
-        obs.applied(plan.step)
-        return rows
-
-    def stalled(self) -> bool:
-        """A step has been out longer than --shard-stall-timeout: a shard hangs (alive, so no disconnect)."""
-        return self.step_sent > 0 and time.monotonic() - self.step_sent > self.settings.shard_stall_timeout
-
+    # ---- heartbeat ------------------------------------------------------------------------
     def _beat(self) -> None:
-        """A heartbeat with our load, when one is due (gathering the load reads gauges: not on every wake-up)."""
-        if self.events.heartbeat_due():
-            self.events.heartbeat(**self.load())
-
-    def load(self) -> dict:
-        b = self.batcher
-        self.observer.gauges()  # read on the same beat as the heartbeat that carries them
+        """When a heartbeat is due: refresh the gauges it goes with, expire ended streams, send our load."""
+        if not self.events.heartbeat_due():
+            return
+        self.observer.gauges()
         self.streams.expire()
         for rank in self.shard_ranks:  # shard index as the launcher numbers them: replica-major
             self.observer.shard_up(self.replica * self.settings.num_shard + rank, self.ready)
+        self.events.heartbeat(**self.load())
+
+    def load(self) -> dict:
+        """What our heartbeat carries (reads state only)."""
+        b = self.batcher
         return {
             "ready": self.ready and not self.stalled(),
             "queue": len(b.waiting),
@@ -297,21 +320,6 @@ class SchedulerService:
             "total_blocks": b.allocator.num_blocks,
             "counters": b.counters,
         }
-
-    def run(self, log) -> None:
-        self.log = log
-        self.events.start()
-        # say "here, not ready" before probing the shards: a restarted scheduler shows in /health (503) until its
-        # shards answered, even when it is back before its old heartbeats go stale
-        self._beat()
-        while True:
-            busy = self.ready and self.batcher.has_work() and self.run_step()
-            if not self.ready:  # after our own restart the shard does not knock again: knock ourselves
-                self._probe()
-            for sock, _ in self.poller.poll(0 if busy else 500):
-                self._take(sock)
-            self._apply_ctl()
-            self._beat()
 
 
 def main() -> None:

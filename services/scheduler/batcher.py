@@ -15,11 +15,6 @@ chunking path, plus what TGI lacks):
   already generated (often mostly from the prefix cache), and goes on from there. Nothing is streamed twice.
 - TGI's `waiting_served_ratio` / `max_waiting_tokens`: while a batch is running, waiting requests join only if
   at least floor(running * ratio) of them can, or once `max_waiting_tokens` steps have passed since the last join.
-- Planning ahead: the next step may be planned before the last one's result is applied (the scheduler keeps two
-  plans in flight, so the shard never waits for one). A sequence whose newest token is still on its way is fed
-  a placeholder (-1) that the shard fills with the token it sampled for it last; `pending` counts those tokens.
-  A sequence that reaches its length with its pending tokens is not planned again; one that ends with EOS has
-  already been planned once more, and that row's token is dropped when its result comes.
 """
 
 from __future__ import annotations
@@ -42,9 +37,9 @@ from libs.protocol.messages import (
     StepResult,
     TokenizedRequest,
 )
+from libs.protocol.prefix_hash import extend_hashes
 from libs.runtime.settings import BLOCK_SIZE
 from services.scheduler.block_allocator import BlockAllocator, blocks_for
-from services.scheduler.prefix_cache import extend_hashes
 
 
 @dataclass
@@ -61,7 +56,6 @@ class Sequence:
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of its first full blocks (lookup, index)
     registered: int = 0  # its first blocks that are in the prefix index (or came from it)
     planned_blocks: int = 0  # its blocks the shard has been told about
-    pending: int = 0  # tokens sampled in planned steps whose results are not applied yet
     preempted: int = 0  # times it gave its blocks back
 
     @property
@@ -106,14 +100,6 @@ class Emitted:
     finish: int
     top_ids: list[int] = field(default_factory=list)  # the step's alternatives (top_n_tokens), best first
     top_logprobs: list[float] = field(default_factory=list)
-
-
-_LAST_SAMPLED = np.full(1, -1, np.int32)  # a fed token the shard fills in (StepPlan.token_ids)
-
-
-def _frame(value) -> list:
-    """A result frame as a list; a hand-built StepResult may leave an optional frame None."""
-    return [] if value is None else value.tolist()
 
 
 class Batcher:
@@ -173,12 +159,12 @@ class Batcher:
     def plan(self, step: int) -> StepPlan | None:
         """The next step: every running sequence's next token or chunk, plus the waiting prefills that fit."""
         rows: list[tuple[Sequence, int]] = []  # (sequence, tokens fed)
-        running = [s for s in self.running.values() if len(s.output) + s.pending < s.req.max_new_tokens]
-        budget = self.max_batch_prefill_tokens - sum(1 for s in running if s.total + s.pending - s.computed == 1)
+        running = list(self.running.values())
+        budget = self.max_batch_prefill_tokens - sum(1 for s in running if s.total - s.computed == 1)
         for s in running:  # oldest first; preemption takes the newest
             if s.seq not in self.running:
                 continue  # preempted below for an older sequence
-            left = s.total + s.pending - s.computed
+            left = s.total - s.computed
             n = 1 if left == 1 else min(left, max(budget, 0))
             if n == 0:
                 continue  # a chunked prefill waits for budget
@@ -202,11 +188,9 @@ class Batcher:
             num_tokens.append(n)
             context_lens.append(s.computed)
             decodes += n == 1 and s.computed >= s.prompt_len  # it feeds one generated token
-            # a token not applied yet is the shard's to fill in: the one it sampled for the sequence last
-            token_ids.append(s.tokens(s.computed, s.computed + n) if s.computed < s.total else _LAST_SAMPLED)
+            token_ids.append(s.tokens(s.computed, s.computed + n))
             s.computed += n
-            sample.append(s.computed == s.total + s.pending)
-            s.pending += sample[-1]
+            sample.append(s.computed == s.total)
             inflight.append((s, s.seq, s.computed))
         c = self.counters
         prefills = len(rows) - decodes
@@ -243,7 +227,7 @@ class Batcher:
         """Recompute later: give the blocks back (full ones stay cached) and wait at the head of the queue."""
         self._release(s)
         self.by_request[s.req.request_id] = s
-        s.blocks, s.hashes, s.computed, s.registered, s.pending = [], [], 0, 0, 0
+        s.blocks, s.hashes, s.computed, s.registered = [], [], 0, 0
         if not s.opened:
             s.prompt_logprobs = []  # the prompt is scored again from its start
         s.preempted += 1
@@ -316,8 +300,8 @@ class Batcher:
         """Index the newly full blocks; append the sampled tokens; finish by length (first, as TGI) or EOS."""
         self._register_blocks(self._inflight.pop(result.step, []))
         self._gather_prompt_logprobs(result)
-        counts = _frame(result.top_counts)  # empty: no row has alternatives
-        top_ids, top_logprobs = _frame(result.top_ids), _frame(result.top_logprobs)
+        counts = result.top_counts.tolist()  # empty: no row has alternatives
+        top_ids, top_logprobs = result.top_ids.tolist(), result.top_logprobs.tolist()
         rows, start = [], 0
         for i, (seq, token, logprob) in enumerate(
             zip(result.seqs.tolist(), result.token_ids.tolist(), result.logprobs.tolist())
@@ -329,7 +313,6 @@ class Batcher:
             if s is None:
                 continue  # finished (aborted) or preempted while the step ran
             s.output.append(token)
-            s.pending -= 1
             self.counters["generated"] += 1
             if len(s.output) >= s.req.max_new_tokens:
                 finish = FINISH_LENGTH
@@ -359,8 +342,8 @@ class Batcher:
 
     def _gather_prompt_logprobs(self, result: StepResult) -> None:
         """Append each fed prompt chunk's logprobs to its sequence (only sequences that asked send any)."""
-        logprobs, start = _frame(result.prompt_logprobs), 0
-        for seq, count in zip(_frame(result.prompt_seqs), _frame(result.prompt_counts)):
+        logprobs, start = result.prompt_logprobs.tolist(), 0
+        for seq, count in zip(result.prompt_seqs.tolist(), result.prompt_counts.tolist()):
             s = self.running.get(seq)
             if s is not None and not s.opened:  # after the open they could no longer reach the detokenizer
                 s.prompt_logprobs.extend(logprobs[start : start + count])

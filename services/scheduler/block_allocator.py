@@ -39,9 +39,6 @@ class BlockAllocator:
         """Blocks whose KV is indexed by a chain hash (held or not)."""
         return len(self._hash_of)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.free
-
     def allocate(self, n: int) -> list[int]:
         if n > self.free:
             raise MemoryError(f"{n} KV blocks wanted, {self.free} free")

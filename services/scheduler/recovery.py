@@ -1,4 +1,4 @@
-"""What the scheduler remembers so that no request is lost when another process dies (issue 7).
+"""What the scheduler remembers so that no request is lost when another process dies.
 
 The scheduler is the one place that holds every request's tokens, so it is where streams are rebuilt from:
 - `StreamLog` keeps, per request, the StreamOpen it sent and every row it emitted, and for a short grace period
@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from libs.protocol.messages import StreamOpen, TokenBatch
 from libs.runtime.timeouts import FORGET_MAX, FORGET_S, GRACE_MAX, GRACE_S
 from services.scheduler.batcher import Emitted
-from services.scheduler.batches import token_batch
-
+from services.scheduler.token_batch import token_batch
 
 
 @dataclass

@@ -53,7 +53,6 @@ class _Sequence:
     prefilling: bool = True  # until its first sampled row: only prefill rows report prompt logprobs
     # prompt logprobs: the log-softmax at the previous chunk's last position (scores this chunk's first token)
     carried: torch.Tensor | None = None
-    last_token: int = -1  # the token sampled for it last: what a -1 in the plan's fed tokens stands for
 
 
 @dataclass
@@ -65,7 +64,7 @@ class _Batch:
     cu: np.ndarray  # row bounds in the packed tokens: row i is [cu[i], cu[i + 1])
     sample_rows: np.ndarray  # per row: whether it yields a token (bool)
     draw_positions: np.ndarray  # per sampled row: the position of the token it draws
-    fed_ids: np.ndarray  # the fed token ids, placeholders filled in
+    fed_ids: np.ndarray  # the fed token ids of all rows, concatenated
     input_ids: torch.Tensor  # the same, on the device
     position_ids: torch.Tensor
     paged: PagedBatch
@@ -128,7 +127,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply the plan's diff, run its rows in one forward, return one sampled token per `sample` row."""
         t0 = time.perf_counter()
-        fed = set() if plan.seqs is None else {int(s) for s in plan.seqs}
+        fed = {int(s) for s in plan.seqs}
         # A finished seq not fed this step goes first (its handle may be reused by `new` in the same plan);
         # one that is still fed is dropped after the forward.
         for seq in plan.finished:
@@ -176,19 +175,12 @@ class ModelRunner:
         num_tokens = np.asarray(plan.num_tokens, dtype=np.int64)
         context_lens = np.asarray(plan.context_lens, dtype=np.int64)
         sample_rows = np.asarray(plan.sample, dtype=bool)
-        fed_ids = np.array(plan.token_ids, dtype=np.int64)  # a copy: placeholders are filled in below
+        fed_ids = np.asarray(plan.token_ids, dtype=np.int64)
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(num_tokens, out=cu[1:])
         if int(cu[-1]) != len(fed_ids) or (num_tokens < 1).any():
             raise ValueError("plan rows do not match its token ids")
         states = [self._seq(seq) for seq in seqs.tolist()]
-        # -1: the scheduler planned this step before it had the last one's tokens; the row feeds the token we
-        # sampled for the sequence last
-        for j in np.flatnonzero(fed_ids < 0).tolist():
-            row = int(np.searchsorted(cu, j, side="right")) - 1
-            if states[row].last_token < 0:
-                raise ValueError(f"sequence {seqs[row]} is fed its last sampled token but has sampled none")
-            fed_ids[j] = states[row].last_token
         # position of every fed token: its row's context length + its index within the row
         positions = np.arange(cu[-1]) - np.repeat(cu[:-1], num_tokens) + np.repeat(context_lens, num_tokens)
 
@@ -276,8 +268,8 @@ class ModelRunner:
         """The sampled tokens into the result's frames; a sampled row ends its sequence's prompt."""
         result.seqs = batch.seqs[batch.sample_rows].astype(np.int32)
         result.token_ids = choice.token_ids.cpu().numpy().astype(np.int32)
-        for st, token in zip(batch.sampled_states(), result.token_ids.tolist()):
-            st.prefilling, st.carried, st.last_token = False, None, token
+        for st in batch.sampled_states():
+            st.prefilling, st.carried = False, None
         result.logprobs = choice.logprobs.cpu().numpy().astype(np.float32)
         if choice.top_counts is not None:
             result.top_counts = choice.top_counts.cpu().numpy().astype(np.int32)

@@ -1,7 +1,6 @@
 """The engine under pressure, through the real processes: a small KV cache (preemption by recompute), a small
 prefill budget (chunked prefill) and prompts sharing a long prefix (prefix-cache hits); greedy output still
-equals transformers' generate() token for token, and the scheduler's counters show each mechanism ran. Once with
-each step planned after the last one's result, once with two plans in flight (the shard filling in the tokens)."""
+equals transformers' generate() token for token, and the scheduler's counters show each mechanism ran."""
 
 from __future__ import annotations
 
@@ -16,11 +15,10 @@ from tests.e2e.test_generate import _generate, counter_rises, prompt, scheduler_
 from tests.reference import reference_generate
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one-plan", "two-plans"])
-def pressed_server(request, tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module")
+def pressed_server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "engine-server.log"
     flags = ["--max-total-tokens", "160", "--max-input-tokens", "100", "--max-batch-prefill-tokens", "100"]
-    flags += ["--plans-in-flight", str(request.param)]
     server = Server(tiny_model_dir, log, *flags, "--max-batch-total-tokens", "320")  # 20 blocks of 16
     try:
         server.wait_healthy()

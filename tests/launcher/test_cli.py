@@ -79,10 +79,8 @@ def test_api_flags_parse_into_settings(model_dir):
         *("--disable-grammar-support", "--json-output", "--enable-prefill-logprobs"),
         *("--otlp-endpoint", "http://otel:4317", "--otlp-service-name", "sy"),
         *("--chat-template", "{{ messages[0]['content'] }}"),
-        *("--plans-in-flight", "2"),
     ]
     s = settings_from(parse(*argv), model_dir)
-    assert s.plans_in_flight == 2 and settings_from(parse(), model_dir).plans_in_flight == 0  # 0: by step time
     assert (s.max_top_n_tokens, s.payload_limit, s.api_key, s.validation_workers) == (3, 1000, "sekret", 3)
     assert s.cors_allow_origin == "https://a.example,https://b.example"
     assert (s.watermark_gamma, s.watermark_delta) == (0.25, 1.5)

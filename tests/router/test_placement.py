@@ -3,7 +3,7 @@
 import numpy as np
 
 from libs.protocol.messages import Heartbeat
-from services.router.placement import Placement, prefix_hashes
+from services.router.placement import Placement
 
 
 def sched(index, queue=0, running=0, ready=True):
@@ -12,15 +12,6 @@ def sched(index, queue=0, running=0, ready=True):
 
 def prompt(seed, n=64):
     return np.random.default_rng(seed).integers(0, 1000, n).astype(np.int32)
-
-
-def test_prefix_hashes_chain_full_blocks_only():
-    a, b = prompt(0, 40), prompt(0, 40)
-    b[35] += 1  # inside the partial third block: not hashed
-    assert prefix_hashes(a) == prefix_hashes(b) and len(prefix_hashes(a)) == 2
-    c = a.copy()
-    c[0] += 1  # the first block changes every chain hash after it
-    assert not set(prefix_hashes(a)) & set(prefix_hashes(c))
 
 
 def test_least_loaded_and_placed_since_heartbeat_count():

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from libs.protocol import codec
 from libs.protocol.messages import FINISH_ABORTED, FINISH_EOS, FINISH_LENGTH, FINISH_NONE, StepResult
 from libs.protocol.messages import TokenizedRequest as Req
 from libs.protocol.params import SamplingParams
@@ -17,12 +18,13 @@ def req(rid: str, prompt_len: int, max_new: int) -> Req:
 
 def result(plan, tokens: dict[int, int]) -> StepResult:
     seqs = [s for s in plan.seqs.tolist() if s in tokens]
-    return StepResult(
+    res = StepResult(
         step=plan.step,
         seqs=np.array(seqs, np.int32),
         token_ids=np.array([tokens[s] for s in seqs], np.int32),
         logprobs=np.zeros(len(seqs), np.float32),
     )
+    return codec.decode(codec.encode(res))  # as the scheduler receives it: every frame an array
 
 
 def test_prefill_then_decode_and_join():

@@ -9,7 +9,7 @@ from libs.protocol.messages import FINISH_ABORTED, StepResult, TokenBatch
 from libs.protocol.messages import TokenizedRequest as Req
 from libs.protocol.params import SamplingParams
 from services.scheduler.batcher import Batcher
-from services.scheduler.batches import token_batch
+from services.scheduler.token_batch import token_batch
 
 EOS = 2
 

@@ -2,13 +2,12 @@
 
 import numpy as np
 
+from libs.protocol import codec
 from libs.protocol.messages import StepResult
 from libs.protocol.messages import TokenizedRequest as Req
 from libs.protocol.params import SamplingParams
-from services.router.placement import prefix_hashes
 from services.scheduler.batcher import Batcher
 from services.scheduler.block_allocator import BlockAllocator
-from services.scheduler.prefix_cache import extend_hashes
 
 EOS = 2
 
@@ -20,14 +19,10 @@ def req(rid, ids, max_new=4, **sampling) -> Req:
 
 def result(plan, token=7) -> StepResult:
     seqs = plan.seqs[plan.sample.astype(bool)]
-    return StepResult(
+    res = StepResult(
         step=plan.step, seqs=seqs, token_ids=np.full(len(seqs), token, np.int32), logprobs=np.zeros(len(seqs))
     )
-
-
-def test_chain_hashes_match_the_routers():
-    ids = np.arange(100, 150, dtype=np.int32)
-    assert extend_hashes([], ids, len(ids)) == prefix_hashes(ids)  # the router's affinity names the same blocks
+    return codec.decode(codec.encode(res))  # as the scheduler receives it: every frame an array
 
 
 def test_refcounts_lru_and_eviction():

@@ -5,12 +5,13 @@ import time
 
 import numpy as np
 
+from libs.protocol import codec
 from libs.protocol.messages import FINISH_ABORTED, FINISH_LENGTH, StepResult
 from libs.protocol.messages import TokenizedRequest as Req
 from libs.protocol.params import SamplingParams
 from services.scheduler.batcher import Batcher
-from services.scheduler.batches import token_batch
 from services.scheduler.recovery import Forgotten, StreamLog
+from services.scheduler.token_batch import token_batch
 
 EOS = 2
 
@@ -22,9 +23,10 @@ def req(rid, ids, max_new=4) -> Req:
 
 def result(plan, token=7) -> StepResult:
     seqs = plan.seqs[plan.sample.astype(bool)]
-    return StepResult(
+    res = StepResult(
         step=plan.step, seqs=seqs, token_ids=np.full(len(seqs), token, np.int32), logprobs=np.zeros(len(seqs))
     )
+    return codec.decode(codec.encode(res))  # as the scheduler receives it: every frame an array
 
 
 def test_shard_restart_requeues_running_for_recompute():

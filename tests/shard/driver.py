@@ -92,6 +92,7 @@ def drive(
                 finished.append(seq)
                 free += owned.pop(seq)  # reused at once by later joiners: stale KV must not leak
                 del ctx[seq]
-    runner.execute(StepPlan(step=step + 1, finished=finished))  # flush the last finished seqs
+    flush = codec.decode(codec.encode(StepPlan(step=step + 1, finished=finished)))  # drop the last finished seqs
+    runner.execute(flush)
     assert runner.seqs == {}
     return out

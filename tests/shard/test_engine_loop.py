@@ -4,7 +4,6 @@ recompute must leave greedy output equal to transformers' generate(), token for 
 from __future__ import annotations
 
 import math
-from collections import deque
 
 import msgspec
 import numpy as np
@@ -14,7 +13,7 @@ from libs.protocol import codec
 from libs.protocol.messages import TokenizedRequest
 from libs.protocol.params import SamplingParams
 from services.scheduler.batcher import Batcher
-from services.scheduler.batches import stream_open
+from services.scheduler.token_batch import stream_open
 from services.shard.model_runner import ModelRunner
 from tests.reference import reference_generate
 from tests.shard.driver import prompts_for
@@ -33,52 +32,39 @@ def request(rid: str, prompt: list[int], max_new: int, **sampling) -> TokenizedR
     )
 
 
-def serve(runner: ModelRunner, batcher: Batcher, arrivals: dict[int, list[TokenizedRequest]], in_flight: int = 1):
-    """Run to completion; (tokens per request, prompt logprobs per request). Offsets must never repeat or skip.
-
-    With `in_flight` 2 the batcher plans each step before the previous one's result is applied, as the scheduler
-    does (the runner executes plans in order; their results are held back)."""
+def serve(runner: ModelRunner, batcher: Batcher, arrivals: dict[int, list[TokenizedRequest]]):
+    """Run to completion; (tokens per request, prompt logprobs per request). Offsets must never repeat or skip."""
     out: dict[str, list[int]] = {}
     prompt_lps: dict[str, list[float]] = {}
-    held: deque = deque()  # results not applied yet, oldest first
     step = 0
     while step < 2000:
         for r in arrivals.pop(step, []):
             batcher.add(r)
             out[r.request_id] = []
         step += 1
-        plan = batcher.plan(step) if batcher.has_work() and len(held) < in_flight else None
-        if plan is not None:
-            held.append(codec.decode(codec.encode(runner.execute(codec.decode(codec.encode(plan))))))
-            if len(held) < in_flight:
-                continue
-        if not held:
+        plan = batcher.plan(step) if batcher.has_work() else None
+        if plan is None:
             if not batcher.has_work() and not arrivals:
                 break
             continue
-        result = held.popleft()
+        result = codec.decode(codec.encode(runner.execute(codec.decode(codec.encode(plan)))))
         assert result.error is None
-        serve.sampled_rows += len(result.seqs)
         for row in batcher.apply(result):
             rid = row.seq.req.request_id
             if not row.seq.opened:
                 prompt_lps[rid] = stream_open(row, 0).prompt_logprobs
             assert row.offset == len(out[rid]), "a token was streamed twice or skipped"
             out[rid].append(row.token_id)
-    assert not batcher.has_work() and not held
+    assert not batcher.has_work()
     return out, prompt_lps
-
-
-serve.sampled_rows = 0  # rows the shard sampled, over all calls (a test resets it)
 
 
 def new_batcher(num_blocks: int, prefill: int = 4096, **kw) -> Batcher:
     return Batcher(num_blocks, max_batch_size=16, max_batch_prefill_tokens=prefill, eos_ids={EOS}, block_size=BS, **kw)
 
 
-@pytest.mark.parametrize("in_flight", [1, 2])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefix_hits_chunks_and_preemption_match_generate(tiny_dirs, arch, in_flight):
+def test_prefix_hits_chunks_and_preemption_match_generate(tiny_dirs, arch):
     model_dir = tiny_dirs[arch]
     p = prompts_for(model_dir)
     long = p[2]  # 58 tokens: far past the sliding window
@@ -94,7 +80,7 @@ def test_prefix_hits_chunks_and_preemption_match_generate(tiny_dirs, arch, in_fl
     arrivals[6] = [request("c", *reqs["c"]), request("e", *reqs["e"]), request("f", *reqs["f"])]
     runner = ModelRunner(str(model_dir), num_blocks=28, block_size=BS)
     b = new_batcher(28, prefill=24)  # 112 tokens of KV for ~400 wanted at once; 24-token prefill steps
-    got, _ = serve(runner, b, arrivals, in_flight)
+    got, _ = serve(runner, b, arrivals)
     for rid, (prompt, max_new) in reqs.items():
         assert got[rid] == reference_generate(model_dir, prompt, max_new), f"{arch} request {rid}"
     c = b.counters
@@ -157,29 +143,7 @@ def test_prompt_logprobs_skip_the_cache_and_survive_preemption(tiny_dirs):
     np.testing.assert_allclose(got_lps["x"][1:], want_lps["x"][1:], rtol=1e-4, atol=1e-4)
 
 
-def test_planning_ahead_wastes_a_row_only_on_eos(tiny_dirs):
-    """Two plans in flight: the shard fills each decode row's token itself. A stream that ends by length is never
-    fed past it; one that ends with EOS was fed once more, and that row's token is dropped, not streamed."""
-    model_dir = tiny_dirs["llama"]
-    p = prompts_for(model_dir)
-    eos_prompt = p[5]  # the tiny llama answers it with EOS
-    want = reference_generate(model_dir, eos_prompt, 20)
-    assert want[-1] == EOS and len(want) < 20
-    for prompts, wasted in (([p[1], p[3], p[4]], 0), ([p[1], eos_prompt], 1)):
-        runner = ModelRunner(str(model_dir), num_blocks=64, block_size=BS)
-        b = new_batcher(64)
-        serve.sampled_rows = 0
-        reqs = [request(str(i), prompt, 20) for i, prompt in enumerate(prompts)]
-        got, _ = serve(runner, b, {0: reqs}, in_flight=2)
-        streamed = sum(len(tokens) for tokens in got.values())
-        assert serve.sampled_rows == streamed + wasted
-        for i, prompt in enumerate(prompts):
-            assert got[str(i)] == reference_generate(model_dir, prompt, 20)
-        assert b.allocator.free == 64
-
-
-@pytest.mark.parametrize("in_flight", [1, 2])
-def test_seeded_sampling_survives_preemption(tiny_dirs, in_flight):
+def test_seeded_sampling_survives_preemption(tiny_dirs):
     """A sampled request that is preempted and recomputed draws the same tokens as one that never was: each draw is
     seeded by the request's seed and the token's position, not by how many draws its generator made before."""
     model_dir = tiny_dirs["llama"]
@@ -192,7 +156,7 @@ def test_seeded_sampling_survives_preemption(tiny_dirs, in_flight):
         # x comes last: the newest running request is the one preempted when KV runs out
         later = [request(f"o{i}", prompt[i:], 20, seed=i, **hot) for i in range(others)]
         later += [request("x", prompt, 20, seed=11, **hot)]
-        got, _ = serve(runner, b, {0: [request("warm", prompt, 2)], 4: later}, in_flight)
+        got, _ = serve(runner, b, {0: [request("warm", prompt, 2)], 4: later})
         return got, b
 
     want, _ = run(256, 0)

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from libs.protocol import codec
 from libs.protocol.messages import StepResult, TokenizedRequest
 from libs.protocol.params import SamplingParams
 from libs.runtime import metrics, tracing
 from services.scheduler.batcher import Batcher
-from services.scheduler.observe import StepObserver
+from services.scheduler.telemetry import StepObserver
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -41,6 +42,7 @@ def step(b: Batcher, obs: StepObserver, n: int, error: str | None = None):
         token_ids=np.full(len(seqs), 5, np.int32),
         logprobs=np.zeros(len(seqs), np.float32),
     )
+    res = codec.decode(codec.encode(res))  # as the scheduler receives it: every frame an array
     obs.result(n, res)
     rows = b.apply(res)
     obs.applied(n)
