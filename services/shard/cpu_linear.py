@@ -4,16 +4,17 @@ fused into one product.
 torch's CPU `linear` calls MKL's sgemm. On the AMD machines this project is measured on, MKL runs the small-M
 products of a decode step (M = batch size) well below memory bandwidth, and the LM head — the biggest matrix of
 a small model (Gemma-3-270M: 168M of its 268M parameters) — worst of all; oneDNN with the weight reordered once
-into its blocked layout does the same products 1.5–2.5× faster there (`python -m launcher.bench.linear`). The
-numbers differ from MKL's only in float rounding (summation order), as MKL's own differ between batch sizes.
+into its blocked layout does the same products faster there (`python -m launcher.bench.linear`; figures in
+docs/benchmarks.md). The numbers differ from MKL's only in float rounding (summation order), as MKL's own differ
+between batch sizes.
 
 Fusion. A layer's q/k/v projections all read the same hidden states, and so do an MLP's gate and up projections:
 one product with the weights stacked ([q; k; v]) does the work of three with one pass over the input and one
-thread fork, which matters most at decode sizes (M = 1: 16.3 → 9.8 ms for SmolLM2's 30 layers; M = 32: ~12%).
-Each output element is the same dot product over the same K, so the fused outputs equal the separate ones bit for
-bit (tested). transformers' modules still call `q_proj(x)`, `k_proj(x)`, `v_proj(x)` one by one: the first call
-of a group computes the fused product for `x` and the others take their column slice of it, for as long as they
-are called with that same tensor object; a member called with another input just computes the product again.
+thread fork, which matters most at decode sizes (docs/benchmarks.md). Each output element is the same dot product
+over the same K, so the fused outputs equal the separate ones bit for bit (tested). transformers' modules still
+call `q_proj(x)`, `k_proj(x)`, `v_proj(x)` one by one: the first call of a group computes the fused product for `x`
+and the others take their column slice of it, for as long as they are called with that same tensor object; a
+member called with another input just computes the product again.
 
 Only plain float32 `nn.Linear` modules on CPU are switched; tensor-parallel shards (DTensor weights) and other
 dtypes keep torch's path. The original weights stay (a tied embedding reads them); the packed copies cost the
