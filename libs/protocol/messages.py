@@ -203,6 +203,12 @@ class RequestError(Message, tag="error", kw_only=True):
     error_type: str  # TGI's `error_type`: validation, overloaded, generation, …
 
 
+# How many prompt ids a StreamOpen carries: the detokenizer's left context, as TGI's (prefix_offset =
+# prompt_length - 5); it lets decoders that strip or merge spaces at the start of a text (Metaspace, WordPiece)
+# decode the first tokens correctly (services/detokenizer/incremental.py).
+PROMPT_TAIL = 5
+
+
 class StreamOpen(msgspec.Struct, kw_only=True, array_like=True):
     """What a detokenizer must know about a request before its first token row."""
 
@@ -210,7 +216,7 @@ class StreamOpen(msgspec.Struct, kw_only=True, array_like=True):
     ingress: int
     replica: int
     input_length: int
-    prompt_tail: list[int]  # the last ≤5 prompt ids: left context for clean incremental decoding
+    prompt_tail: list[int]  # the last ≤ PROMPT_TAIL prompt ids: left context for clean incremental decoding
     stop: list[str] = []
     seed: int | None = None
     # decoder_input_details: every prompt id and its logprob (NaN for the first), for TGI's `prefill`

@@ -12,10 +12,9 @@ import functools
 
 import tokenizers
 
+from libs.protocol.messages import PROMPT_TAIL
+
 REPLACEMENT = "\ufffd"
-# Left context taken from the prompt, as TGI (prefix_offset = prompt_length - 5): it lets decoders that
-# strip or merge spaces at the start of a text (Metaspace, WordPiece) decode the first tokens correctly.
-PROMPT_CONTEXT = 5
 # A UTF-8 character needs at most 4 bytes, so at most 4 byte tokens; once more than MAX_PENDING tokens are
 # held back they can never complete and we give up on them (see IncrementalDecoder.push).
 MAX_PENDING = 8
@@ -57,7 +56,7 @@ class IncrementalDecoder:
     def __init__(self, tokenizer: tokenizers.Tokenizer, prompt_tail: list[int]) -> None:
         self.tokenizer = tokenizer
         self._special = special_ids(tokenizer)
-        self._context = list(prompt_tail[-PROMPT_CONTEXT:])  # prompt ids before the first generated one
+        self._context = list(prompt_tail[-PROMPT_TAIL:])  # prompt ids before the first generated one (PROMPT_TAIL: why)
         self._ids = list(self._context)  # context + every generated id; final_text needs them all
         self._prefix = 0  # absolute indexes into self._ids
         self._read = len(self._ids)

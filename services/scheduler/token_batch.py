@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from libs.protocol.messages import StreamOpen, TokenBatch
+from libs.protocol.messages import PROMPT_TAIL, StreamOpen, TokenBatch
 from services.scheduler.batcher import Emitted
 
 
@@ -19,7 +19,7 @@ def stream_open(row: Emitted, replica: int) -> StreamOpen:
         ingress=req.ingress,
         replica=replica,
         input_length=len(req.input_ids),
-        prompt_tail=req.input_ids[-5:].tolist(),
+        prompt_tail=req.input_ids[-PROMPT_TAIL:].tolist(),
         stop=req.stop,
         seed=req.seed,
         prompt_ids=prompt_ids,
