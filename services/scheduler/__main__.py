@@ -10,7 +10,7 @@ One turn of the loop runs its phases in order, each a method:
 - await: receive until this step's result is in (or the shards restarted under it);
 - apply: the batcher takes the sampled tokens in (stops by length and EOS); they are published next turn.
 
-When a process dies the scheduler is where requests are saved from, since it holds their tokens:
+When a process dies (docs/recovery.md) the scheduler is where requests are saved from, since it holds their tokens:
 - a shard restart (its connection drops, or a new ShardReady) requeues the running requests for re-prefill by
   the preemption path (Batcher.requeue_running): nothing is streamed twice;
 - a `Resync` (http saw a stall, a detokenizer a gap or an unknown request) is answered with the request's whole

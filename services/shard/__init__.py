@@ -1,1 +1,1 @@
-"""The shard: model weights, the paged KV cache, the forward pass and sampling (DESIGN.md §5)."""
+"""The shard: model weights, the paged KV cache, the forward pass and sampling (README.md, Architecture)."""

@@ -37,7 +37,7 @@ def _histories(n: int, seed: int = 0) -> list[np.ndarray]:
 
 
 def _watermark_ref(row: torch.Tensor, prev: int) -> torch.Tensor:
-    """Reference §8, step by step, for one row."""
+    """TGI's watermark processor, step by step, for one row."""
     rng = torch.Generator()
     rng.manual_seed(15485863 * prev)
     green = torch.randperm(VOCAB, generator=rng)[: int(VOCAB * GAMMA)]
@@ -48,7 +48,7 @@ def _watermark_ref(row: torch.Tensor, prev: int) -> torch.Tensor:
 
 
 def _frequency_ref(row: torch.Tensor, ids: np.ndarray, penalty: float) -> torch.Tensor:
-    """Reference §7.3: scores -= penalty * count(token) / len(input_ids), one token at a time."""
+    """TGI's frequency penalty: scores -= penalty * count(token) / len(input_ids), one token at a time."""
     out = row.clone()
     for t in range(VOCAB):
         out[t] -= penalty * (int((ids == t).sum()) / len(ids))
