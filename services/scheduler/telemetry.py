@@ -40,9 +40,11 @@ class StepObserver:
     def __init__(self, batcher):
         self.batcher = batcher
         self.m = metrics.get()
+        if self.m is None:
+            raise RuntimeError("metrics.init() comes first (service.run does it)")
         self.arrived_at: dict[str, float] = {}  # request id → when it reached the queue (monotonic)
         self.spans: dict[str, _Spans] = {}
-        # per step in flight: (method, when its planning started, when it was sent); two plans may be out at once
+        # per step in flight: (method, when its planning started, when it was sent)
         self._steps: dict[int, tuple[str, float, float]] = {}
         self._t_plan = self._t_result = 0.0
         self._prefix_seen = {name: 0 for name, _ in PREFIX_COUNTERS}
@@ -57,7 +59,7 @@ class StepObserver:
 
     def _scheduled(self, rid: str, now: float) -> None:
         t = self.arrived_at.pop(rid, None)
-        if t is not None and self.m is not None:
+        if t is not None:
             self.m.hop_duration.labels(hop="scheduler_queue").observe(now - t)
         sp = self.spans.get(rid)
         if sp is not None and sp.queue is not None:  # a preempted request rescheduled keeps its spans
@@ -81,12 +83,11 @@ class StepObserver:
             s = self.batcher.running.get(new.seq)
             if s is not None:
                 self._scheduled(s.req.request_id, now)
-        if self.m is not None:
-            m = self.m
-            m.step_duration.labels(phase="plan").observe(sent - self._t_plan)
-            m.batch_inference_count.labels(method=method).inc()
-            if plan.new:
-                m.batch_next_size.observe(len(plan.new))
+        m = self.m
+        m.step_duration.labels(phase="plan").observe(sent - self._t_plan)
+        m.batch_inference_count.labels(method=method).inc()
+        if plan.new:
+            m.batch_next_size.observe(len(plan.new))
 
     def result(self, step: int, result: StepResult | None) -> None:
         """The step's result came back (None: the shard restarted under it). Its "forward" phase runs from when
@@ -94,10 +95,8 @@ class StepObserver:
         method, _, sent = self._steps.get(step, ("decode", 0.0, 0.0))
         now = time.perf_counter()
         started, self._t_result = max(sent, self._t_result), now
-        if result is None or result.error:  # the other steps in flight are void
+        if result is None or result.error:  # a failed or lost step is never applied: drop its timing
             self._steps.clear()
-        if self.m is None:
-            return
         m = self.m
         m.step_duration.labels(phase="forward").observe(now - started)
         if result is None or result.error:
@@ -109,8 +108,6 @@ class StepObserver:
         """The sampled tokens are taken in (stops, bookkeeping): the scheduler's side of sampling; the step
         succeeded. Called before the next step is planned (the loop plans it before publishing this one)."""
         method, t_plan, _ = self._steps.pop(step, ("decode", 0.0, 0.0))
-        if self.m is None:
-            return
         m, now = self.m, time.perf_counter()
         m.step_duration.labels(phase="sample").observe(now - self._t_result)
         m.batch_inference_success.labels(method=method).inc()
@@ -118,8 +115,7 @@ class StepObserver:
 
     def published(self, seconds: float) -> None:
         """A step's tokens went out to the detokenizers (while the next step already runs on the shard)."""
-        if self.m is not None:
-            self.m.step_duration.labels(phase="publish").observe(seconds)
+        self.m.step_duration.labels(phase="publish").observe(seconds)
 
     # ---- rows going out -------------------------------------------------------------------
     def emitted(self, rows) -> None:
@@ -163,14 +159,11 @@ class StepObserver:
     # ---- gauges ---------------------------------------------------------------------------
     def shard_up(self, index: int, up: bool) -> None:
         """switchyard_process_up of a shard, which has no heartbeat of its own: up while it answers plans."""
-        if self.m is not None:
-            self.m.process_up.labels(role="shard", index=str(index)).set(1 if up else 0)
+        self.m.process_up.labels(role="shard", index=str(index)).set(1 if up else 0)
 
     def gauges(self) -> None:
         """TGI's queue/batch gauges and the KV blocks, from the batcher's state (once per loop turn)."""
         m, b = self.m, self.batcher
-        if m is None:
-            return
         m.queue_size.set(len(b.waiting))
         m.hop_queue_depth.labels(hop="scheduler").set(len(b.waiting))
         m.batch_current_size.set(len(b.running))
