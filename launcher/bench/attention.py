@@ -5,7 +5,8 @@ its keys from the paged cache as the shard does:
 - `eager-whole`: the grouped path (one matmul over the whole [heads, n, n] score matrix, transformers' eager math)
 - `eager-tiles`: the tiled path with the eager math per query tile (what soft-capped models run)
 - `sdpa-tiles`: the tiled path with PyTorch's SDPA per tile (boolean mask, GQA in the kernel)
-- `sdpa-row`: one SDPA call for the whole row (is_causal for full attention, an [n, n] mask for a window)
+- `sdpa-row`: one SDPA call for the whole row (is_causal for full attention: what the shard runs for a full-attention
+  row from position 0; an [n, n] mask for a window)
 - `flex`: torch.compile'd FlexAttention over the whole row with a block mask (`--flex`: each shape compiles)
 Candidates run interleaved, round after round, so that load on the machine hits them alike; the table gives each
 one's median and its time relative to `sdpa-tiles`.
@@ -93,6 +94,8 @@ def candidates(n: int, shape: str, dtype, window: int, flex: bool, sweep: bool) 
         def run():
             attention_tiled.TILE_MIN_QUERIES, attention_tiled.TILE_QUERIES = 2, tile
             _, rows = batch().plan(window, query.device)
+            for row in rows:  # tiles even where the shard runs a causal square as one call (that is `sdpa-row`)
+                row.causal_square = False
             out = query.new_empty(n, heads, d)
             attention_tiled.attend_tiled(query, k_cache, v_cache, rows, out, scaling, None, window, kernel)
             return out

@@ -8,7 +8,8 @@ the memory a row needs beyond its own K/V is one tile's mask (and, on the eager 
 
 Two kernels run a tile:
 - PyTorch's SDPA (`scaled_dot_product_attention`): on CPU it takes the flash kernel even with a boolean mask and
-  GQA (`enable_gqa`), so scores never leave its blocks. It cannot soft-cap.
+  GQA (`enable_gqa`), so scores never leave its blocks. It cannot soft-cap. A full-attention row that starts at
+  position 0 is one causal square: a single call with `is_causal` (the kernel skips the masked blocks itself).
 - the eager math (matmul, scale, soft-cap, mask, float32 softmax, matmul), as transformers' eager attention and
   the grouped path do: the exact path for soft-capped models (Gemma-2).
 The choice between them, and the tile sizes, were measured (`python -m launcher.bench.attention`).
@@ -43,6 +44,9 @@ class TiledRow:
     q_pos: int  # position of the row's first query
     k_pos: int  # position of the first gathered key
     tiles: list[tuple[int, int, int, int]]  # (first query, queries, first key, keys), relative to the row / gather
+    # full attention from position 0: the row is one causal square, which SDPA's flash kernel runs in one call
+    # (is_causal: no mask, masked blocks skipped) exactly as transformers' sdpa attention does
+    causal_square: bool = False
 
 
 def long_rows(n_q: np.ndarray) -> np.ndarray:
@@ -65,7 +69,7 @@ def build_tiled(paged, rows: np.ndarray, window: int, device: torch.device) -> l
             lo = max(0, p0 - window + 1) if window else 0  # as masking_utils: kv_idx > q_idx - sliding_window
             tiles.append((t0, tq, lo - fb * bs, p0 + tq - lo))
         blocks = torch.from_numpy(np.ascontiguousarray(tables[i, fb:lb])).to(device)
-        out.append(TiledRow(blocks, int(cu[i]), c, fb * bs, tiles))
+        out.append(TiledRow(blocks, int(cu[i]), c, fb * bs, tiles, causal_square=not window and c == 0))
     return out
 
 
@@ -102,6 +106,19 @@ def attend_tiled(
         # the row's keys once per layer: [kv_heads, NB, bs, D] is [kv_heads, keys, D] as it stands
         k = k_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
         v = v_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
+        if kernel == "sdpa" and row.causal_square:
+            n = sum(tile[1] for tile in row.tiles)
+            o = F.scaled_dot_product_attention(
+                query[None, :, row.q_start : row.q_start + n],
+                k[None, :, :n],
+                v[None, :, :n],
+                is_causal=True,
+                scale=scaling,
+                enable_gqa=heads != kv_heads,
+            )
+            out[row.q_start : row.q_start + n] = o[0].transpose(0, 1)
+            STATS["sdpa-causal"] += 1
+            continue
         for t0, tq, k0, nk in row.tiles:
             q = query[:, row.q_start + t0 : row.q_start + t0 + tq]  # [heads, tq, D]
             mask = _tile_mask(row.q_pos + t0, tq, row.k_pos + k0, nk, window, query.device)

@@ -55,6 +55,19 @@ def _schedule(prompts: list[list[int]]) -> list[Request]:
     ]
 
 
+def _expected_calls(runner, arch: str, rows: list[tuple[int, int]]) -> dict[str, int]:
+    """Kernel calls for tiled rows of (queries, context) over every layer: ceil(n / TILE) tiles a row, except a
+    full-attention row from position 0, which SDPA runs as one causal call."""
+    kernel = "eager" if arch in SOFTCAPPED else "sdpa"
+    calls = {}
+    for layer in runner.model.model.layers:
+        window = getattr(layer.self_attn, "sliding_window", None) or 0
+        for n, ctx in rows:
+            key, count = (kernel, -(-n // TILE)) if window or ctx or kernel == "eager" else ("sdpa-causal", 1)
+            calls[key] = calls.get(key, 0) + count
+    return calls
+
+
 @pytest.fixture
 def small_tiles(monkeypatch):
     monkeypatch.setattr(attention_tiled, "TILE_MIN_QUERIES", TILE_MIN)
@@ -70,10 +83,9 @@ def test_tiled_prefill_matches_transformers(tiny_dirs, arch, small_tiles):
     requests = _schedule(prompts)
     runner = ModelRunner(str(model_dir), num_blocks=160, block_size=BLOCK_SIZE[arch])
     got = drive(runner, requests)
-    kernel = "eager" if arch in SOFTCAPPED else "sdpa"
-    # every layer runs ceil(n / TILE) tiles for each tiled row: 230 in 64+64+64+38, 150 at once, 60 in 20s
-    tiles = sum(-(-n // TILE) for n in (64, 64, 64, 38, 150, 20, 20, 20))
-    assert STATS == {kernel: tiles * runner.num_layers}
+    assert STATS == _expected_calls(
+        runner, arch, [(64, 0), (64, 64), (64, 128), (38, 192), (150, 0), (20, 0), (20, 20), (20, 40)]
+    )
     for seq, req in enumerate(requests):
         want = _reference(model_dir, arch, req.prompt, req.max_new)
         assert got[seq] == want, f"{arch} seq {seq} (prompt {len(req.prompt)} tokens)"
@@ -110,12 +122,14 @@ def _dense(q, k, v, q_pos: int, window: int, scaling: float, softcap: float | No
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("window", [0, 8, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiles_equal_dense_attention(monkeypatch, softcap, window, dtype):
-    """One row with context before it, GQA 4:2 (sdpa; eager when soft-capped), against dense eager attention."""
+@pytest.mark.parametrize("ctx", [0, 21])
+def test_tiles_equal_dense_attention(monkeypatch, softcap, window, dtype, ctx):
+    """One row (from position 0, or with context before it), GQA 4:2 (sdpa; eager when soft-capped), against dense
+    eager attention."""
     monkeypatch.setattr(attention_tiled, "TILE_MIN_QUERIES", 8)
     monkeypatch.setattr(attention_tiled, "TILE_QUERIES", 13)
     gen = torch.Generator().manual_seed(0)
-    bs, ctx, n, heads, kv_heads, d = 4, 21, 50, 4, 2, 16
+    bs, n, heads, kv_heads, d = 4, 50, 4, 2, 16
     blocks = -(-(ctx + n) // bs)
     table = np.random.default_rng(0).permutation(blocks + 3)[:blocks]
     k_cache = torch.randn(kv_heads, blocks + 3, bs, d, generator=gen).to(dtype)
@@ -135,7 +149,10 @@ def test_tiles_equal_dense_attention(monkeypatch, softcap, window, dtype):
     groups, rows = batch.plan(window, torch.device("cpu"))
     assert not groups and len(rows[0].tiles) == -(-n // 13)
     out = torch.full((n, heads, d), float("nan"), dtype=dtype)
+    STATS.clear()
     attention_tiled.attend_tiled(q, k_cache, v_cache, rows, out, 0.3, softcap, window)
+    square = not window and not ctx and softcap is None
+    assert STATS == ({"sdpa-causal": 1} if square else {"eager" if softcap else "sdpa": -(-n // 13)})
     k = k_cache[:, table].reshape(kv_heads, -1, d)[:, : ctx + n]
     v = v_cache[:, table].reshape(kv_heads, -1, d)[:, : ctx + n]
     want = _dense(q, k, v, ctx, window, 0.3, softcap)
@@ -177,8 +194,8 @@ def test_an_8k_prompt_in_chunks(tiny_dirs, monkeypatch):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     got = drive(runner, [Request(prompt, 6, join=1, chunk=2048)])[0]
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-    per_layer = sum(-(-2048 // attention_tiled.TILE_QUERIES) for _ in range(4))
-    assert STATS == {"sdpa": per_layer * runner.num_layers}
+    tiles = 3 * -(-2048 // attention_tiled.TILE_QUERIES)  # the first chunk is one causal call
+    assert STATS == {"sdpa": tiles * runner.num_layers, "sdpa-causal": runner.num_layers}
     assert max(largest) <= attention_tiled.TILE_QUERIES * len(prompt)
     print(f"\n8k prompt, chunks of 2048: peak RSS grew {grown_mib:.0f} MiB; largest tile mask {max(largest)} bytes")
     assert got == _reference(model_dir, arch, prompt, 6)
