@@ -172,8 +172,8 @@ class StepObserver:
         free = b.allocator.free
         m.kv_blocks_free.set(free)
         m.kv_blocks_used.set(b.allocator.num_blocks - free)
-        for name, metric in PREFIX_COUNTERS:  # the batcher's prefix-cache counters, when it has them
-            now = b.counters.get(name)
-            if now is not None and now > self._prefix_seen[name]:
+        for name, metric in PREFIX_COUNTERS:  # the batcher's prefix-cache counters, as Prometheus counters
+            now = b.counters[name]
+            if now > self._prefix_seen[name]:
                 getattr(m, metric).inc(now - self._prefix_seen[name])
                 self._prefix_seen[name] = now
