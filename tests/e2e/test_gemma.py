@@ -1,5 +1,5 @@
-"""End to end on the real embedded Gemma-3-270M (served with no --model-id): 16 concurrent greedy
-requests equal transformers' generate() token for token."""
+"""End to end on the real embedded Gemma-3-270M (served by its short name, `--model-id gemma-3-270m`): 16
+concurrent greedy requests equal transformers' generate() token for token."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 
 import aiohttp
 import pytest
+import requests
 from transformers import AutoTokenizer
 
 from libs.runtime import model_store
@@ -15,6 +16,7 @@ from tests.e2e.server import Server
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e
+GEMMA = "gemma-3-270m"  # the embedded model's short name (libs/runtime/model_store.py)
 
 PROMPTS = [
     "The capital of France is",
@@ -38,7 +40,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def gemma_server(tmp_path_factory):
-    server = Server(None, tmp_path_factory.mktemp("logs") / "gemma-server.log")
+    server = Server(GEMMA, tmp_path_factory.mktemp("logs") / "gemma-server.log")
     try:
         server.wait_healthy()
         yield server
@@ -47,7 +49,9 @@ def gemma_server(tmp_path_factory):
 
 
 def test_gemma_concurrent_greedy_equals_transformers(gemma_server):
-    model_dir = model_store.resolve_model(None)
+    model_dir = model_store.resolve_model(GEMMA)
+    info = requests.get(gemma_server.url + "/info", timeout=10).json()
+    assert info["model_id"] == GEMMA
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     cases = [(p, 8 + (i * 3) % 17) for i, p in enumerate(PROMPTS)]
 
