@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     def flag(name: str, type=str, default=None, help=None):
         s.add_argument(f"--{name}", type=type, default=_env(name, default), help=help)
 
-    flag("model-id", help="Hub id or local folder (default: the embedded Gemma-3-270M)")
+    flag("model-id", help=model_store.MODEL_ID_HELP)
     flag("revision", help="Hub revision (branch, tag or commit)")
     flag("dtype", default="float32", help="float32 | bfloat16 | float16")
     flag("hostname", default="0.0.0.0")
