@@ -12,6 +12,7 @@ Candidates run interleaved, round after round, so that load on the machine hits 
 one's median and its time relative to `sdpa-tiles`.
 
     python -m launcher.bench.attention [--n 512,2048,8192] [--dtype float32,bfloat16] [--flex] [--rounds 3]
+    python -m launcher.bench.attention --model DIR --n 2048   # a real prefill forward, tiled vs grouped
 """
 
 from __future__ import annotations
@@ -181,6 +182,57 @@ def measure(ns, shapes, dtypes, rounds: int, flex: bool, sweep_at=(2048,), progr
     return rows
 
 
+def prefill(model_dir: str, n: int, dtype_name: str, rounds: int) -> dict[str, float]:
+    """A real model's prefill forward of n random tokens (one step, context 0) in ms: the tiled path against the
+    grouped path for every row (`TILE_MIN_QUERIES` past n) and the tiled path with eager tiles, interleaved."""
+    import numpy as np
+    import torch
+
+    from libs.protocol.messages import NewSequence, StepPlan
+    from libs.protocol.params import SamplingParams
+    from services.shard import attention_tiled
+    from services.shard.model_runner import ModelRunner
+
+    blocks = -(-n // 16)
+    runner = ModelRunner(model_dir, num_blocks=blocks, block_size=16, dtype=getattr(torch, dtype_name))
+    vocab = runner.model.config.get_text_config().vocab_size
+    ids = np.random.default_rng(0).integers(10, vocab, n).astype(np.int32)
+    step = 0
+
+    def once() -> float:
+        nonlocal step
+        step += 2
+        plan = StepPlan(
+            step=step,
+            new=[NewSequence(0, SamplingParams())],
+            blocks={0: list(range(blocks))},
+            seqs=np.array([0], np.int32),
+            num_tokens=np.array([n], np.int32),
+            context_lens=np.array([0], np.int32),
+            token_ids=ids,
+            sample=np.array([1], np.uint8),
+        )
+        took = runner.execute(plan).forward_s
+        empty = np.zeros(0, np.int32)
+        rows = dict(seqs=empty, num_tokens=empty, context_lens=empty, token_ids=empty, sample=empty.astype(np.uint8))
+        runner.execute(StepPlan(step=step + 1, finished=[0], **rows))
+        return took
+
+    saved = attention_tiled.TILE_MIN_QUERIES
+    times = {"grouped": [], "tiled": [], "tiled-eager": []}
+    try:
+        for r in range(rounds + 1):  # the first round warms up
+            for name in times:
+                attention_tiled.TILE_MIN_QUERIES = n + 1 if name == "grouped" else saved
+                attention_tiled.KERNEL = "eager" if name == "tiled-eager" else None
+                took = once()
+                if r:
+                    times[name].append(took)
+    finally:
+        attention_tiled.TILE_MIN_QUERIES, attention_tiled.KERNEL = saved, None
+    return {name: statistics.median(v) * 1000 for name, v in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", default="512,2048,8192")
@@ -189,12 +241,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--flex", action="store_true", help="also FlexAttention (compiles once per shape: minutes)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, as the shard)")
+    ap.add_argument("--model", help="instead: a real model's prefill forward of each --n tokens, tiled vs grouped")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model:
+        print(f"CPU: {cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.model}")
+        print("| dtype | n | grouped ms | tiled ms | tiled, eager tiles ms | speed-up (tiled) |", flush=True)
+        print("|---|---:|---:|---:|---:|---:|", flush=True)
+        for dtype_name in args.dtype.split(","):
+            for n in (int(x) for x in args.n.split(",")):
+                ms = prefill(args.model, n, dtype_name, args.rounds)
+                speed = ms["grouped"] / ms["tiled"]
+                cells = " | ".join(f"{ms[x]:.0f}" for x in ("grouped", "tiled", "tiled-eager"))
+                print(f"| {dtype_name} | {n} | {cells} | {speed:.2f}x |", flush=True)
+        return 0
     ns = [int(x) for x in args.n.split(",")]
     names = ["eager-whole", "eager-tiles", "sdpa-tiles", "sdpa-tiles-128", "sdpa-tiles-512", "sdpa-row", "flex"]
 

@@ -31,6 +31,9 @@ TILE_MIN_QUERIES = 128
 # tile's mask (and eager scores) stays small next to the row's K/V.
 TILE_QUERIES = 256
 
+# Forces one kernel ("sdpa" / "eager") on every tiled row: for benchmarks; None lets each layer choose.
+KERNEL: str | None = None
+
 # Tiles run, by kernel ("sdpa" / "eager"): lets tests see that the tiled path really ran.
 STATS: Counter = Counter()
 
@@ -96,6 +99,7 @@ def attend_tiled(
     window: int,
     kernel: str | None = None,  # "sdpa" / "eager"; None: sdpa unless the layer soft-caps (benchmarks force one)
 ) -> None:
+    kernel = kernel or KERNEL
     if kernel is None:
         kernel = "sdpa" if softcap is None else "eager"
     elif kernel == "sdpa" and softcap is not None:
