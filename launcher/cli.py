@@ -26,7 +26,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from launcher import bench, bus_flags, keygen, rundir, supervise, tap
+from launcher import bench, bus_flags, keygen, lora_flags, rundir, supervise, tap
 from libs.protocol import Addresses
 from libs.runtime import model_store
 from libs.runtime.settings import Settings
@@ -152,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     flag("watermark-delta", type=float, default=2.0, help="bias added to green-list logits")
     flag("chat-template", help="a Jinja chat template replacing the model's: the template itself or a file holding it")
     flag("otlp-endpoint", help="OpenTelemetry collector (gRPC) to export traces to")
+    flag(
+        "lora-adapters",
+        help="LoRA adapters to serve, comma-separated: `org/name`, `org/name@revision` (Hub) or `name=/local/path`; "
+        "a request picks one with parameters.adapter_id (TGI) or `model` (OpenAI)",
+    )
+    flag("max-loras", type=int, default=8, help="LoRA adapters resident at once")
+    flag("max-lora-rank", type=int, default=64, help="the largest LoRA rank an adapter may have")
     flag("otlp-service-name", default="text-generation-inference.router")
 
     def switch(name: str, help: str):
@@ -212,6 +219,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
     if args.validation_workers < 1:
         raise SystemExit("error: `validation_workers` must be > 0")
     curve_secret, curve_public = bus_flags.curve_keys(args.bus_curve_secret_key, args.bus_curve_public_key)
+    lora_adapters = _lora_adapters(args)
     for name, _, default, _ in IGNORED:
         value = getattr(args, name.replace("-", "_"))
         if value != default:
@@ -252,7 +260,27 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         bus=bus_flags.bus_address(args.bus_address),  # "" until serve() names the run directory
         curve_secret_key=curve_secret,
         curve_public_key=curve_public,
+        lora_adapters=lora_adapters,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
+
+
+def _lora_adapters(args: argparse.Namespace) -> str:
+    """`--lora-adapters` resolved to local folders before any service starts (a Hub adapter is downloaded now),
+    as Settings carries them: "name=/folder,…"; a malformed entry or a missing adapter stops the launcher."""
+    if args.max_loras < 1 or args.max_lora_rank < 1:
+        raise SystemExit("error: --max-loras and --max-lora-rank must be at least 1")
+    try:
+        specs = lora_flags.from_flag_or_env(args.lora_adapters)
+        if len(specs) > args.max_loras:
+            raise lora_flags.LoraFlagError(f"{len(specs)} LoRA adapters given, more than --max-loras {args.max_loras}")
+        folders = lora_flags.resolve_all(specs)
+    except lora_flags.LoraFlagError as e:
+        raise SystemExit(f"error: {e}") from None
+    if any("," in str(f) or "=" in name for name, f in folders.items()):
+        raise SystemExit("error: a LoRA adapter's name or folder contains `,` or `=`, which --lora-adapters reserves")
+    return ",".join(f"{name}={folder}" for name, folder in folders.items())
 
 
 def programs(args: argparse.Namespace) -> dict[str, int]:

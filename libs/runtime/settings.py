@@ -73,6 +73,15 @@ class Settings:
     # tensor parallel (num_shard > 1): replica r's ranks rendezvous on 127.0.0.1:tp_port + r (the launcher
     # picks free ports; the ranks of a replica share a host)
     tp_port: int = 0
+    # LoRA adapters served from the start: "name=/local/folder,…" (the launcher resolves Hub ids to folders first);
+    # the shards load them, http and the tokenizer validate requests' adapters against the names
+    lora_adapters: str = ""
+    max_loras: int = 8  # adapters resident at once
+    max_lora_rank: int = 64
+
+    @property
+    def lora_names(self) -> list[str]:
+        return [entry.split("=", 1)[0] for entry in self.lora_adapters.split(",") if entry]
 
     @property
     def num_blocks(self) -> int:
