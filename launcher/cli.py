@@ -28,7 +28,7 @@ from pathlib import Path
 
 from launcher import bench, bus_flags, keygen, lora_flags, rundir, supervise, tap
 from libs.protocol import Addresses
-from libs.runtime import model_store
+from libs.runtime import cpu, model_store
 from libs.runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     flag("model-id", help=model_store.MODEL_ID_HELP)
     flag("revision", help="Hub revision (branch, tag or commit)")
-    flag("dtype", default="float32", help="float32 | bfloat16 | float16")
+    flag("dtype", default="auto", help=cpu.DTYPE_HELP)
     flag("hostname", default="0.0.0.0")
     flag("port", type=int, default=3000)
     flag("max-concurrent-requests", type=int, default=128)
@@ -186,6 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _dtype(requested: str, model_path: Path) -> str:
+    """The serving dtype, chosen here once (so /info can say it) by the rule in libs/runtime/cpu.py."""
+    import torch  # not at import time: `switchyard tap --help` should not pay for torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        choice = cpu.choose_dtype(requested, cpu.checkpoint_dtype(model_path), device)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    where = cpu.describe() if device == "cpu" else torch.cuda.get_device_name(0)
+    log.info("dtype %s: %s (%s)", choice.dtype, choice.reason, where)
+    return choice.dtype
+
+
 def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
     """Derive TGI's limits the way its launcher does, checking they are consistent."""
     if args.max_input_tokens is not None and args.max_input_length is not None:
@@ -227,7 +241,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
     return Settings(
         model_path=str(model_path),
         model_id=args.model_id or model_store.DEFAULT_MODEL_NAME,
-        dtype=args.dtype,
+        dtype=_dtype(args.dtype, model_path),
         hostname=hostname,
         port=args.port,
         max_concurrent_requests=args.max_concurrent_requests,

@@ -29,6 +29,10 @@ REPORTED_FLAGS = (
     "avx_ne_convert",
 )
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_HELP = (
+    "auto (default: bf16 where the CPU or GPU computes it natively, else float32) | float32 (exact: greedy output "
+    "equals transformers') | bfloat16 | float16"
+)
 
 
 @cache

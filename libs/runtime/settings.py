@@ -31,7 +31,7 @@ class Settings:
     model_path: str = ""  # local folder of the resolved model
     model_id: str = ""  # what /info reports
     model_sha: str = ""  # Hub commit when known
-    dtype: str = "float32"
+    dtype: str = "auto"  # the launcher resolves it (libs/runtime/cpu.py); a shard resolves "auto" itself
     hostname: str = "0.0.0.0"
     port: int = 3000
     max_concurrent_requests: int = 128

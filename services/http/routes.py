@@ -214,6 +214,7 @@ class Routes:
             version=tgi.VERSION,
             sha=None,
             docker_label=os.environ.get("DOCKER_LABEL") or None,
+            model_dtype=s.dtype,
         )
 
     async def info(self, request: web.Request) -> web.Response:

@@ -182,6 +182,7 @@ class Info(msgspec.Struct, kw_only=True):
     version: str
     sha: str | None
     docker_label: str | None
+    model_dtype: str | None = None  # beyond TGI today (its older /info had it): what the weights are served in
 
 
 class ModelInfo(msgspec.Struct):

@@ -9,7 +9,7 @@ import zmq
 
 from libs.protocol import Addresses
 from libs.protocol.messages import ShardReady, StepPlan, StepResult
-from libs.runtime import bus, service
+from libs.runtime import bus, cpu, service
 from libs.runtime.settings import BLOCK_SIZE, Settings
 from services.shard import tensor_parallel
 from services.shard.model_runner import ModelRunner
@@ -33,11 +33,13 @@ class ShardService:
                 raise RuntimeError("--num-shard > 1 needs SWITCHYARD_TP_PORT (set by the launcher)")
             tensor_parallel.init_group(rank, self.tp, settings.tp_port + replica, torch.device(device))
             tensor_parallel.start_watchdog()
+        # the launcher resolves --dtype; a shard started with "auto" (by hand, or another host's env) does the same
+        self.dtype = cpu.choose_dtype(settings.dtype, cpu.checkpoint_dtype(settings.model_path), device).dtype
         self.runner = ModelRunner(
             settings.model_path,
             num_blocks=settings.num_blocks,
             block_size=BLOCK_SIZE,
-            dtype=getattr(torch, settings.dtype),
+            dtype=getattr(torch, self.dtype),
             device=device,
             watermark_gamma=settings.watermark_gamma,
             watermark_delta=settings.watermark_delta,
@@ -94,7 +96,7 @@ def main() -> None:
             replica,
             rank,
             settings.model_path,
-            settings.dtype,
+            shard.dtype,
             shard.runner.device,
             settings.num_blocks,
         )

@@ -67,6 +67,8 @@ class Server:
         self.log_path = log_path
         cmd = [sys.executable, "-m", "launcher", "serve", "--port", str(self.port), "--hostname", "127.0.0.1"]
         cmd += [*(["--model-id", str(model_dir)] if model_dir else []), *flags]
+        if "--dtype" not in flags:  # the exact mode: outputs are compared with transformers' float32 generate()
+            cmd += ["--dtype", "float32"]
         self.log = open(log_path, "a")
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}

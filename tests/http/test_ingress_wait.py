@@ -80,17 +80,18 @@ def test_the_wait_runs_out_with_the_503_of_no_tokenizer(settings, caplog):
         ingress = Ingress(settings.bus, 0, settings)
         await ingress.start()
         ingress.liveness.since -= RESTART_WAIT_S - 0.3  # the view is almost a wait old
-        started = asyncio.get_running_loop().time()
         with pytest.raises(Exception, match="No tokenizer is available") as failed:
             await ingress.tokenize(tokenize_request("r-2"))
         assert failed.value.status == 503
-        assert asyncio.get_running_loop().time() - started > 0.2  # it did wait
+        assert waits() == 1  # it did wait (the log line of a wait that ran out), no clock read: CI is noisy
         ingress.liveness.since -= 1.0
-        started = asyncio.get_running_loop().time()
         with pytest.raises(Exception, match="No tokenizer is available"):
             await ingress.tokenize(tokenize_request("r-3"))  # missing for longer: at once, as before
-        assert asyncio.get_running_loop().time() - started < 0.2
+        assert waits() == 1  # no second wait
         await ingress.stop()
+
+    def waits() -> int:
+        return sum("no tokenizer came" in rec.getMessage() for rec in caplog.records)
 
     with caplog.at_level(logging.INFO, logger="switchyard.http"):
         asyncio.run(scenario())

@@ -147,3 +147,20 @@ def test_compatibility_flags_are_accepted_and_ignored(model_dir, caplog):
         settings_from(parse("--validation-workers", "0"), model_dir)
     helps = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions}
     assert "ignored" in helps["quantize"] and "always computed" in helps["enable_prefill_logprobs"]
+
+
+def test_dtype_is_chosen_once_by_the_launcher_and_logged(tmp_path, caplog):
+    import json
+    import logging
+
+    from launcher.cli import _dtype
+    from libs.runtime import cpu
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    with caplog.at_level(logging.INFO, logger="switchyard.launcher"):
+        got = _dtype("auto", tmp_path)
+    assert got == cpu.choose_dtype("auto", "float32", "cpu").dtype  # this machine's rule (no GPU here)
+    assert any(r.getMessage().startswith(f"dtype {got}: ") for r in caplog.records)
+    assert _dtype("float32", tmp_path) == "float32"
+    with pytest.raises(SystemExit, match="--dtype must be one of"):
+        _dtype("float64", tmp_path)
