@@ -6,7 +6,7 @@ full-attention layer its causal prefix. The row's keys are gathered from the pag
 keys are then a view of that gather, and its mask ([tile queries, tile keys] bool) is built as the tile runs, so
 the memory a row needs beyond its own K/V is one tile's mask (and, on the eager path, one tile's scores).
 
-Two kernels run a tile:
+Two kernels run a tile (`choose_kernel`):
 - PyTorch's SDPA (`scaled_dot_product_attention`): on CPU it takes the flash kernel even with a boolean mask and
   GQA (`enable_gqa`), so scores never leave its blocks. It cannot soft-cap. A full-attention row that starts at
   position 0 is one causal square: a single call with `is_causal` (the kernel skips the masked blocks itself).
@@ -30,6 +30,10 @@ TILE_MIN_QUERIES = 128
 # Queries per tile: large enough that the flash kernel has blocks to spread over threads, small enough that one
 # tile's mask (and eager scores) stays small next to the row's K/V.
 TILE_QUERIES = 256
+
+# On CPU in half precision with heads this wide (Gemma's 256), the eager math per tile measured faster than SDPA's
+# flash kernel (docs/benchmarks.md): a bfloat16 matmul over a whole tile beats the kernel's small blocks there.
+EAGER_HALF_MIN_HEAD_DIM = 256
 
 # Forces one kernel ("sdpa" / "eager") on every tiled row: for benchmarks; None lets each layer choose.
 KERNEL: str | None = None
@@ -99,10 +103,8 @@ def attend_tiled(
     window: int,
     kernel: str | None = None,  # "sdpa" / "eager"; None: sdpa unless the layer soft-caps (benchmarks force one)
 ) -> None:
-    kernel = kernel or KERNEL
-    if kernel is None:
-        kernel = "sdpa" if softcap is None else "eager"
-    elif kernel == "sdpa" and softcap is not None:
+    kernel = kernel or KERNEL or choose_kernel(query, softcap)
+    if kernel == "sdpa" and softcap is not None:
         raise ValueError("SDPA cannot soft-cap attention scores")
     heads, _, head_dim = query.shape
     kv_heads = k_cache.shape[0]
@@ -133,6 +135,16 @@ def attend_tiled(
                 o = eager_tile(q, kt, vt, mask, scaling, softcap)
             STATS[kernel] += 1
             out[row.q_start + t0 : row.q_start + t0 + tq] = o.transpose(0, 1)
+
+
+def choose_kernel(query: torch.Tensor, softcap: float | None) -> str:
+    """The kernel for tiles of this layer: eager where SDPA cannot soft-cap or measured slower, else SDPA."""
+    if softcap is not None:
+        return "eager"
+    half = query.dtype in (torch.bfloat16, torch.float16)
+    if query.device.type == "cpu" and half and query.shape[-1] >= EAGER_HALF_MIN_HEAD_DIM:
+        return "eager"
+    return "sdpa"
 
 
 def _sdpa_tile(q, k, v, mask, scaling) -> torch.Tensor:
