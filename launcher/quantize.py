@@ -1,0 +1,115 @@
+"""`--quantize`: which method a model is served with, decided once at start, and the messages when it cannot be.
+
+The method comes from the flag or, as in TGI, from `config.json`'s `quantization_config.quant_method`. Pre-quantized
+checkpoints (gptq, awq, compressed-tensors) are read in their own layout; bitsandbytes / eetq quantize a float
+checkpoint at load to int8 weights with int8 activations (W8A8), bitsandbytes-nf4 / -fp4 to 4-bit group-wise
+weights (services/shard/quant_linear.py; docs/quantization.md says how the numerics differ from bitsandbytes').
+fp8, marlin and exl2 have CUDA kernels only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# TGI's values of --quantize, in its order
+METHODS = (
+    "awq",
+    "compressed-tensors",
+    "eetq",
+    "exl2",
+    "gptq",
+    "marlin",
+    "bitsandbytes",
+    "bitsandbytes-nf4",
+    "bitsandbytes-fp4",
+    "fp8",
+)
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")  # the weights are stored quantized
+ON_THE_FLY = {"bitsandbytes": "w8a8", "eetq": "w8a8", "bitsandbytes-nf4": "int4", "bitsandbytes-fp4": "int4"}
+CUDA_ONLY = ("fp8", "marlin", "exl2")
+NF4_GROUP = 64  # bitsandbytes' 4-bit block size, kept as the group size of the on-the-fly int4 weights
+
+# quant_method spellings in config.json → the --quantize value that serves them
+_CONFIG_NAMES = {"fbgemm_fp8": "fp8", "compressed_tensors": "compressed-tensors"}
+
+
+class QuantizeError(ValueError):
+    """A --quantize that cannot run here; the message is for the user."""
+
+
+def checkpoint_method(model_dir: str | Path) -> str | None:
+    """The method `config.json` says its weights are stored in (None: a float checkpoint)."""
+    qc = quantization_config(model_dir)
+    if qc is None:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "bitsandbytes":
+        if qc.get("load_in_4bit"):
+            return f"bitsandbytes-{qc.get('bnb_4bit_quant_type', 'fp4')}"
+        return "bitsandbytes"
+    return _CONFIG_NAMES.get(method, method) or None
+
+
+def quantization_config(model_dir: str | Path) -> dict | None:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text(encoding="utf-8"))
+    qc = config.get("quantization_config") or config.get("compression_config")
+    return qc if isinstance(qc, dict) else None
+
+
+def resolve(flag: str | None, model_dir: str | Path, cuda: bool | None = None) -> str | None:
+    """The method to serve `model_dir` with, or QuantizeError with the reason it cannot run here."""
+    if cuda is None:
+        cuda = _cuda_available()
+    if flag is not None and flag not in METHODS:
+        raise QuantizeError(f"--quantize {flag!r} is not a method; TGI's are: {', '.join(METHODS)}")
+    stored = checkpoint_method(model_dir)
+    where = f"{Path(model_dir) / 'config.json'}"
+    if stored is not None and stored not in METHODS:
+        raise QuantizeError(f"{where}: unknown quantization_config.quant_method {stored!r}")
+    method = flag or stored
+    if flag is not None and flag != stored:
+        # marlin is a kernel for GPTQ/AWQ checkpoints (TGI accepts it over either); anything else must agree
+        if not (flag == "marlin" and stored in ("gptq", "awq")) and (stored is not None or flag in CHECKPOINT_METHODS):
+            found = f"quant_method {stored!r}" if stored else "no quantization_config (a float checkpoint)"
+            raise QuantizeError(f"Quantization config mismatch: --quantize {flag}, but {where} has {found}")
+    if method in CUDA_ONLY and not cuda:
+        raise QuantizeError(
+            f"--quantize {method} needs a CUDA GPU (its kernels exist for CUDA only) and this machine has none; "
+            f"methods that run here: {', '.join(supported_here(cuda=False))}"
+        )
+    if method == "bitsandbytes":
+        log.warning("Bitsandbytes 8bit is deprecated, using `eetq` is a drop-in replacement (both are W8A8 here)")
+    return method
+
+
+def supported_here(cuda: bool | None = None) -> list[str]:
+    """The --quantize values this machine can serve."""
+    if cuda is None:
+        cuda = _cuda_available()
+    return [m for m in METHODS if cuda or m not in CUDA_ONLY]
+
+
+def help_text() -> str:
+    """`switchyard serve --help`'s line for --quantize."""
+    here = supported_here(cuda=Path("/proc/driver/nvidia/version").exists())  # no torch import for --help
+    return (
+        "weight quantization; default: config.json's quantization_config. Runs here: "
+        + ", ".join(here)
+        + " (bitsandbytes/eetq: W8A8 int8 at load; bitsandbytes-nf4/-fp4: int4 group-wise at load)"
+        + ("" if len(here) == len(METHODS) else f"; needs CUDA: {', '.join(CUDA_ONLY)}")
+    )
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()

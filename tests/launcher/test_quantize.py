@@ -1,0 +1,107 @@
+"""--quantize: the method from the flag or config.json, and every refusal's message."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from launcher import quantize
+from launcher.quantize import QuantizeError, resolve
+
+
+def _model(tmp_path, quantization_config=None, key="quantization_config"):
+    config = {"model_type": "llama"}
+    if quantization_config is not None:
+        config[key] = quantization_config
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "qc, method",
+    [
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "awq"),
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "compressed-tensors"),
+        ({"quant_method": "fbgemm_fp8"}, "fp8"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "bitsandbytes-nf4"),
+        ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "bitsandbytes"),
+    ],
+)
+def test_the_method_is_read_from_config(tmp_path, qc, method):
+    assert quantize.checkpoint_method(_model(tmp_path, qc)) == method
+    if method not in quantize.CUDA_ONLY:
+        assert resolve(None, tmp_path, cuda=False) == method
+        assert resolve(method, tmp_path, cuda=False) == method
+
+
+def test_compression_config_is_read_too(tmp_path):
+    model = _model(tmp_path, {"quant_method": "compressed-tensors"}, key="compression_config")
+    assert resolve(None, model, cuda=False) == "compressed-tensors"
+
+
+def test_a_float_checkpoint_runs_unquantized_or_quantized_at_load(tmp_path):
+    model = _model(tmp_path)
+    assert resolve(None, model, cuda=False) is None
+    for method in ("eetq", "bitsandbytes-nf4", "bitsandbytes-fp4"):
+        assert resolve(method, model, cuda=False) == method
+
+
+def test_bitsandbytes_8bit_warns_it_is_deprecated(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert resolve("bitsandbytes", _model(tmp_path), cuda=False) == "bitsandbytes"
+    assert "deprecated" in caplog.text and "eetq" in caplog.text
+
+
+@pytest.mark.parametrize("method", quantize.CUDA_ONLY)
+def test_cuda_only_methods_exit_without_cuda(tmp_path, method):
+    with pytest.raises(QuantizeError) as e:
+        resolve(method, _model(tmp_path), cuda=False)
+    assert f"--quantize {method} needs a CUDA GPU" in str(e.value) and "this machine has none" in str(e.value)
+    assert "gptq" in str(e.value).split("run here:")[1]  # says what does run
+
+
+def test_a_cuda_only_method_from_config_exits_too(tmp_path):
+    with pytest.raises(QuantizeError, match="--quantize fp8 needs a CUDA GPU"):
+        resolve(None, _model(tmp_path, {"quant_method": "fp8"}), cuda=False)
+
+
+def test_cuda_only_methods_pass_with_cuda(tmp_path):
+    assert resolve("fp8", _model(tmp_path), cuda=True) == "fp8"
+    assert resolve("marlin", _model(tmp_path, {"quant_method": "gptq"}), cuda=True) == "marlin"
+
+
+@pytest.mark.parametrize(
+    "flag, qc, found",
+    [
+        ("awq", {"quant_method": "gptq"}, "quant_method 'gptq'"),
+        ("gptq", {"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
+        ("eetq", {"quant_method": "awq"}, "quant_method 'awq'"),
+        ("gptq", None, "no quantization_config (a float checkpoint)"),
+        ("compressed-tensors", None, "no quantization_config"),
+    ],
+)
+def test_a_mismatch_names_both_sides(tmp_path, flag, qc, found):
+    model = _model(tmp_path, qc)
+    with pytest.raises(QuantizeError) as e:
+        resolve(flag, model, cuda=False)
+    message = str(e.value)
+    assert message.startswith(f"Quantization config mismatch: --quantize {flag}, but ")
+    assert str(model / "config.json") in message and found in message
+
+
+def test_unknown_values_are_refused(tmp_path):
+    with pytest.raises(QuantizeError, match="'int3' is not a method; TGI's are: awq, compressed-tensors"):
+        resolve("int3", _model(tmp_path), cuda=False)
+    with pytest.raises(QuantizeError, match="unknown quantization_config.quant_method 'hqq'"):
+        resolve(None, _model(tmp_path, {"quant_method": "hqq"}), cuda=False)
+
+
+def test_what_runs_here():
+    assert quantize.supported_here(cuda=True) == list(quantize.METHODS)
+    here = quantize.supported_here(cuda=False)
+    assert set(quantize.METHODS) - set(here) == set(quantize.CUDA_ONLY)
+    text = quantize.help_text()
+    assert all(m in text for m in here)

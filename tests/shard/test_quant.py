@@ -1,0 +1,194 @@
+"""Quantized linears: each checkpoint format unpacks to the weights that were packed, each kernel computes the
+dense product of its dequantized weights, and a quantized tiny model's log-probs match transformers on its dense
+float32 twin.
+
+Tolerances (measured on the tiny models, float32): weight-only kernels differ from the twin only in summation
+order, ≤ 3e-5 in any log-prob (WEIGHT_ONLY_TOL = 1e-4). W8A8 also rounds the activations to int8 per token: it
+equals an emulation of that rounding to float error, and differs from the unquantized-activation twin by up to
+0.45 in log-prob on these deliberately peaked models (W8A8_TOL = 0.75). A wrong packing moves log-probs by
+whole units (tested with a shuffled g_idx and AWQ's interleave left out)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from services.shard import quant_formats as qf
+from services.shard import quant_linear as ql
+from tests.shard.quant_checkpoints import write
+
+WEIGHT_ONLY_TOL = 1e-4
+W8A8_TOL = 0.75
+ROWS = (1, 5, 16, 64)
+
+
+def _weight(n=128, k=256, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.25
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("v2", [False, True])
+def test_gptq_unpacks_what_was_packed(bits, v2):
+    qw = qf.quantize_rtn(_weight(), bits, 64, symmetric=False)
+    qw.zeros[0, 0] = 0  # the old format stores z − 1: a zero point of 0 wraps to the top level
+    stored = qw.zeros.to(torch.int64) if v2 else (qw.zeros.to(torch.int64) - 1) % 2**bits
+    got = qf.from_gptq(
+        qf.pack_along_rows(qw.levels.t(), bits),
+        qf.pack_along_cols(stored.t(), bits),
+        qw.scales.t(),
+        torch.arange(256, dtype=torch.int32) // 64,
+        bits,
+        "gptq_v2" if v2 else "gptq",
+    )
+    assert torch.equal(got.levels, qw.levels) and torch.equal(got.zeros, qw.zeros) and got.g_idx is None
+    assert torch.equal(got.dequantize(), qw.dequantize())
+
+
+def test_awq_unpacks_its_interleaved_order():
+    qw = qf.quantize_rtn(_weight(), 4, 32, symmetric=False)
+    got = qf.from_awq(qf.awq_pack(qw.levels.t().contiguous()), qf.awq_pack(qw.zeros.to(torch.uint8).t()), qw.scales.t())
+    assert torch.equal(got.dequantize(), qw.dequantize())
+    plain = qf.pack_along_cols(qw.levels.t().contiguous(), 4)  # the same levels without the interleave
+    assert not torch.equal(
+        qf.from_awq(plain, qf.awq_pack(qw.zeros.to(torch.uint8).t()), qw.scales.t()).levels, qw.levels
+    )
+
+
+@pytest.mark.parametrize("bits, sym", [(4, True), (4, False), (8, True)])
+def test_compressed_tensors_pack_quantized_unpacks(bits, sym):
+    qw = qf.quantize_rtn(_weight(), bits, 32, symmetric=sym)
+    zp = None if sym else (qw.zeros - 2 ** (bits - 1)).to(torch.int8)
+    got = qf.from_compressed_packed(qf.pack_along_cols(qw.levels, bits), qw.scales, torch.tensor([128, 256]), bits, zp)
+    assert torch.equal(got.dequantize(), qw.dequantize())
+
+
+def test_int4_packing_reader_matches_torchs():
+    levels = torch.randint(0, 16, (192, 256), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+    assert ql._reads_int4pack(packed, levels.to(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "n, k, bits, group, sym, kind",
+    [
+        (128, 256, 4, 32, True, ql.Int4Linear),
+        (192, 256, 4, -1, False, ql.Int4Linear),  # one group per row → 256-wide kernel groups, same scale
+        (96, 128, 4, 64, False, ql.Int4Linear),  # not a multiple of 64 rows: keeps its own nibble copy
+        (128, 256, 4, 16, False, ql.DequantLinear),  # no kernel for groups of 16
+        (128, 256, 8, -1, True, ql.Int8Linear),
+        (128, 256, 8, 32, False, ql.DequantLinear),
+    ],
+)
+def test_weight_only_layers_compute_the_dequantized_product(n, k, bits, group, sym, kind):
+    qw = qf.quantize_rtn(_weight(n, k), bits, group, symmetric=sym, bias=torch.randn(n))
+    layer = ql.build(qw)
+    assert type(layer) is kind
+    dense = qw.dequantize()
+    for rows in ROWS:  # below and above DENSE_FROM_ROWS: the kernel and the dequantized scratch product
+        x = torch.randn(2, rows, k)
+        want = x @ dense.t() + qw.bias
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_w8a8_rounds_activations_per_token():
+    qw = qf.quantize_rtn(_weight(), 8, -1, symmetric=True, act_int8=True)
+    layer = ql.build(qw)
+    assert type(layer) is ql.W8A8Linear
+    for rows in ROWS:
+        x = torch.randn(rows, 256) * torch.logspace(-2, 1, rows).unsqueeze(1)  # rows of very different scales
+        s = x.abs().amax(-1, keepdim=True) / 127
+        emulated = ((x / s).round().clamp(-127, 127) * s) @ qw.dequantize().t()
+        torch.testing.assert_close(layer(x), emulated, rtol=1e-5, atol=1e-5 * emulated.abs().max().item())
+        assert (layer(x) - x @ qw.dequantize().t()).abs().max() < 0.02 * emulated.abs().max()
+
+
+def test_shuffled_group_index_is_caught():
+    """desc_act: the same levels with another column→group map are other weights."""
+    qw = qf.quantize_rtn(_weight(), 4, 32, symmetric=False)
+    qw.g_idx = torch.randperm(256, generator=torch.Generator().manual_seed(1)) // 32
+    x = torch.randn(4, 256)
+    assert torch.allclose(ql.build(qw)(x), x @ qw.dequantize().t(), atol=1e-4)
+    shuffled = qf.QuantWeight(qw.levels, qw.scales, qw.zeros, 4, 32, qw.g_idx[torch.randperm(256)])
+    assert not torch.allclose(ql.build(shuffled)(x), x @ qw.dequantize().t(), atol=1e-2)
+
+
+CHECKPOINTS = {
+    "gptq-4bit-sym-g32": ("gptq", dict(bits=4, group=32, sym=True)),
+    "gptq-4bit-asym-rowwise-v2": ("gptq", dict(bits=4, group=-1, sym=False, v2=True)),
+    "gptq-4bit-desc_act": ("gptq", dict(bits=4, group=32, sym=False, desc_act=True)),
+    "gptq-8bit-desc_act": ("gptq", dict(bits=8, group=32, sym=False, desc_act=True)),
+    "awq": ("awq", dict(group=32, sym=False)),
+    "ct-w4a16-asym": ("compressed-tensors", dict(bits=4, group=32, sym=False)),
+    "ct-w8a16": ("compressed-tensors", dict(bits=8, group=-1, sym=True)),
+}
+
+
+def _logprobs(model, ids):
+    with torch.inference_mode():
+        return torch.log_softmax(model(ids).logits.float(), -1)
+
+
+def _ids(model_dir, n=24):
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("case", sorted(CHECKPOINTS))
+def test_checkpoint_logprobs_match_the_dense_twin(tiny_dirs, tmp_path, arch, case):
+    fmt, kw = CHECKPOINTS[case]
+    out = write(tiny_dirs[arch], tmp_path, fmt, **kw)
+    quant = ql.from_pretrained(str(out / "quant"), fmt, dtype=torch.float32).eval()
+    twin = AutoModelForCausalLM.from_pretrained(out / "twin", dtype=torch.float32).eval()
+    assert any(isinstance(m, ql._QuantLinear) for m in quant.modules())
+    ids = _ids(out / "twin")
+    for rows in (1, 3, 24):  # decode-sized (the kernels) and prefill-sized (dequantized scratch)
+        a, b = _logprobs(quant, ids[:, :rows]), _logprobs(twin, ids[:, :rows])
+        assert (a - b).abs().max() < WEIGHT_ONLY_TOL
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_compressed_tensors_w8a8_checkpoint(tiny_dirs, tmp_path):
+    out = write(tiny_dirs["llama"], tmp_path, "compressed-tensors-w8a8")
+    quant = ql.from_pretrained(str(out / "quant"), "compressed-tensors", dtype=torch.float32).eval()
+    assert isinstance(quant.model.layers[0].mlp.down_proj, ql.W8A8Linear)
+    twin = AutoModelForCausalLM.from_pretrained(out / "twin", dtype=torch.float32).eval()
+    ids = _ids(out / "twin")
+    assert (_logprobs(quant, ids) - _logprobs(twin, ids)).abs().max() < W8A8_TOL
+
+
+def test_a_wrong_group_index_in_the_file_fails_the_twin_check(tiny_dirs, tmp_path):
+    out = write(tiny_dirs["llama"], tmp_path, "gptq", bits=4, group=32, sym=False, desc_act=True)
+    path = out / "quant" / "model.safetensors"
+    tensors = load_file(str(path))
+    gen = torch.Generator().manual_seed(3)
+    for key in [k for k in tensors if k.endswith(".g_idx")]:
+        tensors[key] = tensors[key][torch.randperm(len(tensors[key]), generator=gen)].contiguous()
+    save_file(tensors, str(path))
+    quant = ql.from_pretrained(str(out / "quant"), "gptq", dtype=torch.float32).eval()
+    twin = AutoModelForCausalLM.from_pretrained(out / "twin", dtype=torch.float32).eval()
+    ids = _ids(out / "twin")
+    assert (_logprobs(quant, ids) - _logprobs(twin, ids)).abs().max() > 100 * WEIGHT_ONLY_TOL
+
+
+@pytest.mark.parametrize(
+    "method, kind, tol", [("eetq", ql.W8A8Linear, W8A8_TOL), ("bitsandbytes-nf4", ql.Int4Linear, WEIGHT_ONLY_TOL)]
+)
+def test_quantized_at_load(tiny_dirs, method, kind, tol):
+    """On the fly: every linear but the LM head is swapped; the twin is the float model with each layer's weights
+    replaced by their dequantized round-to-nearest values."""
+    twin = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32).eval()
+    quant = ql.from_pretrained(str(tiny_dirs["llama"]), method, dtype=torch.float32).eval()
+    layers = {n: m for n, m in quant.named_modules() if isinstance(m, ql._QuantLinear)}
+    assert len(layers) == 7 * quant.config.num_hidden_layers and all(type(m) is kind for m in layers.values())
+    assert type(quant.lm_head) is torch.nn.Linear
+    with torch.no_grad():
+        for name, layer in layers.items():
+            dense = twin.get_submodule(name)
+            dense.weight.copy_(layer.dequantize_into(torch.empty_like(dense.weight)))
+    ids = _ids(tiny_dirs["llama"])
+    assert (_logprobs(quant, ids) - _logprobs(twin, ids)).abs().max() < tol
