@@ -26,7 +26,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from launcher import bench, bus_flags, keygen, lora_flags, rundir, supervise, tap
+from launcher import bench, bus_flags, keygen, lora_flags, quantize, rundir, supervise, tap
 from libs.protocol import Addresses
 from libs.runtime import cpu, model_store
 from libs.runtime.settings import Settings
@@ -65,7 +65,6 @@ def _env_sharded() -> bool | None:
 # TGI flags that are accepted so a TGI command line runs unchanged, but do nothing here (yet):
 # (name, type or "flag", TGI's default, what it does in TGI). A value other than the default is logged.
 IGNORED = [
-    ("quantize", str, None, "weight quantization (awq, gptq, fp8, …); the model runs unquantized"),
     ("speculate", int, None, "speculative decoding (n-gram/medusa); tokens are generated one at a time"),
     ("kv-cache-dtype", str, None, "fp8 KV cache; the KV cache uses --dtype"),
     ("trust-remote-code", "flag", False, "custom model code from the Hub; only transformers' own architectures run"),
@@ -93,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("model-id", help=model_store.MODEL_ID_HELP)
     flag("revision", help="Hub revision (branch, tag or commit)")
     flag("dtype", default="auto", help=cpu.DTYPE_HELP)
+    flag("quantize", help=quantize.help_text())
     flag("hostname", default="0.0.0.0")
     flag("port", type=int, default=3000)
     flag("max-concurrent-requests", type=int, default=128)
@@ -234,6 +234,12 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         raise SystemExit("error: `validation_workers` must be > 0")
     curve_secret, curve_public = bus_flags.curve_keys(args.bus_curve_secret_key, args.bus_curve_public_key)
     lora_adapters = _lora_adapters(args)
+    try:
+        quantization = quantize.resolve(args.quantize, model_path)
+    except quantize.QuantizeError as e:
+        raise SystemExit(f"error: {e}") from None
+    if quantization and args.num_shard > 1:
+        raise SystemExit("error: --quantize with --num-shard > 1 is not supported yet (scales are not split)")
     for name, _, default, _ in IGNORED:
         value = getattr(args, name.replace("-", "_"))
         if value != default:
@@ -242,6 +248,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         model_path=str(model_path),
         model_id=args.model_id or model_store.DEFAULT_MODEL_NAME,
         dtype=_dtype(args.dtype, model_path),
+        quantize=quantization or "",
         hostname=hostname,
         port=args.port,
         max_concurrent_requests=args.max_concurrent_requests,

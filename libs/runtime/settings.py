@@ -32,6 +32,7 @@ class Settings:
     model_id: str = ""  # what /info reports
     model_sha: str = ""  # Hub commit when known
     dtype: str = "auto"  # the launcher resolves it (libs/runtime/cpu.py); a shard resolves "auto" itself
+    quantize: str = ""  # --quantize as resolved by launcher/quantize.py ("": the weights as stored)
     hostname: str = "0.0.0.0"
     port: int = 3000
     max_concurrent_requests: int = 128

@@ -215,6 +215,7 @@ class Routes:
             sha=None,
             docker_label=os.environ.get("DOCKER_LABEL") or None,
             model_dtype=s.dtype,
+            quantization=s.quantize or None,
         )
 
     async def info(self, request: web.Request) -> web.Response:

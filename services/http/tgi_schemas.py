@@ -167,7 +167,7 @@ class SimpleToken(msgspec.Struct):
     stop: int
 
 
-class Info(msgspec.Struct, kw_only=True):
+class Info(msgspec.Struct, kw_only=True, omit_defaults=True):
     model_id: str
     model_sha: str | None
     model_pipeline_tag: str | None
@@ -183,6 +183,7 @@ class Info(msgspec.Struct, kw_only=True):
     sha: str | None
     docker_label: str | None
     model_dtype: str | None = None  # beyond TGI today (its older /info had it): what the weights are served in
+    quantization: str | None = None  # the --quantize method the weights are served with (left out when none)
 
 
 class ModelInfo(msgspec.Struct):

@@ -43,6 +43,7 @@ class ShardService:
             device=device,
             watermark_gamma=settings.watermark_gamma,
             watermark_delta=settings.watermark_delta,
+            quantize=settings.quantize,
         )
         self.num_blocks = settings.num_blocks
 

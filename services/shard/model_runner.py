@@ -22,6 +22,7 @@ from libs.protocol.params import SamplingParams
 from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch
 from services.shard.cpu_linear import use_onednn
 from services.shard.prompt_logprobs import chunk_logprobs
+from services.shard.quant_linear import from_pretrained as quantized_from_pretrained
 from services.shard.sampling import Choice, choose, samples
 
 
@@ -89,6 +90,7 @@ class ModelRunner:
         watermark_gamma: float = 0.5,
         watermark_delta: float = 2.0,
         onednn_linear: bool = True,
+        quantize: str = "",
     ) -> None:
         self.device = torch.device(device)
         self.block_size = block_size
@@ -98,9 +100,12 @@ class ModelRunner:
         # with a torch.distributed group (services.shard.tensor_parallel) transformers shards the model over it
         tp = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         kwargs = {} if tp == 1 else {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp)}
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **kwargs
-        )
+        # quantized linears replace the dense ones before use_onednn, which then only packs what stayed dense
+        load_kwargs = dict(dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
+        if quantize:
+            self.model = quantized_from_pretrained(model_dir, quantize, **load_kwargs)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs)
         if tp == 1:
             self.model.to(self.device)
         self.model.eval()

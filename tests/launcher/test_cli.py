@@ -129,7 +129,7 @@ def test_chat_template_from_a_file(tmp_path, model_dir):
 
 def test_compatibility_flags_are_accepted_and_ignored(model_dir, caplog):
     argv = [
-        *("--quantize", "gptq", "--speculate", "2", "--trust-remote-code", "--max-waiting-tokens", "10"),
+        *("--speculate", "2", "--trust-remote-code", "--max-waiting-tokens", "10"),
         *("--waiting-served-ratio", "1.2", "--cuda-graphs", "1,2,4", "--sharded", "false"),
         *("--disable-custom-kernels", "--prometheus-port", "9001", "--usage-stats", "off"),
         *("--kv-cache-dtype", "fp8_e5m2", "--cuda-memory-fraction", "0.8"),
@@ -137,7 +137,7 @@ def test_compatibility_flags_are_accepted_and_ignored(model_dir, caplog):
     with caplog.at_level("WARNING", logger="switchyard.launcher"):
         s = settings_from(parse(*argv), model_dir)
     assert s == settings_from(parse(), model_dir)  # nothing changed
-    assert "--quantize is accepted for compatibility and ignored" in caplog.text
+    assert "--speculate is accepted for compatibility and ignored" in caplog.text
     assert "--trust-remote-code" in caplog.text
     with pytest.raises(SystemExit, match="needs --num-shard > 1"):
         settings_from(parse("--sharded", "true"), model_dir)
@@ -146,7 +146,7 @@ def test_compatibility_flags_are_accepted_and_ignored(model_dir, caplog):
     with pytest.raises(SystemExit, match="must be > 0"):
         settings_from(parse("--validation-workers", "0"), model_dir)
     helps = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions}
-    assert "ignored" in helps["quantize"] and "always computed" in helps["enable_prefill_logprobs"]
+    assert "gptq" in helps["quantize"] and "always computed" in helps["enable_prefill_logprobs"]
 
 
 def test_dtype_is_chosen_once_by_the_launcher_and_logged(tmp_path, caplog):
