@@ -75,6 +75,7 @@ class TokenizedRequest(Message, tag="tokenized", kw_only=True):
     traceparent: str | None = None  # W3C trace context, carried on from GenerateRequest
     replica: int = -1  # set by the router
     detokenizer: int = -1  # set by the router: the detokenizer shard that streams this request
+    adapter: str | None = None  # the LoRA adapter it runs with (None: the base model), checked by the tokenizer
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,6 +90,7 @@ class NewSequence(msgspec.Struct, array_like=True):
     # token ids already in the KV cache when the sequence starts (a prefix-cache hit, or a recompute after
     # preemption), sent only for sequences whose penalties/watermark need the whole token history
     prefix_ids: list[int] = []
+    adapter: str | None = None  # the LoRA adapter its rows run with (None: the base model)
 
 
 class StepPlan(Message, tag="plan", kw_only=True):

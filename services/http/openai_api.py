@@ -18,6 +18,7 @@ from libs.protocol.messages import GenerateRequest
 from libs.runtime.settings import Settings
 from services.http import openai_schemas as oa
 from services.http import openai_tools
+from services.http.adapters import check_model
 from services.http.errors import Failure, error_response, openai_stream_error
 from services.http.generation import Permits, bus_request, collect
 from services.http.responses import DONE, json_response, open_stream, sse
@@ -48,6 +49,7 @@ class OpenAIRoutes:
     async def _chat_request(self, request: web.Request, mode: str = "generate"):
         """The body, its GenerateRequest, and whether a tool call is forced; raises Failure."""
         body = parse_body(await request.read(), oa.ChatRequest)
+        check_model(body.model, self.settings)
         tools, grammar = openai_tools.tool_grammar(body)
         wire = bus_request(
             request,
@@ -117,6 +119,7 @@ class OpenAIRoutes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = parse_body(await request.read(), oa.CompletionRequest)
+            check_model(body.model, self.settings)
             if body.suffix is not None:
                 message = "Suffix is not supported and can be achieved by preprocessing the prompt."
                 raise Failure(message, "suffix not supported", 422)

@@ -216,14 +216,19 @@ class Routes:
             docker_label=os.environ.get("DOCKER_LABEL") or None,
             model_dtype=s.dtype,
             quantization=s.quantize or None,
+            lora_adapters=s.lora_names,
         )
 
     async def info(self, request: web.Request) -> web.Response:
         return json_response(self.info_struct())
 
     async def models(self, request: web.Request) -> web.Response:
-        model = tgi.ModelInfo(id=self.settings.model_id, object="model", created=0, owned_by=self.settings.model_id)
-        return json_response(tgi.ModelsInfo(object="list", data=[model]))
+        base = self.settings.model_id
+        model = tgi.ModelInfo(id=base, object="model", created=0, owned_by=base)
+        adapters = [
+            tgi.ModelInfo(id=n, object="model", created=0, owned_by=base, parent=base) for n in self.settings.lora_names
+        ]
+        return json_response(tgi.ModelsInfo(object="list", data=[model, *adapters]))
 
     async def metrics(self, request: web.Request) -> web.Response:
         render = getattr(self.ingress, "metrics_text", local_metrics)

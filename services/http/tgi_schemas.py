@@ -183,14 +183,16 @@ class Info(msgspec.Struct, kw_only=True, omit_defaults=True):
     sha: str | None
     docker_label: str | None
     model_dtype: str | None = None  # beyond TGI today (its older /info had it): what the weights are served in
+    lora_adapters: list[str] = []  # beyond TGI: the LoRA adapters loaded (left out when there are none)
     quantization: str | None = None  # the --quantize method the weights are served with (left out when none)
 
 
-class ModelInfo(msgspec.Struct):
+class ModelInfo(msgspec.Struct, omit_defaults=True):
     id: str
     object: str
     created: int
     owned_by: str
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's shape); left out for the base model itself
 
 
 class ModelsInfo(msgspec.Struct):

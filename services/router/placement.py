@@ -35,7 +35,7 @@ class Placement:
         if hb.role == "scheduler" and 0 <= hb.index < self.replicas:
             self._since_hb[hb.index] = 0
 
-    def choose_replica(self, input_ids: np.ndarray, schedulers: list[Heartbeat]) -> int:
+    def choose_replica(self, input_ids: np.ndarray, schedulers: list[Heartbeat], adapter: str | None = None) -> int:
         """The replica for a prompt, among the ready schedulers.
 
         With none ready (shards loading or restarting) any live one will do, and with none alive replica 0:
@@ -48,7 +48,7 @@ class Placement:
             self._since_hb[0] += 1
             return 0
         least = min(load, key=lambda r: (load[r], r))
-        hashes = prefix_hashes(input_ids, BLOCK_SIZE)
+        hashes = prefix_hashes(input_ids, BLOCK_SIZE, adapter)  # a LoRA adapter's KV is its own
         chosen = least
         for h in reversed(hashes):  # the longest prefix some live replica holds
             r = self.owner.get(h)

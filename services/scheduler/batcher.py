@@ -141,6 +141,8 @@ class Batcher:
             "generated": 0,
             "prefix_queried_tokens": 0,  # prompt tokens looked up in the prefix cache
             "prefix_hit_tokens": 0,  # of them, found (not recomputed)
+            "lora_prefix_hit_tokens": 0,  # of them, found for sequences that run with a LoRA adapter
+            "lora_generated": 0,  # tokens generated with a LoRA adapter
             "preemptions": 0,
             "chunked_prefills": 0,  # prefill rows that fed only part of what remained
         }
@@ -276,7 +278,7 @@ class Batcher:
             if s.opened and sampling.prompt_logprobs:  # a recompute: its prompt logprobs were sent already
                 sampling = msgspec.structs.replace(sampling, prompt_logprobs=False)
             prefix = s.tokens(0, s.computed).tolist() if s.computed and sampling.keeps_history() else []
-            new.append(NewSequence(s.seq, sampling, prefix))
+            new.append(NewSequence(s.seq, sampling, prefix, s.req.adapter))
             blocks[s.seq] = s.blocks
             self.counters["chunked_prefills"] += n < s.total - s.computed
             rows.append((s, n))
@@ -288,11 +290,13 @@ class Batcher:
             return []
         usable = s.total - 1  # the last token must be fed: its logits give the next token
         if not s.hashes:
-            extend_hashes(s.hashes, s.tokens(0, usable), usable, self.block_size)
+            extend_hashes(s.hashes, s.tokens(0, usable), usable, self.block_size, s.req.adapter)
         cached = self.allocator.lookup(s.hashes[: usable // self.block_size])
         if not s.preempted:  # a recompute is not a query of the prompt's prefix
             self.counters["prefix_queried_tokens"] += usable // self.block_size * self.block_size
             self.counters["prefix_hit_tokens"] += len(cached) * self.block_size
+            if s.req.adapter:
+                self.counters["lora_prefix_hit_tokens"] += len(cached) * self.block_size
         return cached
 
     # ---- results --------------------------------------------------------------------------------
@@ -314,6 +318,8 @@ class Batcher:
                 continue  # finished (aborted) or preempted while the step ran
             s.output.append(token)
             self.counters["generated"] += 1
+            if s.req.adapter:
+                self.counters["lora_generated"] += 1
             if len(s.output) >= s.req.max_new_tokens:
                 finish = FINISH_LENGTH
             elif token in self.eos_ids:
@@ -335,7 +341,7 @@ class Batcher:
             if s.seq != handle or handle not in self.running or full <= s.registered:
                 continue
             if len(s.hashes) < full:
-                extend_hashes(s.hashes, s.tokens(0, full * bs), full * bs, bs)
+                extend_hashes(s.hashes, s.tokens(0, full * bs), full * bs, bs, s.req.adapter)
             for i in range(s.registered, full):
                 self.allocator.register(s.blocks[i], s.hashes[i])
             s.registered = full

@@ -43,6 +43,9 @@ class ShardService:
             device=device,
             watermark_gamma=settings.watermark_gamma,
             watermark_delta=settings.watermark_delta,
+            lora_adapters=dict(entry.split("=", 1) for entry in settings.lora_adapters.split(",") if entry),
+            max_loras=settings.max_loras,
+            max_lora_rank=settings.max_lora_rank,
             quantize=settings.quantize,
         )
         self.num_blocks = settings.num_blocks
@@ -101,6 +104,8 @@ def main() -> None:
             shard.runner.device,
             settings.num_blocks,
         )
+        if shard.runner.lora.adapters:
+            log.info("LoRA adapters loaded: %s", ", ".join(shard.runner.lora.loaded()))
         shard.run(log)
 
     service.run(ROLE, body)

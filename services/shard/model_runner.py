@@ -21,6 +21,7 @@ from libs.protocol.messages import StepPlan, StepResult
 from libs.protocol.params import SamplingParams
 from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch
 from services.shard.cpu_linear import use_onednn
+from services.shard.lora import LoraRegistry
 from services.shard.prompt_logprobs import chunk_logprobs
 from services.shard.quant_linear import from_pretrained as quantized_from_pretrained
 from services.shard.sampling import Choice, choose, samples
@@ -54,6 +55,7 @@ class _Sequence:
     prefilling: bool = True  # until its first sampled row: only prefill rows report prompt logprobs
     # prompt logprobs: the log-softmax at the previous chunk's last position (scores this chunk's first token)
     carried: torch.Tensor | None = None
+    adapter: str | None = None  # the LoRA adapter its rows run with (None: the base model)
 
 
 @dataclass
@@ -90,6 +92,9 @@ class ModelRunner:
         watermark_gamma: float = 0.5,
         watermark_delta: float = 2.0,
         onednn_linear: bool = True,
+        lora_adapters: dict[str, str] | None = None,
+        max_loras: int = 8,
+        max_lora_rank: int = 64,
         quantize: str = "",
     ) -> None:
         self.device = torch.device(device)
@@ -111,6 +116,11 @@ class ModelRunner:
         self.model.eval()
         if onednn_linear and self.device.type == "cpu":
             use_onednn(self.model)
+        # after use_onednn, which replaces the linears' forward: the LoRA hooks wrap whatever is installed
+        self.lora = LoraRegistry(self.model, max_loras=max_loras, max_rank=max_lora_rank)
+        for name, folder in (lora_adapters or {}).items():
+            self.lora.load(name, folder)
+        self.lora.check_hooks()
         cfg = self.model.config.get_text_config()
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -147,7 +157,9 @@ class ModelRunner:
                 # a prefix-cache hit (or a recompute after preemption) starts past tokens this shard never fed:
                 # the scheduler sends them so penalties and the watermark see the whole sequence
                 history.extend(np.asarray(new.prefix_ids, dtype=np.int64))
-            self.seqs[new.seq] = _Sequence(new.sampling, gen, history=history)
+            if new.adapter and new.adapter not in self.lora.adapters:
+                raise ValueError(f"plan asks for LoRA adapter {new.adapter!r}, which this shard has not loaded")
+            self.seqs[new.seq] = _Sequence(new.sampling, gen, history=history, adapter=new.adapter)
         for seq, blocks in plan.blocks.items():
             self._seq(seq).blocks.extend(int(b) for b in blocks)
 
@@ -170,7 +182,10 @@ class ModelRunner:
     def _step(self, plan: StepPlan, result: StepResult) -> None:
         """prepare → forward → sample → pack, as nano-vllm's ModelRunner.run."""
         batch = self._prepare(plan)
-        logits = self._forward(batch)
+        try:
+            logits = self._forward(batch)
+        finally:
+            self.lora.clear_step()
         choice = self._sample(batch, logits, result)
         self._pack(batch, choice, result)
 
@@ -218,6 +233,8 @@ class ModelRunner:
         # rows still in their prompt that report prompt logprobs need the LM head on every fed position
         prompt_rows = [i for i, st in enumerate(states) if st.prefilling and st.sampling.prompt_logprobs]
         keep, sample_at, prompt_at = _kept_positions(cu, sample_rows, prompt_rows)
+        if any(st.adapter for st in states):  # rows grouped by adapter once per step; base-only steps skip this
+            self.lora.set_step([st.adapter for st in states], num_tokens)
         return _Batch(
             seqs=seqs,
             states=states,

@@ -80,6 +80,7 @@ class Processor:
             max_top_n_tokens=s.max_top_n_tokens,
             stream=req.stream,
         )
+        adapter = validation.check_adapter(p.adapter_id, s.lora_names, s.model_id)
         ids = self._encode(text, special).ids
         resolved = validation.resolve(p, ids, max_input_tokens=s.max_input_tokens, max_total_tokens=s.max_total_tokens)
         return TokenizedRequest(
@@ -92,4 +93,5 @@ class Processor:
             seed=resolved.seed,
             received_at=req.received_at,
             traceparent=req.traceparent,
+            adapter=adapter,
         )

@@ -115,8 +115,19 @@ def check_parameters(
         raise ValidationError(
             f"`truncate` must be strictly positive and less than {max_input_tokens}. Given: {p.truncate}"
         )
-    # adapter_id: TGI's shard maps an unknown adapter id silently to the base model (ADAPTER_TO_INDEX.get(id, 0)),
-    # and we load no adapters, so every adapter_id serves the base model, without an error, as in TGI.
+
+
+def check_adapter(adapter_id: str | None, loaded: list[str], model_id: str) -> str | None:
+    """The LoRA adapter a request runs with (None: the base model, also when it names the base model itself).
+
+    Departure from TGI, whose shard serves an unknown adapter_id silently with the base model: here it is an
+    error, as an answer from the wrong weights is worse than none."""
+    if adapter_id in (None, "", model_id):
+        return None
+    if adapter_id not in loaded:
+        names = ", ".join(f"`{name}`" for name in loaded) or "none"
+        raise ValidationError(f"`adapter_id` `{adapter_id}` is not a loaded LoRA adapter (loaded: {names})")
+    return adapter_id
 
 
 class Resolved(NamedTuple):

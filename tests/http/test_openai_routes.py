@@ -80,13 +80,13 @@ class FakeIngress:
         )
 
 
-def serve(test, limit=10):
+def serve(test, limit=10, settings=SETTINGS):
     """Run `test(client, ingress)` against the OpenAI routes on a real local port."""
     ingress, permits = FakeIngress(), Permits(limit)
 
     async def main():
         app = web.Application()
-        OpenAIRoutes(SETTINGS, ingress, permits).install(app)
+        OpenAIRoutes(settings, ingress, permits).install(app)
         async with TestClient(TestServer(app)) as client:
             await test(client, ingress)
         assert permits.in_flight == 0  # every permit returned
@@ -152,7 +152,7 @@ def test_chat_logprobs_null_unless_asked_and_model_echo():
         body = await (await client.post("/v1/chat/completions", json={**MSG, "model": "tgi"})).json()
         assert body["model"] == MODEL
 
-    serve(test)
+    serve(test, settings=SETTINGS.replace(lora_adapters="my-lora=/adapters/my-lora"))
 
 
 def test_chat_stream_chunks_usage_and_done():
