@@ -46,7 +46,9 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     mode: str = "generate"
     stream: bool = False  # the client streams: some of TGI's checks refuse options on stream routes
     messages: list[dict[str, Any]] | None = None  # OpenAI chat messages, as sent (content str or parts)
-    tools: list[dict[str, Any]] | None = None  # OpenAI tools, passed to the chat template as `tools`
+    tools: list[dict[str, Any]] | None = None  # OpenAI tools, as sent; the tokenizer selects them by tool_choice
+    tool_choice: Any = None  # OpenAI tool_choice as sent (None: auto); the tokenizer resolves it
+    tool_prompt: str | None = None  # TGI's tool_prompt (None or "": its default), appended to the last message
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     traceparent: str | None = None  # W3C trace context of the http span, continued by each hop
 
@@ -75,6 +77,8 @@ class TokenizedRequest(Message, tag="tokenized", kw_only=True):
     traceparent: str | None = None  # W3C trace context, carried on from GenerateRequest
     replica: int = -1  # set by the router
     detokenizer: int = -1  # set by the router: the detokenizer shard that streams this request
+    grammar: str = ""  # llguidance grammar text, compiled once by the tokenizer ("": unconstrained)
+    grammar_kind: str = ""  # json | regex | gbnf | lark | tools | tools_auto (a metrics label)
     adapter: str | None = None  # the LoRA adapter it runs with (None: the base model), checked by the tokenizer
 
 
@@ -91,6 +95,8 @@ class NewSequence(msgspec.Struct, array_like=True):
     # preemption), sent only for sequences whose penalties/watermark need the whole token history
     prefix_ids: list[int] = []
     adapter: str | None = None  # the LoRA adapter its rows run with (None: the base model)
+    grammar: str = ""  # llguidance grammar text: the shard builds the sequence's matcher ("": unconstrained)
+    grammar_ids: list[int] = []  # the tokens it generated already (a recompute): replayed into the matcher
 
 
 class StepPlan(Message, tag="plan", kw_only=True):
@@ -147,6 +153,7 @@ class StepResult(Message, tag="result", kw_only=True):
     rank: int = 0
     forward_s: float = 0.0  # seconds the shard spent in the forward pass and sampling
     error: str | None = None  # set when the step failed; the scheduler fails its requests
+    errors: dict[int, str] = {}  # seq → why its grammar failed: that request alone fails
     seqs: Any = None
     token_ids: Any = None
     logprobs: Any = None

@@ -29,7 +29,8 @@ class Parameters(msgspec.Struct, kw_only=True):
     watermark: bool = False
     decoder_input_details: bool = False  # prefill tokens with their logprobs in `details`
     top_n_tokens: int | None = None
-    grammar: Any = None  # TGI's GrammarType as sent; refused ("not supported") for now
+    # TGI's GrammarType, a bare GBNF string, or an OpenAI response_format, as sent; the tokenizer compiles it
+    grammar: Any = None
     adapter_id: str | None = None
 
 

@@ -152,6 +152,12 @@ class Metrics:
             "switchyard_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"
         )
         self.prefix_cache_hit_tokens = counter("switchyard_prefix_cache_hit_tokens", "Prompt tokens found in the cache")
+        self.grammar_compile_duration = hist(
+            "switchyard_grammar_compile_seconds", "Compiling a request's grammar, by kind (s)", labels=["kind"]
+        )
+        self.constrained_rows = hist(
+            "switchyard_constrained_rows", "Grammar-constrained rows per step", (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+        )
         self._tokenized = counter("switchyard_tokenized_tokens", "Tokens produced by a tokenizer process", ["index"])
         self._detokenized = counter(
             "switchyard_detokenized_tokens", "Tokens turned into text by a detokenizer", ["index"]

@@ -62,6 +62,11 @@ class Settings:
     watermark_delta: float = 2.0
     chat_template: str = ""  # overrides the model's chat template (a Jinja string)
     disable_grammar_support: bool = False
+    # structured output limits per request (services.tokenizer.grammar.GrammarLimits): schema/grammar text
+    # bytes, schema nesting, and the wall clock of one compile
+    grammar_max_bytes: int = 256 * 1024
+    grammar_max_depth: int = 64
+    grammar_compile_timeout_s: float = 5.0
     json_output: bool = False  # logs as one JSON object per line
     otlp_endpoint: str = ""  # OpenTelemetry collector (gRPC), "" = no tracing export
     otlp_service_name: str = "text-generation-inference.router"

@@ -281,9 +281,28 @@ class SchedulerService:
             self._fail_running(result.error)
             self.batcher.forget_plans()
             return None
+        if result.errors:
+            self._fail_rows(result.errors)
         rows = self.batcher.apply(result)
         self.observer.applied(plan.step)
         return rows
+
+    def _fail_rows(self, errors: dict[int, str]) -> None:
+        """Rows whose grammar failed on the shard (no token fits): those requests alone fail (TGI's generation
+        error, 424) and free their blocks; the step's other rows go on."""
+        rows = []
+        for seq, error in errors.items():
+            s = self.batcher.running.get(seq)
+            if s is None:
+                continue  # ended (aborted) while the step ran
+            req = s.req
+            message = f"Request failed during generation: grammar: {error}"
+            self.log.error("request failed: %s", message, extra={"request_id": req.request_id})
+            err = RequestError(request_id=req.request_id, message=message, error_type="generation")
+            self.events.publish(topics.out(req.ingress), err)
+            self.streams.fail(req.request_id, message)
+            rows.append(self.batcher.finish(req.request_id, FINISH_ERROR))
+        self._publish([r for r in rows if r is not None])
 
     def _fail_running(self, error: str) -> None:
         self.log.error("step failed: %s", error)

@@ -133,6 +133,7 @@ class Batcher:
         # per planned step not applied yet: its rows as (seq, handle, computed after), to index the blocks they fill
         self._inflight: dict[int, list[tuple[Sequence, int, int]]] = {}
         self._since_join = 0  # steps since waiting requests last joined a running batch
+        self.step_constrained = 0  # constrained rows of the last planned step
         self.counters = {
             "steps": 0,
             "prefill_rows": 0,
@@ -145,6 +146,7 @@ class Batcher:
             "lora_generated": 0,  # tokens generated with a LoRA adapter
             "preemptions": 0,
             "chunked_prefills": 0,  # prefill rows that fed only part of what remained
+            "constrained_rows": 0,  # sampled rows whose request has a grammar (the shard masks them)
         }
 
     def add(self, req: TokenizedRequest) -> None:
@@ -184,7 +186,7 @@ class Batcher:
             s.planned_blocks = len(s.blocks)
         seqs, num_tokens, context_lens, token_ids, sample = [], [], [], [], []
         inflight = self._inflight[step] = []
-        decodes = 0
+        decodes = constrained = 0
         for s, n in rows:
             seqs.append(s.seq)
             num_tokens.append(n)
@@ -193,6 +195,7 @@ class Batcher:
             token_ids.append(s.tokens(s.computed, s.computed + n))
             s.computed += n
             sample.append(s.computed == s.total)
+            constrained += bool(s.req.grammar) and sample[-1]
             inflight.append((s, s.seq, s.computed))
         c = self.counters
         prefills = len(rows) - decodes
@@ -200,6 +203,8 @@ class Batcher:
         c["prefill_rows"] += prefills
         c["decode_rows"] += decodes
         c["joined_steps"] += bool(new and decodes)
+        c["constrained_rows"] += constrained
+        self.step_constrained = constrained
         finished, self._to_drop = self._to_drop, []
         return StepPlan(
             step=step,
@@ -279,6 +284,8 @@ class Batcher:
                 sampling = msgspec.structs.replace(sampling, prompt_logprobs=False)
             prefix = s.tokens(0, s.computed).tolist() if s.computed and sampling.keeps_history() else []
             new.append(NewSequence(s.seq, sampling, prefix, s.req.adapter))
+            if s.req.grammar:  # the shard builds its matcher, replaying what it generated already (a recompute)
+                new[-1].grammar, new[-1].grammar_ids = s.req.grammar, list(s.output)
             blocks[s.seq] = s.blocks
             self.counters["chunked_prefills"] += n < s.total - s.computed
             rows.append((s, n))

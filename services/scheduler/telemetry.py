@@ -86,6 +86,7 @@ class StepObserver:
         m = self.m
         m.step_duration.labels(phase="plan").observe(sent - self._t_plan)
         m.batch_inference_count.labels(method=method).inc()
+        m.constrained_rows.observe(self.batcher.step_constrained)
         if plan.new:
             m.batch_next_size.observe(len(plan.new))
 

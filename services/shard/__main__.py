@@ -47,6 +47,7 @@ class ShardService:
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
             quantize=settings.quantize,
+            grammar=not settings.disable_grammar_support,
         )
         self.num_blocks = settings.num_blocks
 
@@ -68,7 +69,7 @@ class ShardService:
                 log.info("all %d ranks of replica %d subscribed", self.tp, self.replica)
             got_plan = True
             if plan.step == 0:  # a (new) scheduler's probe: start from a clean slate
-                self.runner.seqs.clear()
+                self.runner.reset()
                 synced = True
                 result = StepResult(step=0, rank=self.rank)
             elif not synced:  # a step sent before the probe: other ranks may not have it, so no rank runs it

@@ -22,8 +22,9 @@ sequence alone and gets EOS as its only choice, so the batch's sampling never se
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -115,6 +116,11 @@ class Constraints:
 
     def discard(self, key: Key) -> None:
         self._states.pop(key, None)  # a mask being filled ahead holds its own reference to the matcher
+
+    def clear(self) -> None:
+        """Forget every sequence (a new scheduler's probe: the shard starts from a clean slate)."""
+        self._settle()
+        self._states.clear()
 
     def is_accepting(self, key: Key) -> bool:
         """Whether the output so far is a complete answer (EOS may follow)."""
@@ -217,6 +223,65 @@ class Constraints:
             else:
                 logits[row, torch.from_numpy(np.flatnonzero(~allowed[j]))] = float("-inf")
         return errors
+
+
+class ShardGrammars:
+    """The model runner's side: one `Constraints` for the served model, opened per sequence by its handle.
+
+    It is built on a thread when the runner starts (from the model folder's tokenizer.json and all of the model's
+    EOS ids; Gemma's 262k vocabulary takes seconds), so neither start-up nor the first constrained step waits for
+    it unless it is needed before it is ready. Steps without a constrained row do no more than `len()` here.
+    """
+
+    def __init__(self, model_dir: str, eos_ids: Sequence[int], enabled: bool = True) -> None:
+        path = os.path.join(model_dir, "tokenizer.json")
+        self._cons: Constraints | None = None
+        self._future: concurrent.futures.Future | None = None
+        if enabled and os.path.exists(path) and eos_ids:
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-load")
+            self._future = pool.submit(Constraints.from_file, path, list(eos_ids))
+            pool.shutdown(wait=False)
+
+    @property
+    def constraints(self) -> Constraints | None:
+        return self._cons
+
+    def open(self, seq: int, grammar: str, replay: Sequence[int]) -> None:
+        if self._cons is None:
+            if self._future is None:
+                raise ValueError("a grammar reached a shard without structured output (no tokenizer.json or EOS ids)")
+            self._cons = self._future.result()
+        self._cons.open(seq, grammar, replay)  # an error is reported by apply(), for this row alone
+
+    def discard(self, seq: int) -> None:
+        if self._cons is not None:
+            self._cons.discard(seq)
+
+    def clear(self) -> None:
+        if self._cons is not None:
+            self._cons.clear()
+
+    def keys(self, seqs: Sequence[int]) -> list[int | None] | None:
+        """Per sampled row its handle if it is constrained, else None; None when no row is (the common case)."""
+        cons = self._cons
+        if cons is None or not len(cons):
+            return None
+        keys = [s if s in cons else None for s in seqs]
+        return keys if any(k is not None for k in keys) else None
+
+    def mask(self, keys: list[int | None], errors: dict[int, str]) -> Callable[[torch.Tensor], None]:
+        """The `constrain` step of sampling: masks the rows' scores, and records the rows left with no token."""
+
+        def constrain(scores: torch.Tensor) -> None:
+            for e in self._cons.apply(scores, keys):
+                errors[int(e.key)] = e.message
+
+        return constrain
+
+    def advance(self, keys: list[int | None], tokens: Sequence[int], errors: dict[int, str]) -> None:
+        """The sampled tokens move the matchers on (and the next masks start filling on the worker)."""
+        for e in self._cons.advance(keys, tokens):
+            errors[int(e.key)] = e.message
 
 
 def unpack(bits: np.ndarray, vocab: int, device: torch.device | str = "cpu", blocked: bool = False) -> torch.Tensor:

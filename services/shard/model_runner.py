@@ -19,7 +19,9 @@ from transformers.distributed import DistributedConfig
 
 from libs.protocol.messages import StepPlan, StepResult
 from libs.protocol.params import SamplingParams
+from libs.runtime import model_store
 from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch
+from services.shard.constraints import ShardGrammars
 from services.shard.cpu_linear import use_onednn
 from services.shard.lora import LoraRegistry
 from services.shard.prompt_logprobs import chunk_logprobs
@@ -75,6 +77,7 @@ class _Batch:
     prompt_rows: list[int]  # rows that report prompt logprobs
     prompt_at: list[int]  # where each prompt row's run of logits starts among the kept ones
     sample_at: np.ndarray  # where each sampled row's logits are among the kept ones
+    keys: list[int | None] | None = None  # per sampled row: its handle when it has a grammar (None: no row has)
 
     def sampled_states(self) -> list[_Sequence]:
         return self.states if self.sample_rows.all() else [st for st, s in zip(self.states, self.sample_rows) if s]
@@ -96,6 +99,7 @@ class ModelRunner:
         max_loras: int = 8,
         max_lora_rank: int = 64,
         quantize: str = "",
+        grammar: bool = True,  # structured output (off with --disable-grammar-support: no matcher is ever built)
     ) -> None:
         self.device = torch.device(device)
         self.block_size = block_size
@@ -137,6 +141,7 @@ class ModelRunner:
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.seqs: dict[int, _Sequence] = {}
+        self.grammars = ShardGrammars(model_dir, model_store.model_info(model_dir)["eos_token_ids"], grammar)
 
     # ---------------------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -147,7 +152,7 @@ class ModelRunner:
         # one that is still fed is dropped after the forward.
         for seq in plan.finished:
             if seq not in fed:
-                self.seqs.pop(seq, None)
+                self._drop(seq)
         for new in plan.new:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(int(new.sampling.seed))
@@ -160,6 +165,9 @@ class ModelRunner:
             if new.adapter and new.adapter not in self.lora.adapters:
                 raise ValueError(f"plan asks for LoRA adapter {new.adapter!r}, which this shard has not loaded")
             self.seqs[new.seq] = _Sequence(new.sampling, gen, history=history, adapter=new.adapter)
+        for new in plan.new:
+            if new.grammar:  # its matcher, with the tokens it generated already replayed (a recompute)
+                self.grammars.open(new.seq, new.grammar, new.grammar_ids)
         for seq, blocks in plan.blocks.items():
             self._seq(seq).blocks.extend(int(b) for b in blocks)
 
@@ -168,9 +176,18 @@ class ModelRunner:
             self._step(plan, result)
         for seq in plan.finished:
             if seq in fed:
-                self.seqs.pop(seq, None)
+                self._drop(seq)
         result.forward_s = time.perf_counter() - t0
         return result
+
+    def _drop(self, seq: int) -> None:
+        self.seqs.pop(seq, None)
+        self.grammars.discard(seq)
+
+    def reset(self) -> None:
+        """Drop every sequence (a new scheduler's probe)."""
+        self.seqs.clear()
+        self.grammars.clear()
 
     def _seq(self, seq: int) -> _Sequence:
         try:
@@ -277,6 +294,9 @@ class ModelRunner:
         for st, position in zip(sampled, batch.draw_positions.tolist()):
             if samples(st.sampling):
                 st.generator.manual_seed(draw_seed(st.sampling.seed, position))
+        # rows with a grammar are masked after the processors, before the warpers (TGI's order)
+        batch.keys = self.grammars.keys(batch.seqs[batch.sample_rows].tolist())
+        errors = result.errors = {}
         return choose(
             logits,
             [st.sampling for st in sampled],
@@ -284,12 +304,15 @@ class ModelRunner:
             [None if st.history is None else st.history.view() for st in sampled],
             watermark_gamma=self.watermark_gamma,
             watermark_delta=self.watermark_delta,
+            constrain=None if batch.keys is None else self.grammars.mask(batch.keys, errors),
         )
 
     def _pack(self, batch: _Batch, choice: Choice, result: StepResult) -> None:
         """The sampled tokens into the result's frames; a sampled row ends its sequence's prompt."""
         result.seqs = batch.seqs[batch.sample_rows].astype(np.int32)
         result.token_ids = choice.token_ids.cpu().numpy().astype(np.int32)
+        if batch.keys is not None:  # the matchers move on; the next step's masks fill while the scheduler plans
+            self.grammars.advance(batch.keys, result.token_ids.tolist(), result.errors)
         for st in batch.sampled_states():
             st.prefilling, st.carried = False, None
         result.logprobs = choice.logprobs.cpu().numpy().astype(np.float32)

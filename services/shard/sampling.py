@@ -1,5 +1,6 @@
-"""Token choice, in TGI's order: processors (watermark, penalties); warpers temperature, top-k, top-p, typical-p;
-then a seeded draw or argmax; then the top-n alternatives.
+"""Token choice, in TGI's order: processors (watermark, penalties); the grammar mask (services.shard.constraints,
+rows with a grammar only); warpers temperature, top-k, top-p, typical-p; then a seeded draw or argmax; then the
+top-n alternatives.
 
 Like TGI's `HeterogeneousNextTokenChooser`, a row samples when `do_sample` is set *or* any warper is active (a
 request with only `temperature=0.7` samples), and the reported logprob is the log-softmax of the final processed
@@ -12,6 +13,7 @@ anything (all greedy, no penalties, no alternatives) skips the processors and wa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,15 +110,21 @@ def final_scores(
     *,
     watermark_gamma: float = 0.5,
     watermark_delta: float = 2.0,
+    constrain: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """The scores a row's token is chosen from: processors, then warpers (float32; `logits` itself when no row
-    asks for either)."""
+    """The scores a row's token is chosen from: processors, the grammar mask, then warpers (float32; `logits`
+    itself when no row asks for any).
+
+    `constrain` masks the scores in place after the processors (TGI's order); it may write into `logits` itself
+    (the runner's own tensor, used for nothing else after the choice)."""
     scores = logits.float()
     if any(p.keeps_history() for p in params):
         if scores is logits:  # processors write in place: never into the caller's tensor
             scores = scores.clone()
         histories = histories or [None] * len(params)
         scores = apply_processors(scores, params, histories, gamma=watermark_gamma, delta=watermark_delta)
+    if constrain is not None:
+        constrain(scores)
     if any(_has_warpers(p) for p in params):
         scores = warp(scores, params)
     return scores
@@ -157,13 +165,21 @@ def choose(
     *,
     watermark_gamma: float = 0.5,
     watermark_delta: float = 2.0,
+    constrain: Callable[[torch.Tensor], None] | None = None,  # the grammar mask, see final_scores
 ) -> Choice:
     """Pick one token per row and report its logprob (and the alternatives asked for)."""
     n = logits.shape[0]
     device = logits.device
     if n == 0:
         return Choice(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, device=device))
-    scores = final_scores(logits, params, histories, watermark_gamma=watermark_gamma, watermark_delta=watermark_delta)
+    scores = final_scores(
+        logits,
+        params,
+        histories,
+        watermark_gamma=watermark_gamma,
+        watermark_delta=watermark_delta,
+        constrain=constrain,
+    )
     sampled = [samples(p) for p in params]
     want = [p.top_n_tokens for p in params]
     if not any(sampled) and max(want) == 0:

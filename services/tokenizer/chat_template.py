@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # TGI's rewrites of Hub templates (chat_template.rs): content is a string here, so the multimodal lookup
@@ -49,6 +50,14 @@ NOT_FOUND = TemplateError("template not found")
 
 class _Raised(Exception):
     """raise_exception() from a template: TGI maps it to minijinja's ErrorKind::SyntaxError."""
+
+
+# TGI's default_tool_prompt (appended to the last message of a request with tools)
+DEFAULT_TOOL_PROMPT = (
+    "\nGiven the functions available, please respond with a JSON for a function call with its proper arguments that "
+    "best answers the given prompt. Respond in the format {name: function name, parameters: dictionary of argument "
+    "name and its value}.Do not use variables.\n"
+)
 
 
 def _raise_exception(message: str) -> None:
@@ -145,7 +154,13 @@ class ChatTemplates:
         self.sources = dict(sources)
         self._compiled: dict[str, jinja2.Template | TemplateError] = {}
         env = _environment()
+        self._uses_tools: set[str] = set()  # templates that read the `tools` variable
         for name, source in self.sources.items():
+            try:
+                if "tools" in jinja2.meta.find_undeclared_variables(env.parse(source)):
+                    self._uses_tools.add(name)
+            except jinja2.TemplateSyntaxError:
+                pass  # reported below, at every request
             for pattern, replacement in _REWRITES:
                 source = pattern.sub(replacement, source)
             try:
@@ -173,6 +188,23 @@ class ChatTemplates:
         else:
             value = config.get("chat_template")
         return cls(_sources(value), bos, eos)
+
+    def with_tool_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], tool_prompt: str | None
+    ) -> list[dict[str, Any]]:
+        """TGI's prompt injection for a request with tools: "\n---\n", the tools as JSON when the template does not
+        render them itself, and the tool prompt, appended to the last message's content."""
+        if not messages:
+            return messages
+        name = "tool_use" if "tool_use" in self._compiled else "default"
+        text = "\n---\n"
+        if name not in self._uses_tools:
+            text += json.dumps(tools, separators=(",", ":"), ensure_ascii=False) + "\n"
+        text += tool_prompt or DEFAULT_TOOL_PROMPT
+        last = dict(messages[-1])
+        last["content"] = flatten_content(last) + text
+        last.pop("tool_calls", None)
+        return [*messages[:-1], last]
 
     def render(
         self,

@@ -4,6 +4,10 @@
 - a TokenizedRequest (validated; the service PUSHes it to admit),
 - a TokenizeResult (mode="tokenize": the ids and offsets, published to out.<ingress>; nothing is generated),
 - a RequestError (published to out.<ingress>; it ends the request).
+
+Structured output is checked here (services.tokenizer.grammar): tools are selected by tool_choice before the
+chat template renders (TGI raises its tool errors first), and the grammar is compiled against the served
+vocabulary after the length checks (TGI's order); only its text travels on.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest, TokenizeResult
+from libs.runtime import metrics, model_store
 from libs.runtime.settings import Settings
 from services.tokenizer import validation
 from services.tokenizer.chat_template import ChatTemplates, TemplateError
+from services.tokenizer.grammar import Checked, GrammarCompiler, GrammarLimits, ToolPlan, tool_grammar
 
 Result = TokenizedRequest | TokenizeResult | RequestError
 
@@ -26,11 +32,26 @@ class Processor:
         self.settings = settings
         self.tokenizer = tokenizer
         self.templates = templates
+        self.limits = GrammarLimits(
+            max_bytes=settings.grammar_max_bytes,
+            max_depth=settings.grammar_max_depth,
+            compile_timeout_s=settings.grammar_compile_timeout_s,
+        )
+        # the LLTokenizer is built on a thread (Gemma's vocabulary: seconds); the first grammar waits for it
+        self.grammars = GrammarCompiler(
+            os.path.join(settings.model_path, "tokenizer.json"),
+            eos_ids(settings.model_path, tokenizer, templates),
+            limits=self.limits,
+            disabled=settings.disable_grammar_support,
+        )
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Processor:
         tokenizer = Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json"))
         return cls(settings, tokenizer, ChatTemplates.load(settings.model_path, settings.chat_template))
+
+    def close(self) -> None:
+        self.grammars.close()
 
     def process(self, req: GenerateRequest) -> Result:
         try:
@@ -40,12 +61,20 @@ class Processor:
         except (validation.ValidationError, TemplateError) as e:
             return RequestError(request_id=req.request_id, message=e.full_message, error_type=e.error_type)
 
-    def _prompt(self, req: GenerateRequest) -> tuple[str, bool]:
+    def _tools(self, req: GenerateRequest) -> ToolPlan:
+        """TGI's tool selection (raises its ToolErrors before anything is validated)."""
+        has_grammar = req.parameters.grammar is not None
+        return tool_grammar(req.tools, req.tool_choice, has_grammar=has_grammar, limits=self.limits)
+
+    def _prompt(self, req: GenerateRequest, plan: ToolPlan) -> tuple[str, bool]:
         """The text to tokenize and whether to add special tokens. A chat request's text is its rendered template,
         tokenized without special tokens (the template holds them, as in TGI)."""
         if req.messages is None:
             return req.inputs, req.add_special_tokens
-        return self.templates.render(req.messages, req.tools, req.chat_template_kwargs), False
+        messages = req.messages
+        if plan.tools is not None:
+            messages = self.templates.with_tool_prompt(messages, plan.tools, req.tool_prompt)
+        return self.templates.render(messages, plan.tools, req.chat_template_kwargs), False
 
     def _encode(self, text: str, add_special_tokens: bool):
         try:
@@ -55,7 +84,7 @@ class Processor:
 
     def _tokenize(self, req: GenerateRequest) -> TokenizeResult:
         """TGI's /tokenize and /chat_tokenize: no parameter validation, no truncation (reference §1.8)."""
-        text, special = self._prompt(req)
+        text, special = self._prompt(req, self._tools(req))
         encoding = self._encode(text, special)
         offsets = np.asarray(encoding.offsets, dtype=np.uint32).reshape(-1, 2)
         return TokenizeResult(
@@ -70,7 +99,8 @@ class Processor:
         s, p = self.settings, req.parameters
         # TGI applies the chat template before it validates anything (try_into_generate), so a template error
         # wins over every validation error of the same request.
-        text, special = self._prompt(req)
+        plan = self._tools(req)
+        text, special = self._prompt(req, plan)
         validation.check_parameters(
             p,
             inputs=text,
@@ -83,6 +113,7 @@ class Processor:
         adapter = validation.check_adapter(p.adapter_id, s.lora_names, s.model_id)
         ids = self._encode(text, special).ids
         resolved = validation.resolve(p, ids, max_input_tokens=s.max_input_tokens, max_total_tokens=s.max_total_tokens)
+        checked = self._grammar(p.grammar, plan)  # TGI checks the grammar last
         return TokenizedRequest(
             request_id=req.request_id,
             ingress=req.ingress,
@@ -93,5 +124,28 @@ class Processor:
             seed=resolved.seed,
             received_at=req.received_at,
             traceparent=req.traceparent,
+            grammar=checked.grammar.text if checked else "",
+            grammar_kind=checked.kind if checked else "",
             adapter=adapter,
         )
+
+    def _grammar(self, grammar, plan: ToolPlan) -> Checked | None:
+        """The request's grammar, checked and compiled (ValidationError / ToolError with TGI's messages)."""
+        checked = self.grammars.check_tools(plan) if plan.text is not None else self.grammars.check(grammar)
+        m = metrics.get()
+        if checked is not None and m is not None:
+            m.grammar_compile_duration.labels(kind=checked.kind).observe(checked.compile_s)
+        return checked
+
+
+def eos_ids(model_path: str, tokenizer: Tokenizer, templates: ChatTemplates) -> list[int]:
+    """Every EOS id of the model (generation_config / config), or the tokenizer's eos token: a grammar may end on
+    any of them."""
+    try:
+        ids = [int(i) for i in model_store.model_info(model_path)["eos_token_ids"]]
+    except model_store.ModelNotAvailableError:
+        ids = []
+    if not ids and templates.eos_token is not None:
+        token = tokenizer.token_to_id(templates.eos_token)
+        ids = [] if token is None else [token]
+    return ids

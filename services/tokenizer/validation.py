@@ -154,7 +154,7 @@ def is_sampling(p: Parameters) -> bool:
 
 
 def resolve(p: Parameters, input_ids: list[int], *, max_input_tokens: int, max_total_tokens: int) -> Resolved:
-    """Truncate, run TGI's length and grammar checks, resolve max_new_tokens and sampling (after check_parameters).
+    """Truncate, run TGI's length checks, resolve max_new_tokens and sampling (after check_parameters).
 
     max_new_tokens: None → max_total_tokens − input_length. TGI generates that in chunks of ≤1024 tokens
     (auto-continuation, reference §1.3); Switchyard generates the whole budget in one go. The ≤1024 chunk is
@@ -179,10 +179,7 @@ def resolve(p: Parameters, input_ids: list[int], *, max_input_tokens: int, max_t
         )
     if input_length > max_input_tokens:
         raise ValidationError(f"`inputs` must have less than {max_input_tokens} tokens. Given: {input_length}")
-    # TGI checks the grammar last; we implement no grammar yet, so any grammar is refused with TGI's message for
-    # an unsupported one (what --disable-grammar-support gives there).
-    if p.grammar is not None:
-        raise ValidationError("grammar is not supported")
+    # the grammar is TGI's last check: the processor compiles it after this (services.tokenizer.grammar)
     if max_new_tokens < 1:
         # Only reachable when max_input_tokens >= max_total_tokens (TGI's launcher forbids that): the prompt
         # fills the whole budget. TGI would still generate; we cannot, so report it as the budget error.

@@ -30,6 +30,8 @@ class Request:
     join: int  # the step it is admitted at
     chunk: int = 0  # prefill chunk size (0 = whole prompt in one step)
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    grammar: str = ""  # llguidance grammar text (structured output)
+    replay: list[int] = field(default_factory=list)  # generated tokens the prompt ends with (a recompute)
 
 
 def drive(
@@ -48,7 +50,11 @@ def drive(
     step = 0
     while step == 0 or ctx or any(r.join > step for r in requests):
         step += 1
-        new = [NewSequence(seq, r.sampling) for seq, r in enumerate(requests) if r.join == step]
+        new = [
+            NewSequence(seq, r.sampling, grammar=r.grammar, grammar_ids=r.replay)
+            for seq, r in enumerate(requests)
+            if r.join == step
+        ]
         for ns in new:
             out[ns.seq], ctx[ns.seq], owned[ns.seq] = [], 0, []
         rows, blocks = [], {}

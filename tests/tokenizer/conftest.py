@@ -37,7 +37,9 @@ def processor(settings):
     return Processor.from_settings(settings)
 
 
-def request(inputs="hello", *, mode="generate", stream=False, messages=None, tools=None, kwargs=None, **params):
+def request(
+    inputs="hello", *, mode="generate", stream=False, messages=None, tools=None, tool_choice=None, kwargs=None, **params
+):
     return GenerateRequest(
         request_id="r" * 32,
         ingress=3,
@@ -48,6 +50,7 @@ def request(inputs="hello", *, mode="generate", stream=False, messages=None, too
         stream=stream,
         messages=messages,
         tools=tools,
+        tool_choice=tool_choice,
         chat_template_kwargs=kwargs,
         traceparent="00-0123456789abcdef0123456789abcdef-0123456789abcdef-01",
     )

@@ -61,8 +61,9 @@ RULES = [
         "`inputs` tokens + `max_new_tokens` must be <= 30. Given: 33 `inputs` tokens and 0 `max_new_tokens`",
     ),
     ("InputLength", dict(inputs=LONG_23, max_new_tokens=1), "`inputs` must have less than 20 tokens. Given: 23"),
-    ("Grammar", dict(grammar={"type": "regex", "value": "a+"}), "grammar is not supported"),
-    ("Grammar-json", dict(grammar={"type": "json", "value": {"properties": {}}}), "grammar is not supported"),
+    ("Grammar", dict(grammar={"type": "xml", "value": "a+"}), "grammar is not supported"),
+    ("Grammar-json", dict(grammar={"type": "json", "value": 5}), "grammar is not supported"),
+    ("Grammar-regex", dict(grammar={"type": "regex", "value": 5}), "grammar is not valid: a regex must be a string"),
 ]
 
 
