@@ -13,6 +13,7 @@ one's median and its time relative to `sdpa-tiles`.
 
     python -m launcher.bench.attention [--n 512,2048,8192] [--dtype float32,bfloat16] [--flex] [--rounds 3]
     python -m launcher.bench.attention --model DIR --n 2048   # a real prefill forward, tiled vs grouped
+    python -m launcher.bench.attention --model DIR --n 8192 --chunk 2048 --dtype float32   # chunks, peak RSS
 """
 
 from __future__ import annotations
@@ -233,6 +234,40 @@ def prefill(model_dir: str, n: int, dtype_name: str, rounds: int) -> dict[str, f
     return {name: statistics.median(v) * 1000 for name, v in times.items()}
 
 
+def chunked(model_dir: str, n: int, chunk: int, dtype_name: str) -> tuple[list[float], float]:
+    """A real model's prefill of n random tokens in chunks on the shard's default path: each chunk's forward ms and
+    the process's peak RSS growth over the loaded model and its KV cache, in MiB (run it in a fresh process)."""
+    import resource
+
+    import numpy as np
+    import torch
+
+    from libs.protocol.messages import NewSequence, StepPlan
+    from libs.protocol.params import SamplingParams
+    from services.shard.model_runner import ModelRunner
+
+    blocks = -(-n // 16)
+    runner = ModelRunner(model_dir, num_blocks=blocks, block_size=16, dtype=getattr(torch, dtype_name))
+    vocab = runner.model.config.get_text_config().vocab_size
+    ids = np.random.default_rng(0).integers(10, vocab, n).astype(np.int32)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times = []
+    for step, start in enumerate(range(0, n, chunk)):
+        m = min(chunk, n - start)
+        plan = StepPlan(
+            step=step + 1,
+            new=[NewSequence(0, SamplingParams())] if start == 0 else [],
+            blocks={0: list(range(blocks))} if start == 0 else {},
+            seqs=np.array([0], np.int32),
+            num_tokens=np.array([m], np.int32),
+            context_lens=np.array([start], np.int32),
+            token_ids=ids[start : start + m],
+            sample=np.array([start + m == n], np.uint8),
+        )
+        times.append(runner.execute(plan).forward_s * 1000)
+    return times, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", default="512,2048,8192")
@@ -242,12 +277,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flex", action="store_true", help="also FlexAttention (compiles once per shape: minutes)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, as the shard)")
     ap.add_argument("--model", help="instead: a real model's prefill forward of each --n tokens, tiled vs grouped")
+    ap.add_argument("--chunk", type=int, help="with --model: only the default path, the prompt in chunks; peak RSS")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model and args.chunk:
+        for dtype_name in args.dtype.split(","):
+            for n in (int(x) for x in args.n.split(",")):
+                times, grown = chunked(args.model, n, args.chunk, dtype_name)
+                per = ", ".join(f"{t:.0f}" for t in times)
+                print(f"{dtype_name} n={n} in chunks of {args.chunk}: {per} ms; peak RSS +{grown:.0f} MiB", flush=True)
+        return 0
     if args.model:
         print(f"CPU: {cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.model}")
         print("| dtype | n | grouped ms | tiled ms | tiled, eager tiles ms | speed-up (tiled) |", flush=True)
