@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 
+import msgspec
 from aiohttp import web
 
 from libs.protocol.messages import GenerateRequest
@@ -34,6 +35,20 @@ def _error(e: Failure) -> web.Response:
     return error_response(e, charset=None)  # these routes' JSON errors have always gone without a charset
 
 
+def _tool_chunks(env: oa.Envelope, tools: openai_tools.ToolStream, row, logprobs: bool, call_id: str) -> list:
+    """A token of a chat with tools → its chunks: content, or TGI's tool-call deltas (none while the answer's start
+    is held); the finish reason goes on the last chunk of the last token only."""
+    chunks = []
+    for delta in tools.push("" if row.special else row.text, row.final is not None):
+        if delta[0] == "content":
+            chunks.append(env.chat_chunk(row, logprobs, delta[1]))
+        else:
+            chunks.append(env.tool_chunk(row, call_id, delta[1], delta[2]))
+    for chunk in chunks[:-1]:
+        chunk.choices[0].finish_reason = None
+    return chunks
+
+
 class OpenAIRoutes:
     def __init__(self, settings: Settings, ingress, permits: Permits):
         self.settings = settings
@@ -47,59 +62,69 @@ class OpenAIRoutes:
 
     # ---- helpers --------------------------------------------------------------------------
     async def _chat_request(self, request: web.Request, mode: str = "generate"):
-        """The body, its GenerateRequest, and whether a tool call is forced; raises Failure."""
+        """The body, its GenerateRequest, and how its answer is read (openai_tools.tool_mode); raises Failure.
+
+        tools and tool_choice go to the tokenizer as sent: it selects the tools, renders them and compiles the
+        grammar that forces the answer (its tool errors come back before any stream, as TGI's)."""
         body = parse_body(await request.read(), oa.ChatRequest)
         check_model(body.model, self.settings)
-        tools, grammar = openai_tools.tool_grammar(body)
+        tool_choice = msgspec.to_builtins(body.tool_choice)
         wire = bus_request(
             request,
             self.ingress.index,
-            oa.chat_parameters(body, grammar, self.settings.model_id),
+            oa.chat_parameters(body, self.settings.model_id),
             inputs="",
             add_special_tokens=False,  # the template holds the special tokens
             mode=mode,
             stream=body.stream,
             messages=body.messages,
-            tools=tools,
+            tools=body.tools,
+            tool_choice=tool_choice,
+            tool_prompt=body.tool_prompt,
             chat_template_kwargs=body.chat_template_kwargs,
         )
-        return body, wire, grammar is not None and tools is not None
+        return body, wire, openai_tools.tool_mode(body.tools, tool_choice)
 
     # ---- /v1/chat/completions --------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
-            body, wire, using_tools = await self._chat_request(request)
+            body, wire, tool_mode = await self._chat_request(request)
         except Failure as e:
             return _error(e)
         model = body.model if body.model not in (None, "tgi") else self.settings.model_id
         env = oa.Envelope(model, FINGERPRINT)
         logprobs = bool(body.logprobs)
         if body.stream:
-            return await self._chat_stream(request, body, wire, env, logprobs)
+            return await self._chat_stream(request, body, wire, env, logprobs, tool_mode)
         timing = Timing(start=time.monotonic())
         try:
             with self.permits.hold():
                 rows = await collect(self.ingress, wire, timing)
             final = rows[-1].final
             tool_calls = None
-            if using_tools:
-                tool_calls = openai_tools.parse_tool_call(final.generated_text)
-                if tool_calls is None:  # the model chose no_tool: its content is the answer
-                    final.generated_text = openai_tools.no_tool_content(final.generated_text)
+            if tool_mode == "call" or (tool_mode == "auto" and openai_tools.is_call(final.generated_text)):
+                call_id = openai_tools.next_call_id(body.messages)
+                tool_calls = openai_tools.parse_tool_call(final.generated_text, call_id)
         except Failure as e:
             return _error(e)
         headers = timing_headers(timing, body.characters, final)
         return json_response(env.chat_completion(rows, logprobs, tool_calls), headers)
 
-    async def _chat_stream(self, request, body: oa.ChatRequest, wire, env: oa.Envelope, logprobs: bool):
+    async def _chat_stream(self, request, body: oa.ChatRequest, wire, env: oa.Envelope, logprobs: bool, tool_mode):
         response = None
+        tools = None if tool_mode is None else openai_tools.ToolStream(auto=tool_mode == "auto")
+        call_id = openai_tools.next_call_id(body.messages)
         try:
             with self.permits.hold():
                 async with contextlib.aclosing(self.ingress.generate(wire)) as rows:
                     async for row in rows:
                         if response is None:  # the template rendered and validation passed
                             response = await open_stream(request, body.characters)
-                        await response.write(sse(env.chat_chunk(row, logprobs)))
+                        if tools is None:
+                            await response.write(sse(env.chat_chunk(row, logprobs)))
+                        else:
+                            for chunk in _tool_chunks(env, tools, row, logprobs, call_id):
+                                await response.write(sse(chunk))
                         if row.final is not None and body.include_usage:
                             await response.write(sse(env.usage_chunk(row.final)))
         except Failure as e:

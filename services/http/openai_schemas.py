@@ -9,8 +9,8 @@ for OpenAI clients, we accept more: `stop` may be a bare string, `stream_options
 `response_format: {"type": "text"}` means no constraint, and completions honour `echo`.
 
 A new request field goes on ChatRequest / CompletionRequest and into `chat_parameters` / `completion_parameters`
-(structured output: `response_format`, whose grammar the tokenizer validates; LoRA: `model`, see `adapter`). TGI's
-tool grammar and the reading of tool calls are in services.http.openai_tools.
+(structured output: `response_format`, which the tokenizer compiles, and `tools` / `tool_choice`, which it
+resolves; LoRA: `model`, see `adapter`). The reading of tool calls is in services.http.openai_tools.
 """
 
 from __future__ import annotations
@@ -93,7 +93,12 @@ def _convert(value, kind, field: str):
 MessageObject = forwarded(ChatMessage)
 ToolObject = forwarded(Tool)
 GrammarObject = Annotated[
-    dict[str, Any], msgspec.Meta(description="TGI's grammar `{type, value}`; `{type: text}` is no constraint")
+    dict[str, Any],
+    msgspec.Meta(
+        description="The answer's format, compiled by the tokenizer: TGI's grammar `{type: json|json_object|regex|"
+        "json_schema|gbnf|lark, value}`, or OpenAI's `{type: json_object}`, `{type: json_schema, json_schema: "
+        "{name, schema, strict}}`, `{type: text}` (no constraint)"
+    ),
 ]
 
 
@@ -115,7 +120,7 @@ class ChatRequest(msgspec.Struct):
     top_p: float | None = None
     tools: list[ToolObject] | None = None
     tool_prompt: str | None = None
-    tool_choice: str | ToolChoiceObject | None = None
+    tool_choice: str | ToolChoiceObject | None = None  # auto (also null), none, required, or a function's name
     response_format: GrammarObject | None = None
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -173,6 +178,7 @@ class CompletionRequest(msgspec.Struct):
     frequency_penalty: float | None = None
     stop: str | list[str] | None = None
     echo: bool | None = None  # OpenAI's: the prompt is prepended to the text (TGI ignores it)
+    response_format: GrammarObject | None = None  # as chat's (beyond TGI's completions)
 
     def __post_init__(self):
         check_u64(self, "seed")
@@ -203,10 +209,15 @@ def adapter(model: str | None, model_id: str) -> str | None:
     return None if model in (None, "", "tgi", model_id) else model
 
 
-def chat_parameters(body: ChatRequest, grammar: dict | None, model_id: str) -> Parameters:
+def _format(response_format: dict | None) -> dict | None:
+    """response_format → Parameters.grammar as sent (the tokenizer compiles every shape); `text` is none."""
+    if response_format is None or response_format.get("type") == "text":
+        return None
+    return response_format
+
+
+def chat_parameters(body: ChatRequest, model_id: str) -> Parameters:
     do_sample, temperature = _sampling(body.temperature)
-    if grammar is None and body.response_format is not None and body.response_format.get("type") != "text":
-        grammar = body.response_format  # TGI's GrammarType; the tokenizer validates (or refuses) it
     return Parameters(
         max_new_tokens=body.max_tokens if body.max_tokens is not None else body.max_completion_tokens,
         do_sample=do_sample,
@@ -220,7 +231,7 @@ def chat_parameters(body: ChatRequest, grammar: dict | None, model_id: str) -> P
         repetition_penalty=None if body.presence_penalty is None else body.presence_penalty + 2.0,
         frequency_penalty=body.frequency_penalty,
         top_n_tokens=body.top_logprobs,
-        grammar=grammar,
+        grammar=_format(body.response_format),
         adapter_id=adapter(body.model, model_id),
     )
 
@@ -240,6 +251,7 @@ def completion_parameters(body: CompletionRequest, model_id: str) -> Parameters:
         return_full_text=False,
         repetition_penalty=body.repetition_penalty,
         frequency_penalty=body.frequency_penalty,
+        grammar=_format(body.response_format),
         adapter_id=adapter(body.model, model_id),
     )
 
@@ -315,7 +327,7 @@ class DeltaToolCall(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionDelta(msgspec.Struct, kw_only=True):
-    """Every key is written, `tool_calls: null` too. A forced tool call streams as its JSON text in `content`."""
+    """A content delta: every key is written, `tool_calls: null` too (tool calls stream as ChatCompletionToolDelta)."""
 
     # (the `text-generation` client requires tool_calls; TGI itself streams tool calls as tool_calls deltas)
     role: str
@@ -323,9 +335,31 @@ class ChatCompletionDelta(msgspec.Struct, kw_only=True):
     tool_calls: list[DeltaToolCall] | None = None
 
 
+class ChatCompletionToolDelta(msgspec.Struct, kw_only=True):
+    """A tool call's piece, as TGI streams it: no `content` key; the first names the function (arguments `{`),
+    the next ones have `name: null` and the arguments text as it comes."""
+
+    role: str
+    tool_calls: list[DeltaToolCall]
+
+
+# a content delta or a tool call's (untagged, as TGI's): documented as either struct
+Delta = Annotated[
+    Any,
+    msgspec.Meta(
+        extra_json_schema={
+            "anyOf": [
+                {"$ref": REF.format(name="ChatCompletionDelta")},
+                {"$ref": REF.format(name="ChatCompletionToolDelta")},
+            ]
+        }
+    ),
+]
+
+
 class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
     index: int
-    delta: ChatCompletionDelta
+    delta: Delta  # ChatCompletionDelta | ChatCompletionToolDelta
     logprobs: ChatCompletionLogprobs | None
     finish_reason: str | None  # on the last token's chunk only
 
@@ -415,14 +449,26 @@ class Envelope:
         )
         return ChatCompletion(**self.head(), choices=[choice], usage=usage(final))
 
-    def chat_chunk(self, row: TextRow, logprobs: bool) -> ChatCompletionChunk:
-        """One token as TGI streams it: a special token's content is ""."""
-        delta = ChatCompletionDelta(role="assistant", content="" if row.special else row.text)
+    def chat_chunk(self, row: TextRow, logprobs: bool, content: str | None = None) -> ChatCompletionChunk:
+        """One token as TGI streams it: a special token's content is "" (`content`: the text to send instead)."""
+        if content is None:
+            content = "" if row.special else row.text
+        delta = ChatCompletionDelta(role="assistant", content=content)
         lp = None
         if logprobs and row.token_id >= 0:
             lp = ChatCompletionLogprobs([token_logprob(row)])
         finish = openai_finish(row.final.finish_reason) if row.final is not None else None
         choice = ChatCompletionChunkChoice(index=0, delta=delta, logprobs=lp, finish_reason=finish)
+        return ChatCompletionChunk(**self.head(), choices=[choice], usage=None)
+
+    def tool_chunk(self, row: TextRow, call_id: str, name: str | None, arguments: str) -> ChatCompletionChunk:
+        """A tool call's piece (TGI's tool delta); the stream's last one carries the finish reason."""
+        call = DeltaToolCall(
+            index=0, id=call_id, type="function", function=DeltaFunction(name=name, arguments=arguments)
+        )
+        delta = ChatCompletionToolDelta(role="assistant", tool_calls=[call])
+        finish = openai_finish(row.final.finish_reason) if row.final is not None else None
+        choice = ChatCompletionChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish)
         return ChatCompletionChunk(**self.head(), choices=[choice], usage=None)
 
     def usage_chunk(self, final: FinalInfo) -> ChatCompletionChunk:

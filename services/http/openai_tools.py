@@ -1,69 +1,81 @@
-"""TGI's tools for OpenAI chat: the grammar that forces a tool call (ToolGrammar::apply) and the reading of the
-call back out of the generated JSON.
+"""TGI's tool calls for OpenAI chat: reading the call out of the generated text, whole or as stream deltas.
 
-The tool structs themselves, those of the request and of the answer, are in services.http.openai_schemas.
+The tokenizer selects the tools by `tool_choice` and compiles the grammar that forces the answer
+(services.tokenizer.grammar.tool_grammar): `{"function": {"_name": <name>, <arguments…>}}`, `_name` first. Under
+`auto` (or no tool_choice) the grammar is "a call, or plain text that does not start with `{`", in one pass: the
+answer is a tool call exactly when its first non-blank character is `{`, so a client never sees a `no_tool`
+object and nothing is generated twice (TGI re-runs generation for `no_tool`).
+
+`arguments` is the generated text of the arguments object as the model wrote it (after `_name`), so the pieces a
+stream sends add up to exactly the non-streamed answer. The tool structs are in services.http.openai_schemas.
 """
 
 from __future__ import annotations
 
+import re
+import uuid
+from typing import Any
+
 import orjson
 
 from services.http.errors import Failure
-from services.http.openai_schemas import ChatRequest, ToolCall, ToolCallFunction, ToolChoiceObject
+from services.http.openai_schemas import ToolCall, ToolCallFunction
 
-NO_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "no_tool",
-        "description": "Open ended response with no specific tool selected",
-        "arguments": {"type": "object"},
-    },
-}
+# The head of a call, up to the character after the name: `,` (arguments follow) or `}` (none).
+HEAD = re.compile(r'\s*\{\s*"function"\s*:\s*\{\s*"_name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*([,}])')
+BLANK = " \t\r\n"
 
 
 def tool_error(message: str) -> Failure:
     return Failure(f"Tool error: {message}", "tool_error")
 
 
-def tool_grammar(body: ChatRequest) -> tuple[list[dict] | None, dict | None]:
-    """TGI's ToolGrammar::apply: the tools the template sees and the JSON-schema grammar that forces a call."""
-    if body.tools is not None and body.response_format is not None:
-        raise tool_error("Grammar and tools are mutually exclusive")
-    if not body.tools:
-        return None, None
-    choice = body.tool_choice
-    if isinstance(choice, ToolChoiceObject):
-        choice = choice.function.name
-    if choice == "none":
-        return None, None
-    if choice in (None, "auto"):
-        tools = [*body.tools, NO_TOOL]
-    elif choice == "required":
-        tools = list(body.tools)
-    else:
-        tools = [t for t in body.tools if t["function"]["name"] == choice]
-        if not tools:
-            raise tool_error(f"Tool with name {choice} not found")
-    functions = {}
-    for tool in tools:
-        fn = tool["function"]
-        params = fn.get("arguments") or fn.get("parameters") or {}
-        properties = {"_name": {"type": "string", "const": fn["name"]}, **(params.get("properties") or {})}
-        functions[fn["name"]] = {
-            "description": fn.get("description"),
-            "properties": properties,
-            "required": ["_name", *(params.get("required") or [])],
-            "additionalProperties": params.get("additionalProperties", False),
-        }
-    schema = {
-        "$functions": functions,
-        "properties": {"function": {"anyOf": [{"$ref": f"#/$functions/{name}"} for name in functions]}},
-    }
-    return tools, {"type": "json", "value": schema}
+def tool_mode(tools: list | None, tool_choice: Any) -> str | None:
+    """How the answer is read: None (no tools: plain content), "auto" (a call or content), "call" (a call)."""
+    if not tools:
+        return None
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else tool_choice
+    if name == "none":
+        return None
+    return "auto" if name in (None, "auto") else "call"
 
 
-def parse_tool_call(generated_text: str) -> list[ToolCall] | None:
-    """TGI's non-stream tool output: {"function": {"_name": …, …}} → tool_calls; None for `no_tool`'s content."""
+def next_call_id(messages: list[dict[str, Any]]) -> str:
+    """TGI's tool-call id: one more than the largest numeric id of the conversation's earlier calls ("0" when
+    there are none); a UUID when an earlier id is not a number."""
+    ids = [
+        call.get("id")
+        for m in messages
+        if isinstance(m, dict)
+        for call in (m.get("tool_calls") or [])
+        if isinstance(call, dict)
+    ]
+    if not ids:
+        return "0"
+    if all(isinstance(i, str) and i.isdigit() for i in ids):
+        return str(max(int(i) for i in ids) + 1)
+    return str(uuid.uuid4())
+
+
+def is_call(text: str) -> bool:
+    """Under `auto`: the answer is a call exactly when its first non-blank character is `{`."""
+    return text.lstrip(BLANK).startswith("{")
+
+
+def _arguments_start(head: re.Match) -> int:
+    """Where the arguments text starts: after the `,` that follows the name, or at the `}` closing a call without
+    arguments (the arguments are then `{}`)."""
+    return head.end() if head.group(2) == "," else head.end() - 1
+
+
+def _arguments_end(text: str, start: int) -> int:
+    """The end of the arguments text in a complete call: before the outer object's closing `}`."""
+    body = text[start:].rstrip(BLANK)
+    return start + len(body[:-1].rstrip(BLANK))
+
+
+def parse_tool_call(generated_text: str, call_id: str = "0") -> list[ToolCall]:
+    """The non-stream answer: {"function": {"_name": …, …}} → one tool call (TGI's shape)."""
     try:
         value = orjson.loads(generated_text)
     except orjson.JSONDecodeError as e:
@@ -74,17 +86,70 @@ def parse_tool_call(generated_text: str) -> list[ToolCall] | None:
     name = function.get("_name")
     if not isinstance(name, str):
         raise tool_error("No _name found in generated text")
-    arguments = {k: v for k, v in function.items() if k != "_name"}
-    if name == "no_tool":
-        return None
-    arguments_text = orjson.dumps(arguments).decode()
-    return [ToolCall(id="0", type="function", function=ToolCallFunction(None, name, arguments_text))]
+    head = HEAD.match(generated_text)
+    if head is not None:
+        start = _arguments_start(head)
+        arguments = "{" + generated_text[start : _arguments_end(generated_text, start)]
+    else:  # `_name` not first (a grammar always puts it first): the arguments as compact JSON
+        arguments = orjson.dumps({k: v for k, v in function.items() if k != "_name"}).decode()
+    return [ToolCall(id=call_id, type="function", function=ToolCallFunction(None, name, arguments))]
 
 
-def no_tool_content(generated_text: str) -> str:
-    """The `content` of a `no_tool` answer (TGI re-runs without tools; we answer with what it wrote)."""
-    function = orjson.loads(generated_text)["function"]
-    content = function.get("content")
-    if not isinstance(content, str):
-        raise tool_error("No `content` found in generated text")
-    return content
+class ToolStream:
+    """A chat stream's tokens → deltas: ("content", text) or ("call", name, arguments piece).
+
+    `auto`: blanks are held until the first visible character decides (content, or a call on `{`). A call is
+    held until its name is complete; its first delta names it with arguments `{`, the next ones carry the
+    arguments text as it comes, holding back what may be the closing braces, so the pieces add up to exactly the
+    non-streamed arguments (TGI trims the final `}` the same way).
+    """
+
+    def __init__(self, auto: bool) -> None:
+        self.auto = auto
+        self.text = ""
+        self.mode: str | None = None  # None: undecided | "content" | "head" (name not complete) | "call"
+        self.start = self.sent = 0  # the arguments text: where it starts, and how much of it was sent
+
+    def push(self, piece: str, final: bool) -> list[tuple]:
+        """The deltas for one more token's text (`final`: the stream's last token)."""
+        before = len(self.text)
+        self.text += piece
+        out: list[tuple] = []
+        if self.mode is None:
+            visible = self.text.lstrip(BLANK)
+            if self.auto and visible and not visible.startswith("{"):
+                self.mode = "content"
+                before = 0  # the blanks held so far go out with it
+            elif visible:
+                self.mode = "head"
+            elif final and self.auto:
+                self.mode, before = "content", 0
+        if self.mode is None and final:  # a forced call that never began (cut by max_tokens)
+            raise tool_error(f"Failed to parse generated text: {self.text!r}")
+        if self.mode == "content":
+            if len(self.text) > before or final:
+                out.append(("content", self.text[before:]))
+            return out
+        if self.mode == "head":
+            head = HEAD.match(self.text)
+            if head is None:
+                if final:
+                    raise tool_error(f"Failed to parse generated text: {self.text!r}")
+                return out
+            name = orjson.loads(f'"{head.group(1)}"')
+            self.mode, self.start = "call", _arguments_start(head)
+            self.sent = self.start
+            out.append(("call", name, "{"))
+        if self.mode == "call":
+            if final:
+                try:
+                    orjson.loads(self.text)
+                except orjson.JSONDecodeError as e:
+                    raise tool_error(f"Failed to parse generated text: {e} {self.text!r}") from None
+                end = _arguments_end(self.text, self.start)
+            else:  # hold back the trailing blanks and braces: the last `}` is not part of the arguments
+                end = self.start + len(self.text[self.start :].rstrip(BLANK + "}"))
+            if end > self.sent or (final and not out):
+                out.append(("call", None, self.text[self.sent : max(end, self.sent)]))
+                self.sent = max(end, self.sent)
+        return out

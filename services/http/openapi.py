@@ -30,6 +30,8 @@ TYPES = (
     oa.CompletionRequest,
     oa.ChatCompletion,
     oa.ChatCompletionChunk,
+    oa.ChatCompletionDelta,  # the two shapes of ChatCompletionChunk's delta
+    oa.ChatCompletionToolDelta,
     oa.Completion,
     oa.CompletionChunk,
     oa.ChatTokenizeResponse,

@@ -54,10 +54,16 @@ def parse_body(raw: bytes, kind: type):
 
 # ---- requests ---------------------------------------------------------------------------------
 class GrammarType(msgspec.Struct):
-    """TGI's adjacently tagged grammar; checked (and for now refused) by the tokenizer."""
+    """TGI's adjacently tagged grammar, plus `gbnf` and `lark` (beyond TGI); compiled by the tokenizer.
 
-    type: Literal["json", "json_object", "regex", "json_schema"]
+    json / json_object: a JSON schema (object or JSON string); json_schema: {name?, schema}; regex; gbnf (llama.cpp's
+    GBNF); lark (llguidance's Lark)."""
+
+    type: Literal["json", "json_object", "regex", "json_schema", "gbnf", "lark"]
     value: Any
+
+
+GbnfText = Annotated[str, msgspec.Meta(description="A GBNF grammar (llama.cpp's), e.g. `root ::= \"yes\" | \"no\"`")]
 
 
 class GenerateParameters(msgspec.Struct, kw_only=True):
@@ -78,7 +84,7 @@ class GenerateParameters(msgspec.Struct, kw_only=True):
     decoder_input_details: bool = False
     seed: U64 | None = None
     top_n_tokens: U32 | None = None
-    grammar: GrammarType | None = None
+    grammar: GrammarType | GbnfText | None = None  # a bare string is a GBNF grammar (beyond TGI)
     adapter_id: str | None = None
 
     def __post_init__(self):

@@ -20,9 +20,7 @@ def chat(**fields) -> oa.ChatRequest:
 
 
 def chat_params(**fields):
-    body = chat(**fields)
-    _, grammar = ot.tool_grammar(body)
-    return oa.chat_parameters(body, grammar, MODEL)
+    return oa.chat_parameters(chat(**fields), MODEL)
 
 
 def completion_params(**fields):
@@ -170,40 +168,16 @@ TOOLS = [
 ]
 
 
-def test_tool_grammar_choices():
-    tools, grammar = ot.tool_grammar(chat(tools=TOOLS))  # auto: every tool and no_tool
-    assert [t["function"]["name"] for t in tools] == ["get_weather", "noop", "no_tool"]
-    schema = grammar["value"]
-    assert grammar["type"] == "json"
-    assert schema["properties"]["function"]["anyOf"] == [
-        {"$ref": "#/$functions/get_weather"},
-        {"$ref": "#/$functions/noop"},
-        {"$ref": "#/$functions/no_tool"},
-    ]
-    weather = schema["$functions"]["get_weather"]
-    assert weather["properties"]["_name"] == {"type": "string", "const": "get_weather"}
-    assert weather["properties"]["location"] == {"type": "string"}
-    assert weather["required"] == ["_name", "location"]
-
-    assert ot.tool_grammar(chat(tools=TOOLS, tool_choice="none")) == (None, None)
-    tools, _ = ot.tool_grammar(chat(tools=TOOLS, tool_choice="required"))
-    assert len(tools) == 2
-    tools, grammar = ot.tool_grammar(chat(tools=TOOLS, tool_choice="noop"))
-    assert [t["function"]["name"] for t in tools] == ["noop"] and list(grammar["value"]["$functions"]) == ["noop"]
-    obj = {"type": "function", "function": {"name": "get_weather"}}
-    tools, _ = ot.tool_grammar(chat(tools=TOOLS, tool_choice=obj))
-    assert [t["function"]["name"] for t in tools] == ["get_weather"]
-    assert ot.tool_grammar(chat()) == (None, None)
-
-
-def test_tool_errors():
-    with pytest.raises(Failure) as e:
-        ot.tool_grammar(chat(tools=TOOLS, tool_choice="nope"))
-    assert (e.value.status, e.value.error_type) == (422, "tool_error")
-    assert e.value.message == "Tool error: Tool with name nope not found"
-    with pytest.raises(Failure) as e:
-        ot.tool_grammar(chat(tools=TOOLS, response_format={"type": "json", "value": {}}))
-    assert e.value.message == "Tool error: Grammar and tools are mutually exclusive"
+def test_tool_modes():
+    # the tokenizer selects the tools and compiles their grammar; http only reads the answer back
+    assert ot.tool_mode(TOOLS, None) == ot.tool_mode(TOOLS, "auto") == "auto"
+    assert ot.tool_mode(TOOLS, "required") == ot.tool_mode(TOOLS, "noop") == "call"
+    assert ot.tool_mode(TOOLS, {"type": "function", "function": {"name": "noop"}}) == "call"
+    assert ot.tool_mode(TOOLS, "none") is None and ot.tool_mode(None, "auto") is None and ot.tool_mode([], None) is None
+    assert ot.next_call_id(MESSAGES) == "0"
+    earlier = [{"role": "assistant", "tool_calls": [{"id": "4"}, {"id": "11"}]}, *MESSAGES]
+    assert ot.next_call_id(earlier) == "12"
+    assert len(ot.next_call_id([{"role": "assistant", "tool_calls": [{"id": "call_x"}]}])) == 36  # a UUID
 
 
 def test_parse_tool_call():
@@ -212,12 +186,47 @@ def test_parse_tool_call():
         {
             "id": "0",
             "type": "function",
-            "function": {"description": None, "name": "get_weather", "arguments": '{"location":"Paris"}'},
+            "function": {"description": None, "name": "get_weather", "arguments": '{ "location": "Paris"}'},
         }
     ]
-    text = '{"function": {"_name": "no_tool", "content": "Just words."}}'
-    assert ot.parse_tool_call(text) is None and ot.no_tool_content(text) == "Just words."
+    calls = ot.parse_tool_call('{"function":{"_name":"noop"}}', "3")
+    assert (calls[0].id, calls[0].function.arguments) == ("3", "{}")
+    assert ot.is_call(' \n{"function"') and not ot.is_call(" plain {")
     for bad in ("not json", '{"x": 1}', '{"function": {"location": 1}}'):
         with pytest.raises(Failure) as e:
             ot.parse_tool_call(bad)
         assert e.value.error_type == "tool_error"
+
+
+def stream(pieces: list[str], auto: bool) -> list[tuple]:
+    s = ot.ToolStream(auto)
+    return [d for i, p in enumerate(pieces) for d in s.push(p, i == len(pieces) - 1)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"function": {"_name": "get_weather", "location": "Paris", "n": {"a": [1, 2]}}}',
+        '{"function":{"_name":"noop"}}',
+        ' {\n  "function": {\n    "_name": "get_weather",\n    "location": "}}"\n  }\n}',
+    ],
+)
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 100])
+def test_streamed_tool_call_pieces_add_up_to_the_answer(text, size):
+    pieces = [text[i : i + size] for i in range(0, len(text), size)] + [""]  # the last: EOS, no text
+    for auto in (False, True):
+        deltas = stream(pieces, auto)
+        assert all(d[0] == "call" for d in deltas)
+        (call,) = ot.parse_tool_call(text)
+        assert deltas[0][1] == call.function.name and all(d[1] is None for d in deltas[1:])
+        assert "".join(d[2] for d in deltas) == call.function.arguments
+        orjson.loads(call.function.arguments)
+
+
+def test_auto_streams_content_that_does_not_start_a_call():
+    deltas = stream([" ", "\n", "Hi", " {there}", ""], auto=True)
+    assert [d[0] for d in deltas] == ["content"] * 3 and "".join(d[1] for d in deltas) == " \nHi {there}"
+    assert stream([" ", ""], auto=True) == [("content", " ")]  # blanks only: still content, and a last chunk
+    with pytest.raises(Failure) as e:
+        stream(['{"function": {"_na'], auto=False)  # cut by max_tokens
+    assert e.value.error_type == "tool_error"
