@@ -17,6 +17,9 @@ the query-length dimension.
 The cache is head-major, [kv_heads, blocks, block_size, D]: one `index_select` of a row's blocks gives each head's
 keys as one contiguous [keys, D] matrix, ready for the matmul with no second copy, and a step's new K/V go in with
 one `index_copy_` over the flat slots.
+
+Long prefill rows do not join the groups: they run tiled (services/shard/attention_tiled.py), each query tile
+reading only the keys it can see, so no row's [heads, n, n] score matrix is ever built.
 """
 
 from __future__ import annotations

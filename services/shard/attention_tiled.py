@@ -11,7 +11,8 @@ Two kernels run a tile (`choose_kernel`):
   GQA (`enable_gqa`), so scores never leave its blocks. It cannot soft-cap. A full-attention row that starts at
   position 0 is one causal square: a single call with `is_causal` (the kernel skips the masked blocks itself).
 - the eager math (matmul, scale, soft-cap, mask, float32 softmax, matmul), as transformers' eager attention and
-  the grouped path do: the exact path for soft-capped models (Gemma-2).
+  the grouped path do: the exact path for soft-capped models (Gemma-2), and on CPU the faster one in half
+  precision with 256-dim heads (Gemma).
 The choice between them, and the tile sizes, were measured (`python -m launcher.bench.attention`).
 """
 
@@ -38,7 +39,7 @@ EAGER_HALF_MIN_HEAD_DIM = 256
 # Forces one kernel ("sdpa" / "eager") on every tiled row: for benchmarks; None lets each layer choose.
 KERNEL: str | None = None
 
-# Tiles run, by kernel ("sdpa" / "eager"): lets tests see that the tiled path really ran.
+# Kernel calls, by kernel ("sdpa" / "sdpa-causal" / "eager"): lets tests see that the tiled path really ran.
 STATS: Counter = Counter()
 
 
