@@ -7,11 +7,12 @@
 - `Int8Linear`: 8-bit weight-only, symmetric per channel, `_weight_int8pack_mm`.
 - `DequantLinear`: any other layout (8-bit with groups or zero points, odd group sizes); dequantizes per call.
 
-Weight-only kernels win at decode (a few rows: the weights are read once, at a quarter or half the bytes) but
-scale linearly with the rows, 5–8× slower than a dense product from 16 rows up (docs/benchmarks.md). From
-`dense_from_rows` rows on, a layer dequantizes its weights into a scratch buffer shared by every layer (layers run
-one after another in one thread) and runs one dense product, so prefill stays at dense speed while only the
-quantized weights stay resident.
+Weight-only kernels read the weights once at a quarter or half the bytes, but their cost grows with the rows, and
+with float32 activations steeply (on the AVX512-BF16 machine measured, ~60 ms a row for a 2048→8192 layer, against
+~3 ms with bfloat16 ones: `python -m launcher.bench.quant`, docs/benchmarks.md). From `dense_from[dtype]` rows on, a
+layer dequantizes its weights into a scratch buffer shared by every layer (layers run one after another in one
+thread) and runs one dense product, so prefill stays near dense speed while only the quantized weights stay
+resident. Each layer computes in its input's dtype: float32 stays exact against the dequantized weights.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch
 
 from services.shard.quant_formats import QuantWeight
 
-# Rows from which a weight-only layer dequantizes and runs a dense product (measured: python -m launcher.bench.quant)
-DENSE_FROM_ROWS = 16
+# Rows from which a weight-only layer dequantizes and runs a dense product, by activation dtype (measured with
+# python -m launcher.bench.quant; int4's unpacking costs more than int8's, so its kernel keeps more rows)
+INT4_DENSE_FROM = {torch.bfloat16: 512, torch.float16: 512, torch.float32: 4}
+INT8_DENSE_FROM = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 4}
 INT4_GROUPS = (256, 128, 64, 32)  # group sizes the CPU int4 kernel takes
 _SCRATCH: dict[torch.dtype, torch.Tensor] = {}
 
@@ -51,10 +54,14 @@ def _group_order(qw: QuantWeight) -> tuple[torch.Tensor | None, QuantWeight]:
 
 
 class _QuantLinear(torch.nn.Module):
-    def __init__(self, qw: QuantWeight, dense_from_rows: int = DENSE_FROM_ROWS):
+    dense_from: dict[torch.dtype, int] = {}  # rows from which the dense scratch product runs (absent: never)
+
+    def __init__(self, qw: QuantWeight, dense_from_rows: int | None = None):
         super().__init__()
         self.out_features, self.in_features = qw.shape
-        self.bits, self.dense_from_rows = qw.bits, dense_from_rows
+        self.bits = qw.bits
+        if dense_from_rows is not None:  # one threshold for every dtype (tests, benchmarks)
+            self.dense_from = dict.fromkeys((torch.float32, torch.bfloat16, torch.float16), dense_from_rows)
         self.perm, qw = _group_order(qw)
         self.bias = None if qw.bias is None else qw.bias.detach().float()
 
@@ -62,7 +69,7 @@ class _QuantLinear(torch.nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.perm is not None:
             flat = flat.index_select(-1, self.perm)
-        if flat.shape[0] >= self.dense_from_rows:
+        if flat.shape[0] >= self.dense_from.get(flat.dtype, 1 << 62):
             w = self.dequantize_into(_scratch(self.out_features, self.in_features, flat.dtype))
             y = torch.mm(flat, w.t())
         else:
@@ -83,7 +90,9 @@ class _QuantLinear(torch.nn.Module):
 
 
 class Int4Linear(_QuantLinear):
-    def __init__(self, qw: QuantWeight, dense_from_rows: int = DENSE_FROM_ROWS):
+    dense_from = INT4_DENSE_FROM
+
+    def __init__(self, qw: QuantWeight, dense_from_rows: int | None = None):
         super().__init__(qw, dense_from_rows)
         _, qw = _group_order(qw)
         kgroup = next((g for g in INT4_GROUPS if qw.group_size % g == 0), None)
@@ -139,7 +148,9 @@ def _unnibble(plain: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear(_QuantLinear):
-    def __init__(self, qw: QuantWeight, dense_from_rows: int = DENSE_FROM_ROWS):
+    dense_from = INT8_DENSE_FROM
+
+    def __init__(self, qw: QuantWeight, dense_from_rows: int | None = None):
         super().__init__(qw, dense_from_rows)
         _, qw = _group_order(qw)
         if qw.bits != 8 or qw.scales.shape[1] != 1 or not qw.symmetric():
@@ -158,14 +169,13 @@ class Int8Linear(_QuantLinear):
 class W8A8Linear(_QuantLinear):
     """y = (s_x · s_w) ⊙ (q_x · q_wᵀ), q_x = round(x / s_x) per row with s_x = max|x_row| / 127."""
 
-    def __init__(self, qw: QuantWeight, dense_from_rows: int = DENSE_FROM_ROWS):
-        super().__init__(qw, dense_from_rows)
+    def __init__(self, qw: QuantWeight):
+        super().__init__(qw)  # no dense_from: activations are quantized at every size, the numerics stay one thing
         _, qw = _group_order(qw)
         if qw.bits != 8 or qw.scales.shape[1] != 1 or not qw.symmetric():
             raise ValueError("W8A8 takes symmetric per-channel int8 weights")
         self.weight_t = (qw.levels.to(torch.int16) - 128).to(torch.int8).t().contiguous()  # [K, N] for _int_mm
         self.channel_scales = qw.scales[:, 0].contiguous()
-        self.dense_from_rows = 1 << 62  # activations are quantized at every size: the numerics stay one thing
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         x = flat.float()
@@ -182,8 +192,8 @@ class W8A8Linear(_QuantLinear):
 class DequantLinear(_QuantLinear):
     """Any layout: the levels stay resident (one byte each) and the weight is rebuilt for every call."""
 
-    def __init__(self, qw: QuantWeight, dense_from_rows: int = 0):
-        super().__init__(qw, 0)
+    def __init__(self, qw: QuantWeight):
+        super().__init__(qw, dense_from_rows=0)
         _, qw = _group_order(qw)
         self.levels, self.scales, self.zeros, self.group_size = qw.levels, qw.scales, qw.zeros, qw.group_size
 
@@ -195,7 +205,7 @@ class DequantLinear(_QuantLinear):
         return out
 
 
-def build(qw: QuantWeight, dense_from_rows: int = DENSE_FROM_ROWS) -> _QuantLinear:
+def build(qw: QuantWeight, dense_from_rows: int | None = None) -> _QuantLinear:
     """The fastest module that computes exactly this layout."""
     per_channel_sym = qw.bits == 8 and qw.scales.shape[1] == 1 and qw.symmetric()
     if qw.act_int8:

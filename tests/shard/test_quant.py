@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -85,13 +86,17 @@ def test_int4_packing_reader_matches_torchs():
 )
 def test_weight_only_layers_compute_the_dequantized_product(n, k, bits, group, sym, kind):
     qw = qf.quantize_rtn(_weight(n, k), bits, group, symmetric=sym, bias=torch.randn(n))
-    layer = ql.build(qw)
-    assert type(layer) is kind
     dense = qw.dequantize()
-    for rows in ROWS:  # below and above DENSE_FROM_ROWS: the kernel and the dequantized scratch product
-        x = torch.randn(2, rows, k)
-        want = x @ dense.t() + qw.bias
-        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    for threshold in (None, 1 << 30, 0):  # the shard's choice by rows, the kernel always, the scratch product always
+        layer = ql.build(qw, threshold)
+        assert type(layer) is kind
+        for rows in ROWS:
+            x = torch.randn(2, rows, k)
+            want = x @ dense.t() + qw.bias
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+            got = layer(x.bfloat16())  # bfloat16 activations: the kernels' fast path on CPUs that have it
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2 * want.abs().max().item())
 
 
 def test_w8a8_rounds_activations_per_token():
@@ -192,3 +197,47 @@ def test_quantized_at_load(tiny_dirs, method, kind, tol):
             dense.weight.copy_(layer.dequantize_into(torch.empty_like(dense.weight)))
     ids = _ids(tiny_dirs["llama"])
     assert (_logprobs(quant, ids) - _logprobs(twin, ids)).abs().max() < tol
+
+
+@pytest.mark.parametrize(
+    "arch, case",
+    [("llama", "gptq-4bit-desc_act"), ("gemma3", "awq"), ("qwen2", "ct-w4a16-asym"), ("gemma2", "ct-w8a16")],
+)
+def test_the_runner_serves_a_quantized_checkpoint_like_its_twin(tiny_dirs, tmp_path, arch, case):
+    """ModelRunner(quantize=…) over a mixed batch (whole and chunked prefills joining decodes): the prompt
+    log-probs equal a plain transformers forward of the dense twin, the greedy tokens its generate()."""
+    from libs.protocol.params import SamplingParams
+    from services.shard.model_runner import ModelRunner
+    from tests.reference import reference_generate
+    from tests.shard.driver import Request, drive, prompts_for
+    from tests.shard.test_runner_logprobs import Recorder, _reference_prompt_logprobs
+
+    fmt, kw = CHECKPOINTS[case]
+    out = write(tiny_dirs[arch], tmp_path, fmt, **kw)
+    prompts = prompts_for(out / "twin")
+    lp = SamplingParams(prompt_logprobs=True)
+    requests = [
+        Request(prompts[2], 5, join=1, sampling=lp),
+        Request(prompts[1], 6, join=1, chunk=5, sampling=lp),
+        Request(prompts[4], 4, join=3, sampling=lp),
+        Request(prompts[0], 4, join=4),
+    ]
+    rec = Recorder()
+    runner = ModelRunner(str(out / "quant"), num_blocks=96, block_size=4, quantize=fmt)
+    assert any(isinstance(m, ql._QuantLinear) for m in runner.model.modules())
+    got = drive(runner, requests, on_result=rec)
+    for seq, req in enumerate(requests):
+        assert got[seq] == reference_generate(out / "twin", req.prompt, req.max_new), f"seq {seq}"
+        if req.sampling.prompt_logprobs:
+            have = np.concatenate(rec.prompt_runs[seq])[1:]
+            want = np.array(_reference_prompt_logprobs(out / "twin", req.prompt), dtype=np.float32)[1:]
+            np.testing.assert_allclose(have, want, rtol=0, atol=2e-4 + WEIGHT_ONLY_TOL, err_msg=f"seq {seq}")
+
+
+def test_the_benchmark_runs_every_way(capsys):
+    from launcher.bench import quant as bench
+
+    rows = bench.measure([(256, 128)], [1, 5], rounds=1)
+    assert [r["rows"] for r in rows] == [1, 5]
+    assert {"fp32", "w8a8", "int4", "int4 bf16", "int8", "int8 bf16"} <= set(rows[0])
+    assert "resident weight bytes, share of fp32: fp32 100%" in capsys.readouterr().out

@@ -1,0 +1,110 @@
+"""Quantized linear kernels against dense ones, per layer: why services/shard/quant_linear.py picks what it picks.
+
+For each layer shape and row count (the M of a step: 1 for one decoding stream, 16/64 for batches, 256 for a
+prefill chunk) this prints the median ms of fp32 and bf16 (oneDNN, prepacked, as the shard runs dense layers),
+W8A8 (`torch._int_mm`), and the int4 / int8 weight-only layers as the shard runs them, with float32 and with
+bfloat16 activations (the kernel below `dense_from[dtype]` rows, a dequantized scratch product from there on;
+`--force kernel|dense` pins one), and the resident weight bytes of each. All ways of one shape are measured
+interleaved in one process, so load on a shared machine hits them alike; read ratios, not absolute times.
+
+    python -m launcher.bench.quant [--shapes 2048x8192,576x1536] [--rows 1,16,64,256] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def _ms(fn, reps: int) -> float:
+    fn()  # warm: first calls pack and allocate
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def _ways(k: int, n: int, force: str | None = None):
+    """name → (resident bytes, callable(x))."""
+    import torch
+
+    from services.shard import quant_linear as ql
+    from services.shard.cpu_linear import PACK_FOR_BATCH
+    from services.shard.quant_formats import quantize_rtn
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
+    ways = {}
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_BATCH)
+    ways["fp32"] = (w.numel() * 4, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], ""))
+    try:
+        packed16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), PACK_FOR_BATCH)
+        bf = lambda x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), packed16, None, "none", [None], "")  # noqa: E731
+        bf(torch.randn(1, k))
+        ways["bf16"] = (w.numel() * 2, bf)
+    except RuntimeError:  # oneDNN refuses bf16 on CPUs without it (AVX2 only)
+        pass
+    w8a8 = ql.build(quantize_rtn(w, 8, -1, True, act_int8=True))
+    ways["w8a8"] = (ql.resident_bytes(w8a8), w8a8)
+    threshold = {None: None, "kernel": 1 << 62, "dense": 0}[force]
+    group = 128 if k % 128 == 0 else 64
+    for name, qw in (("int4", quantize_rtn(w, 4, group, False)), ("int8", quantize_rtn(w, 8, -1, True))):
+        layer = ql.build(qw, threshold)
+        ways[name] = (ql.resident_bytes(layer), layer)
+        ways[f"{name} bf16"] = (ql.resident_bytes(layer), lambda x, layer=layer: layer(x.bfloat16()))
+    return ways
+
+
+def measure(shapes: list[tuple[int, int]], rows: list[int], rounds: int = 5, force: str | None = None) -> list[dict]:
+    import torch
+
+    out = []
+    for k, n in shapes:
+        ways = _ways(k, n, force)
+        for m in rows:
+            x = torch.randn(m, k)
+            times = {name: [] for name in ways}
+            reps = max(3, 40 // m)
+            for _ in range(rounds):  # interleaved rounds
+                for name, (_, fn) in ways.items():
+                    times[name].append(_ms(lambda fn=fn, x=x: fn(x), reps))
+            row = {"shape": f"{k}→{n}", "rows": m}
+            row.update({name: statistics.median(t) for name, t in times.items()})
+            out.append(row)
+            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        fp32 = ways["fp32"][0]
+        print(
+            "resident weight bytes, share of fp32: "
+            + ", ".join(f"{name.split()[0]} {b / fp32:.0%}" for name, (b, _) in ways.items() if "bf16" not in name[1:]),
+            flush=True,
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from libs.runtime import cpu
+    from services.shard.quant_linear import INT4_DENSE_FROM, INT8_DENSE_FROM
+
+    p = argparse.ArgumentParser(prog="python -m launcher.bench.quant", description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="2048x8192,576x1536", help="in×out of each layer (SmolLM2-135M's MLP: 576x1536)")
+    p.add_argument("--rows", default="1,16,64,256")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--force", choices=("kernel", "dense"), help="run the weight-only layers one way at every size")
+    args = p.parse_args(argv)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {cpu.describe()}")
+    dense_from = {"int4": INT4_DENSE_FROM, "int8": INT8_DENSE_FROM}
+    for name, table in dense_from.items():
+        print(
+            f"{name} dequantizes into a scratch buffer from " + ", ".join(f"{n} rows ({d})" for d, n in table.items())
+        )
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    measure(shapes, [int(r) for r in args.rows.split(",")], args.rounds, args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
