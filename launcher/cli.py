@@ -287,6 +287,20 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
     )
 
 
+def _check_lora_adapters(settings: Settings) -> None:
+    """Each adapter read against the model's layers now (a DoRA adapter, one of another model, a rank above
+    --max-lora-rank): exit 1 with the reason instead of shards that fail to start."""
+    if not settings.lora_adapters:
+        return
+    from services.shard.lora_adapter import AdapterError, check_adapters
+
+    folders = dict(entry.split("=", 1) for entry in settings.lora_adapters.split(","))
+    try:
+        check_adapters(settings.model_path, folders, max_rank=settings.max_lora_rank)
+    except AdapterError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def _lora_adapters(args: argparse.Namespace) -> str:
     """`--lora-adapters` resolved to local folders before any service starts (a Hub adapter is downloaded now),
     as Settings carries them: "name=/folder,…"; a malformed entry or a missing adapter stops the launcher."""
@@ -366,6 +380,7 @@ def serve(args: argparse.Namespace) -> int:
     except model_store.ModelNotAvailableError as e:
         raise SystemExit(f"error: {e}") from None
     settings = settings_from(args, model_path)
+    _check_lora_adapters(settings)
     counts = programs(args)
     bus_flags.check(settings, counts)
     for stale in rundir.remove_stale():  # only servers provably dead: their lock is free (launcher/rundir.py)

@@ -240,3 +240,15 @@ def load_adapter(
     except Exception as e:  # a truncated or foreign file: safetensors' own error, under the adapter's name
         raise AdapterError(f"LoRA adapter {name!r}: cannot read {WEIGHTS_FILE}: {e}") from None
     return adapter
+
+
+def check_adapters(model_dir: str | Path, folders: dict[str, str], *, max_rank: int | None = None) -> None:
+    """Read every adapter against the model's architecture built on the meta device (no weights loaded), so the
+    launcher refuses a bad adapter with its reason before any service starts; raises the first AdapterError."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for name, folder in folders.items():
+        load_adapter(name, folder, model, max_rank=max_rank, device="meta")
