@@ -73,6 +73,11 @@ def resolve(flag: str | None, model_dir: str | Path, cuda: bool | None = None) -
     where = f"{Path(model_dir) / 'config.json'}"
     if stored is not None and stored not in METHODS:
         raise QuantizeError(f"{where}: unknown quantization_config.quant_method {stored!r}")
+    if stored in ON_THE_FLY:  # bitsandbytes' own packed weights: its code books have no CPU kernel here
+        raise QuantizeError(
+            f"{where}: a checkpoint saved quantized by bitsandbytes ({stored}) is not read here; serve its float "
+            f"checkpoint with --quantize {stored}"
+        )
     method = flag or stored
     if flag is not None and flag != stored:
         # marlin is a kernel for GPTQ/AWQ checkpoints (TGI accepts it over either); anything else must agree

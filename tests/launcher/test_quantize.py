@@ -32,7 +32,10 @@ def _model(tmp_path, quantization_config=None, key="quantization_config"):
 )
 def test_the_method_is_read_from_config(tmp_path, qc, method):
     assert quantize.checkpoint_method(_model(tmp_path, qc)) == method
-    if method not in quantize.CUDA_ONLY:
+    if method.startswith("bitsandbytes"):
+        with pytest.raises(QuantizeError, match=f"saved quantized by bitsandbytes .{method}. is not read here"):
+            resolve(None, tmp_path, cuda=False)
+    elif method not in quantize.CUDA_ONLY:
         assert resolve(None, tmp_path, cuda=False) == method
         assert resolve(method, tmp_path, cuda=False) == method
 
@@ -105,3 +108,34 @@ def test_what_runs_here():
     assert set(quantize.METHODS) - set(here) == set(quantize.CUDA_ONLY)
     text = quantize.help_text()
     assert all(m in text for m in here)
+
+
+def test_serve_resolves_the_method_into_the_settings(tmp_path, monkeypatch):
+    from launcher.cli import build_parser, settings_from
+
+    monkeypatch.setattr(quantize, "_cuda_available", lambda: False)  # the same answer on a GPU machine
+
+    def settings(*argv, qc=None):
+        model = _model(tmp_path, qc)
+        return settings_from(build_parser().parse_args(["serve", "--model-id", str(model), *argv]), model)
+
+    assert settings().quantize == ""
+    assert settings("--quantize", "eetq").quantize == "eetq"
+    assert settings(qc={"quant_method": "gptq", "bits": 4}).quantize == "gptq"
+    with pytest.raises(SystemExit, match="error: Quantization config mismatch: --quantize awq, but "):
+        settings("--quantize", "awq", qc={"quant_method": "gptq"})
+    with pytest.raises(SystemExit, match="error: --quantize marlin needs a CUDA GPU"):
+        settings("--quantize", "marlin", qc={"quant_method": "gptq"})
+    with pytest.raises(SystemExit, match="--num-shard > 1 is not supported yet"):
+        settings("--quantize", "eetq", "--num-shard", "2")
+
+
+def test_info_reports_the_quantization():
+    from tests.http.fakes import FakeIngress, client, run
+
+    async def info(**settings):
+        async with client(FakeIngress(), **settings) as c:
+            return await (await c.get("/info")).json()
+
+    assert run(info(quantize="gptq"))["quantization"] == "gptq"
+    assert "quantization" not in run(info())  # left out when the weights are served as stored
