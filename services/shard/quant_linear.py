@@ -53,17 +53,27 @@ def _group_order(qw: QuantWeight) -> tuple[torch.Tensor | None, QuantWeight]:
     return perm, sorted_qw
 
 
-class _QuantLinear(torch.nn.Module):
+class _QuantLinear(torch.nn.Linear):
+    """A linear layer to whoever asks (isinstance: LoRA targets it), without nn.Linear's float weight."""
+
     dense_from: dict[torch.dtype, int] = {}  # rows from which the dense scratch product runs (absent: never)
 
     def __init__(self, qw: QuantWeight, dense_from_rows: int | None = None):
-        super().__init__()
+        torch.nn.Module.__init__(self)  # not nn.Linear's: it would allocate the float weight
         self.out_features, self.in_features = qw.shape
         self.bits = qw.bits
         if dense_from_rows is not None:  # one threshold for every dtype (tests, benchmarks)
             self.dense_from = dict.fromkeys((torch.float32, torch.bfloat16, torch.float16), dense_from_rows)
         self.perm, qw = _group_order(qw)
         self.bias = None if qw.bias is None else qw.bias.detach().float()
+
+    weight_dtype = torch.float32  # the dtype of the dense layer it replaced (replace_linears sets it)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A stand-in for code that reads a linear's weight shape, dtype and device (LoRA sizes and places its A/B
+        by them): the right shape, no memory (one broadcast zero)."""
+        return torch.zeros((), dtype=self.weight_dtype).expand(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -232,7 +242,9 @@ def replace_linears(model: torch.nn.Module, weights: dict[str, QuantWeight], **k
             raise ValueError(f"{name}: quantized shape {tuple(qw.shape)} ≠ the model's {old.weight.shape}")
         if qw.bias is None and getattr(old, "bias", None) is not None:
             qw.bias = old.bias.detach().float()
-        setattr(parent, attr, build(qw, **kw))
+        layer = build(qw, **kw)
+        layer.weight_dtype = old.weight.dtype
+        setattr(parent, attr, layer)
     return len(weights)
 
 

@@ -241,3 +241,37 @@ def test_the_benchmark_runs_every_way(capsys):
     assert [r["rows"] for r in rows] == [1, 5]
     assert {"fp32", "w8a8", "int4", "int4 bf16", "int8", "int8 bf16"} <= set(rows[0])
     assert "resident weight bytes, share of fp32: fp32 100%" in capsys.readouterr().out
+
+
+def test_lora_adapters_over_a_quantized_base(tiny_dirs, tmp_path):
+    """The LoRA registry wraps quantized layers like dense ones: a mixed batch of base and adapter rows over the
+    int4 model equals the same registry over its dense twin."""
+    pytest.importorskip("peft")
+    from services.shard.lora import LoraRegistry
+    from tests.shard.test_lora import ADAPTERS, _build_adapter
+
+    names = ("all", "mlp")
+    folders = {n: _build_adapter(tiny_dirs["llama"], tmp_path / n, seed=i, **ADAPTERS[n]) for i, n in enumerate(names)}
+    quant = ql.from_pretrained(str(tiny_dirs["llama"]), "bitsandbytes-nf4", dtype=torch.float32).eval()
+    twin = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, layer in quant.named_modules():
+            if isinstance(layer, ql._QuantLinear):
+                dense = twin.get_submodule(name)
+                dense.weight.copy_(layer.dequantize_into(torch.empty_like(dense.weight)))
+    rows = [None, "all", "mlp", "all"]
+    ids = torch.randint(3, 500, (len(rows), 12), generator=torch.Generator().manual_seed(7))
+    logits = []
+    for model in (quant, twin):
+        registry = LoraRegistry(model)
+        for n in names:
+            registry.load(n, folders[n])
+        registry.check_hooks()
+        registry.set_step(rows, [12] * len(rows))
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+        registry.clear_step()
+    assert (logits[0] - logits[1]).abs().max() < 1e-3
+    base = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (logits[0][1] - base(input_ids=ids[1:2]).logits[0]).abs().max() > 1e-1  # the adapter is applied
