@@ -89,26 +89,33 @@ def resolve(flag: str | None, model_dir: str | Path, cuda: bool | None = None) -
             f"--quantize {method} needs a CUDA GPU (its kernels exist for CUDA only) and this machine has none; "
             f"methods that run here: {', '.join(supported_here(cuda=False))}"
         )
+    if method and cuda:  # the shard would put the model on the GPU, where the CPU kernels cannot follow
+        raise QuantizeError(
+            f"--quantize {method} on a machine with CUDA: Switchyard's quantized layers run on the CPU only; the GPU "
+            f"kernels (gptq/awq/marlin/fp8/exl2) are not part of it yet"
+        )
     if method == "bitsandbytes":
         log.warning("Bitsandbytes 8bit is deprecated, using `eetq` is a drop-in replacement (both are W8A8 here)")
     return method
 
 
 def supported_here(cuda: bool | None = None) -> list[str]:
-    """The --quantize values this machine can serve."""
+    """The --quantize values this machine can serve (none yet where the shard runs on a GPU)."""
     if cuda is None:
         cuda = _cuda_available()
-    return [m for m in METHODS if cuda or m not in CUDA_ONLY]
+    return [] if cuda else [m for m in METHODS if m not in CUDA_ONLY]
 
 
 def help_text() -> str:
     """`switchyard serve --help`'s line for --quantize."""
     here = supported_here(cuda=Path("/proc/driver/nvidia/version").exists())  # no torch import for --help
+    if not here:
+        return "weight quantization: none runs on this machine yet (its CUDA GPU has no quantized kernels here)"
     return (
         "weight quantization; default: config.json's quantization_config. Runs here: "
         + ", ".join(here)
         + " (bitsandbytes/eetq: W8A8 int8 at load; bitsandbytes-nf4/-fp4: int4 group-wise at load)"
-        + ("" if len(here) == len(METHODS) else f"; needs CUDA: {', '.join(CUDA_ONLY)}")
+        + f"; needs CUDA: {', '.join(CUDA_ONLY)}"
     )
 
 

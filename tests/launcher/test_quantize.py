@@ -71,9 +71,12 @@ def test_a_cuda_only_method_from_config_exits_too(tmp_path):
         resolve(None, _model(tmp_path, {"quant_method": "fp8"}), cuda=False)
 
 
-def test_cuda_only_methods_pass_with_cuda(tmp_path):
-    assert resolve("fp8", _model(tmp_path), cuda=True) == "fp8"
-    assert resolve("marlin", _model(tmp_path, {"quant_method": "gptq"}), cuda=True) == "marlin"
+def test_a_cuda_machine_is_refused_until_gpu_kernels_exist(tmp_path):
+    """The shard would run on the GPU, where the CPU kernels cannot follow: refuse rather than fake it."""
+    for flag, qc in (("fp8", None), ("marlin", {"quant_method": "gptq"}), (None, {"quant_method": "awq"})):
+        with pytest.raises(QuantizeError, match="on a machine with CUDA: Switchyard's quantized layers run on the CPU"):
+            resolve(flag, _model(tmp_path, qc), cuda=True)
+    assert resolve(None, _model(tmp_path), cuda=True) is None  # no quantization: nothing to refuse
 
 
 @pytest.mark.parametrize(
@@ -103,7 +106,7 @@ def test_unknown_values_are_refused(tmp_path):
 
 
 def test_what_runs_here():
-    assert quantize.supported_here(cuda=True) == list(quantize.METHODS)
+    assert quantize.supported_here(cuda=True) == []
     here = quantize.supported_here(cuda=False)
     assert set(quantize.METHODS) - set(here) == set(quantize.CUDA_ONLY)
     text = quantize.help_text()
