@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -234,10 +235,16 @@ def prefill(model_dir: str, n: int, dtype_name: str, rounds: int) -> dict[str, f
     return {name: statistics.median(v) * 1000 for name, v in times.items()}
 
 
-def chunked(model_dir: str, n: int, chunk: int, dtype_name: str) -> tuple[list[float], float]:
-    """A real model's prefill of n random tokens in chunks on the shard's default path: each chunk's forward ms and
-    the process's peak RSS growth over the loaded model and its KV cache, in MiB (run it in a fresh process)."""
-    import resource
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def chunked(model_dir: str, n: int, chunk: int, dtype_name: str, tiled: bool = True) -> tuple[list[float], float]:
+    """A real model's prefill of n random tokens in chunks (tiled: the shard's default path; else the grouped path
+    for every row): each chunk's forward ms and the peak resident memory above the loaded model and its KV cache,
+    in MiB, sampled every 5 ms while the chunks run."""
+    import threading
 
     import numpy as np
     import torch
@@ -250,7 +257,17 @@ def chunked(model_dir: str, n: int, chunk: int, dtype_name: str) -> tuple[list[f
     runner = ModelRunner(model_dir, num_blocks=blocks, block_size=16, dtype=getattr(torch, dtype_name))
     vocab = runner.model.config.get_text_config().vocab_size
     ids = np.random.default_rng(0).integers(10, vocab, n).astype(np.int32)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    from services.shard import attention_tiled
+
+    attention_tiled.TILE_MIN_QUERIES = attention_tiled.TILE_MIN_QUERIES if tiled else n + 1
+    base, peak, done = _rss_mib(), [0.0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], _rss_mib())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     times = []
     for step, start in enumerate(range(0, n, chunk)):
         m = min(chunk, n - start)
@@ -265,7 +282,9 @@ def chunked(model_dir: str, n: int, chunk: int, dtype_name: str) -> tuple[list[f
             sample=np.array([start + m == n], np.uint8),
         )
         times.append(runner.execute(plan).forward_s * 1000)
-    return times, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    done.set()
+    sampler.join()
+    return times, max(peak[0], _rss_mib()) - base
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, as the shard)")
     ap.add_argument("--model", help="instead: a real model's prefill forward of each --n tokens, tiled vs grouped")
     ap.add_argument("--chunk", type=int, help="with --model: only the default path, the prompt in chunks; peak RSS")
+    ap.add_argument("--grouped", action="store_true", help="with --chunk: the grouped path for every row")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import torch
@@ -287,9 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.model and args.chunk:
         for dtype_name in args.dtype.split(","):
             for n in (int(x) for x in args.n.split(",")):
-                times, grown = chunked(args.model, n, args.chunk, dtype_name)
+                times, grown = chunked(args.model, n, args.chunk, dtype_name, tiled=not args.grouped)
                 per = ", ".join(f"{t:.0f}" for t in times)
-                print(f"{dtype_name} n={n} in chunks of {args.chunk}: {per} ms; peak RSS +{grown:.0f} MiB", flush=True)
+                path = "grouped" if args.grouped else "default"
+                line = f"{dtype_name} n={n} in chunks of {args.chunk} ({path} path): {per} ms"
+                print(f"{line}; peak RSS +{grown:.0f} MiB over the loaded model", flush=True)
         return 0
     if args.model:
         print(f"CPU: {cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.model}")
