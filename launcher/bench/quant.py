@@ -8,6 +8,10 @@ bfloat16 activations (the kernel below `dense_from[dtype]` rows, a dequantized s
 interleaved in one process, so load on a shared machine hits them alike; read ratios, not absolute times.
 
     python -m launcher.bench.quant [--shapes 2048x8192,576x1536] [--rows 1,16,64,256] [--rounds 5]
+
+With `--model NAME|DIR` it times whole decode steps instead: transformers' forward with its KV cache over 1/16/64
+streams (the shard's own paged step adds attention bookkeeping, the linears are the same), for fp32, bf16, W8A8
+(eetq) and int4 (bitsandbytes-nf4), and prints tok/s and the resident weight bytes of each.
 """
 
 from __future__ import annotations
@@ -83,6 +87,52 @@ def measure(shapes: list[tuple[int, int]], rows: list[int], rounds: int = 5, for
     return out
 
 
+def _model_weight_bytes(model) -> int:
+    from services.shard import quant_linear as ql
+
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    return dense + sum(ql.resident_bytes(m) for m in model.modules() if isinstance(m, ql._QuantLinear))
+
+
+def measure_model(model_dir: str, streams: list[int], steps: int = 8, prompt: int = 16) -> list[dict]:
+    """tok/s of decode steps and resident weight bytes, per way of serving `model_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from services.shard import quant_linear as ql
+    from services.shard.cpu_linear import use_onednn
+
+    ways = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None)]
+    ways += [("w8a8", torch.float32, "eetq"), ("int4", torch.float32, "bitsandbytes-nf4")]
+    ways += [("w8a8 bf16", torch.bfloat16, "eetq"), ("int4 bf16", torch.bfloat16, "bitsandbytes-nf4")]
+    out = []
+    for name, dtype, method in ways:
+        if method:
+            model = ql.from_pretrained(model_dir, method, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model.eval()
+        if dtype == torch.float32:
+            use_onednn(model)  # as the shard does: the linears that stayed dense, prepacked
+        row = {"way": name, "weights MB": _model_weight_bytes(model) / 2**20}
+        for b in streams:
+            ids = torch.randint(100, 1000, (b, prompt), generator=torch.Generator().manual_seed(b))
+            with torch.inference_mode():
+                cache = DynamicCache()
+                logits = model(ids, past_key_values=cache, use_cache=True).logits
+                times = []
+                for _ in range(steps):
+                    nxt = logits[:, -1:].argmax(-1)
+                    t = time.perf_counter()
+                    logits = model(nxt, past_key_values=cache, use_cache=True).logits
+                    times.append(time.perf_counter() - t)
+            row[f"tok/s@{b}"] = b / statistics.median(times)
+        out.append(row)
+        print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        del model
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -94,8 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,16,64,256")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--force", choices=("kernel", "dense"), help="run the weight-only layers one way at every size")
+    p.add_argument("--model", help="time whole decode steps of this model (embedded short name or folder) instead")
+    p.add_argument("--streams", default="1,16,64", help="with --model: concurrent streams")
     args = p.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {cpu.describe()}")
+    if args.model:
+        from libs.runtime import model_store
+
+        folder = str(model_store.resolve_model(args.model))
+        measure_model(folder, [int(s) for s in args.streams.split(",")])
+        return 0
     dense_from = {"int4": INT4_DENSE_FROM, "int8": INT8_DENSE_FROM}
     for name, table in dense_from.items():
         print(

@@ -275,3 +275,12 @@ def test_lora_adapters_over_a_quantized_base(tiny_dirs, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32).eval()
     with torch.no_grad():
         assert (logits[0][1] - base(input_ids=ids[1:2]).logits[0]).abs().max() > 1e-1  # the adapter is applied
+
+
+def test_the_model_benchmark_runs_every_way(tiny_dirs):
+    from launcher.bench import quant as bench
+
+    rows = {r["way"]: r for r in bench.measure_model(str(tiny_dirs["llama"]), [2], steps=1, prompt=4)}
+    assert set(rows) == {"fp32", "bf16", "w8a8", "int4", "w8a8 bf16", "int4 bf16"}
+    assert all(r["tok/s@2"] > 0 for r in rows.values())
+    assert rows["int4"]["weights MB"] < rows["w8a8"]["weights MB"] < rows["fp32"]["weights MB"]
