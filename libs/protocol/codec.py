@@ -13,10 +13,11 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
+from libs.protocol.adapters import ANY_ADAPTER_MESSAGE
 from libs.protocol.messages import ANY_MESSAGE, WIRE_VERSION, Message
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(ANY_MESSAGE)
+_decoder = msgspec.msgpack.Decoder(ANY_MESSAGE | ANY_ADAPTER_MESSAGE)
 
 
 class ProtocolError(ValueError):

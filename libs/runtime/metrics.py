@@ -162,6 +162,11 @@ class Metrics:
         self._detokenized = counter(
             "switchyard_detokenized_tokens", "Tokens turned into text by a detokenizer", ["index"]
         )
+        self.lora_requests = counter("switchyard_lora_requests", "Requests admitted, by LoRA adapter", ["adapter"])
+        self.lora_generated_tokens = counter(
+            "switchyard_lora_generated_tokens", "Tokens generated, by LoRA adapter", ["adapter"]
+        )
+        self.lora_adapters_loaded = gauge("switchyard_lora_adapters_loaded", "LoRA adapters served", ["replica"])
         self.process_up = gauge("switchyard_process_up", "1 while the process heartbeats", ["role", "index"])
         self.process_restarts = counter("switchyard_process_restarts", "Restarts seen (a new pid)", ["role", "index"])
         self.process_up.labels(role=role, index=str(index)).set(1)

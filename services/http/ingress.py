@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from libs.protocol import Addresses, codec, topics
+from libs.protocol.adapters import AdapterDone, AdapterSet
 from libs.protocol.messages import (
     Abort,
     Accepted,
@@ -38,7 +39,7 @@ from libs.runtime.async_bus import AsyncEventBus
 from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import ABANDONED_KEEP_S, ADMIT_TIMEOUT, GIVE_UP_S, STALL_S
-from services.http import telemetry
+from services.http import adapters, telemetry
 from services.http.errors import LOST, Failure
 from services.http.timing import Timing
 
@@ -68,7 +69,7 @@ class Ingress:
         tracing.init(settings.otlp_service_name, settings.otlp_endpoint, role="http", index=str(index))
         addresses = Addresses.parse(bus_spec)
         self.push = bus.socket(zmq.PUSH, connect=addresses.intake, ctx=zmq.asyncio.Context.instance())
-        self.events = AsyncEventBus(addresses, "http", index, subscribe=[topics.out(index), topics.HB])
+        self.events = AsyncEventBus(addresses, "http", index, subscribe=[topics.out(index), topics.HB, topics.LORA])
         self.queues: dict[str, asyncio.Queue] = {}
         self.replica_of: dict[str, int] = {}
         self.abandoned: dict[str, float] = {}  # aborted before the router told us the replica → when (expires)
@@ -142,6 +143,8 @@ class Ingress:
                 q = self.queues.get(msg.request_id)
                 if q is not None:
                     q.put_nowait(msg)
+            elif isinstance(msg, (AdapterSet, AdapterDone)):  # LoRA adapters loaded or unloaded while serving
+                adapters.on_event(msg)
 
     async def _submit(self, p: Pending) -> None:
         p.submitted = p.heard = time.monotonic()

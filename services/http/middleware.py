@@ -40,6 +40,8 @@ PROTECTED = {
     ("POST", "/vertex"),
     ("POST", "/invocations"),
     ("POST", "/tokenize"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
 }
 CORS_METHODS = "GET,POST"
 CORS_HEADERS = "content-type"

@@ -197,6 +197,7 @@ def _paths() -> dict:
         "/ping": {"get": {**health["get"], "operationId": "ping"}},
         "/info": {"get": _op("get_model_info", "Model and server limits", _json("Info", _ref("Info")))},
         "/v1/models": {"get": _op("openai_get_model_info", "The served model", _json("Models", _ref("ModelsInfo")))},
+        **_lora_paths(),
         "/metrics": {
             "get": _op(
                 "metrics",
@@ -215,6 +216,23 @@ def _paths() -> dict:
             "get": _op("openapi", "This document", _json("OpenAPI 3.1", {"type": "object"})),
         },
     }
+
+
+def _lora_paths() -> dict:
+    """vLLM's routes that load and unload LoRA adapters while serving (services.http.adapters)."""
+    text = {"description": "vLLM's success text", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    error = {"content": {"application/json": {"schema": {"type": "object"}}}}  # vLLM's error object
+    errors = {"400": {"description": "Bad adapter, or the name is taken", **error}}
+    name = {"lora_name": {"type": "string"}}
+    path = {"lora_path": {"type": "string"}}
+    load = {"type": "object", "required": ["lora_name", "lora_path"], "properties": {**name, **path}}
+    unload = {"type": "object", "required": ["lora_name"], "properties": name}
+    return {
+        "/v1/load_lora_adapter": {"post": _op("load_lora_adapter", "Load a LoRA adapter on every replica", text,
+                                              load, errors)},
+        "/v1/unload_lora_adapter": {"post": _op("unload_lora_adapter", "Unload a LoRA adapter", text, unload,
+                                                {**errors, "404": {"description": "No such adapter", **error}})},
+    }  # fmt: skip
 
 
 def document(settings: Settings, version: str) -> dict:

@@ -27,6 +27,7 @@ from collections import defaultdict
 import zmq
 
 from libs.protocol import Addresses, topics
+from libs.protocol.adapters import LoadAdapter, ShardAdaptersAck, UnloadAdapter
 from libs.protocol.messages import (
     FINISH_ERROR,
     Abort,
@@ -43,6 +44,7 @@ from libs.protocol.messages import (
 from libs.runtime import bus, model_store, service
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import REPLAY_EVERY
+from services.scheduler.adapters import AdapterControl
 from services.scheduler.batcher import Batcher, Emitted
 from services.scheduler.recovery import Forgotten, StreamLog
 from services.scheduler.telemetry import StepObserver
@@ -71,6 +73,7 @@ class SchedulerService:
             eos_ids=set(model_store.model_info(settings.model_path)["eos_token_ids"]),
         )
         self.observer = StepObserver(self.batcher)  # metrics and the per-request spans
+        self.lora = AdapterControl(self)  # LoRA adapters loaded and unloaded while serving
         self.ready = False  # shards answered the probe plan
         self.shard_ranks: set[int] = {0}  # shards do not heartbeat: their process_up is ours to report
         self.step = 0
@@ -104,6 +107,7 @@ class SchedulerService:
         busy = self.unpublished is not None or (self.ready and self.batcher.has_work())
         self._receive(0 if busy else IDLE_POLL_MS)
         self._control()
+        self.lora.tick()  # an unload whose last request ended goes to the shards
         plan = self._plan_and_send() if self.ready else None
         self._publish_unpublished()
         if plan is not None:
@@ -131,6 +135,8 @@ class SchedulerService:
             self.pending_ctl.append(got[1])
         elif got and isinstance(got[1], Resync):
             self._resync(got[1])
+        elif got and isinstance(got[1], (LoadAdapter, UnloadAdapter)):
+            self.lora.request(got[1])
 
     def _on_message(self, msg) -> None:
         """A placed request (inbox), or a shard's ShardReady or StepResult (results)."""
@@ -138,6 +144,8 @@ class SchedulerService:
             rid = msg.request_id
             if rid in self.forgotten or self.streams.get(rid) is not None:
                 self.log.info("dropped an aborted or repeated request", extra={"request_id": rid})
+                return
+            if not self.lora.admits(msg):
                 return
             if rid not in self.batcher.by_request:
                 self.observer.arrived(msg)
@@ -153,10 +161,13 @@ class SchedulerService:
                 self.ready = True
                 self.log.info("shards ready")
             self.result = msg
+        elif isinstance(msg, ShardAdaptersAck):
+            self.lora.ack(msg)
 
     def _probe(self) -> None:
         """Step 0: a shard that hears it drops all sequence state and answers; then we are ready."""
         bus.send(self.plans, StepPlan(step=0))
+        self.lora.resend()  # after the probe, in order: a restarted shard reloads the run-time adapters
 
     def _shard_lost(self) -> None:
         self.ready = False
@@ -238,6 +249,7 @@ class SchedulerService:
         """One columnar token batch per detokenizer shard."""
         by_detok: dict[int, list[Emitted]] = defaultdict(list)
         self.observer.emitted(rows)
+        self.lora.emitted(rows)
         for row in rows:
             by_detok[row.seq.req.detokenizer].append(row)
         for k, group in by_detok.items():
@@ -327,6 +339,7 @@ class SchedulerService:
         for rank in self.shard_ranks:  # shard index as the launcher numbers them: replica-major
             self.observer.shard_up(self.replica * self.settings.num_shard + rank, self.ready)
         self.events.heartbeat(**self.load())
+        self.lora.announce()  # a restarted http or tokenizer learns the current adapters within a beat
 
     def load(self) -> dict:
         """What our heartbeat carries (reads state only)."""

@@ -128,6 +128,9 @@ class Batcher:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.by_request: dict[str, Sequence] = {}
+        # adapter name → what seeds its prefix hashes, for adapters loaded at run time (name + load generation):
+        # a reloaded adapter of the same name must not hit the blocks of the one before
+        self.hash_keys: dict[str, str] = {}
         self._to_drop: list[int] = []  # finished or preempted seqs the shard has not been told about
         self._handles = itertools.count(1)
         # per planned step not applied yet: its rows as (seq, handle, computed after), to index the blocks they fill
@@ -297,7 +300,7 @@ class Batcher:
             return []
         usable = s.total - 1  # the last token must be fed: its logits give the next token
         if not s.hashes:
-            extend_hashes(s.hashes, s.tokens(0, usable), usable, self.block_size, s.req.adapter)
+            extend_hashes(s.hashes, s.tokens(0, usable), usable, self.block_size, self._hash_key(s))
         cached = self.allocator.lookup(s.hashes[: usable // self.block_size])
         if not s.preempted:  # a recompute is not a query of the prompt's prefix
             self.counters["prefix_queried_tokens"] += usable // self.block_size * self.block_size
@@ -348,7 +351,7 @@ class Batcher:
             if s.seq != handle or handle not in self.running or full <= s.registered:
                 continue
             if len(s.hashes) < full:
-                extend_hashes(s.hashes, s.tokens(0, full * bs), full * bs, bs, s.req.adapter)
+                extend_hashes(s.hashes, s.tokens(0, full * bs), full * bs, bs, self._hash_key(s))
             for i in range(s.registered, full):
                 self.allocator.register(s.blocks[i], s.hashes[i])
             s.registered = full
@@ -373,6 +376,9 @@ class Batcher:
             self.waiting.remove(s)
             del self.by_request[request_id]
         return Emitted(s, len(s.output), -1, 0.0, code)
+
+    def _hash_key(self, s: Sequence) -> str | None:
+        return self.hash_keys.get(s.req.adapter, s.req.adapter) if s.req.adapter else None
 
     def forget_plans(self) -> None:
         """The plans in flight will not be applied (their step failed or the shard lost its KV)."""

@@ -8,6 +8,7 @@ import torch
 import zmq
 
 from libs.protocol import Addresses
+from libs.protocol.adapters import ShardAdapters, ShardAdaptersAck
 from libs.protocol.messages import ShardReady, StepPlan, StepResult
 from libs.runtime import bus, cpu, service
 from libs.runtime.settings import BLOCK_SIZE, Settings
@@ -60,6 +61,9 @@ class ShardService:
                     bus.send(self.results, ShardReady(rank=self.rank, pid=os.getpid(), num_blocks=self.num_blocks))
                 continue
             plan = bus.recv(self.plans)
+            if isinstance(plan, ShardAdapters):  # between two steps, at the same point on every rank
+                self._sync_adapters(plan, log)
+                continue
             if not isinstance(plan, StepPlan):
                 continue
             if not got_plan and self.tp > 1:
@@ -84,6 +88,17 @@ class ShardService:
                     result = StepResult(step=plan.step, rank=self.rank, error=f"{type(e).__name__}: {e}")
             if self.rank == 0:
                 bus.send(self.results, result)
+
+    def _sync_adapters(self, msg: ShardAdapters, log) -> None:
+        """Hold the scheduler's run-time adapter set; every rank answers, so the scheduler knows all of them did."""
+        before = dict(self.runner.lora.sources)
+        errors = self.runner.lora.sync(msg.adapters, msg.generations)
+        for name, why in errors.items():
+            log.warning("LoRA adapter %s not loaded: %s", name, why)
+        if self.runner.lora.sources != before:  # the scheduler re-sends the set after every probe: log changes only
+            log.info("LoRA adapters loaded: %s", ", ".join(self.runner.lora.loaded()) or "none")
+        ack = ShardAdaptersAck(op=msg.op, rank=self.rank, errors=errors, loaded=self.runner.lora.loaded())
+        bus.send(self.results, ack)
 
 
 def main() -> None:

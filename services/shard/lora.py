@@ -151,6 +151,7 @@ class LoraRegistry:
         self.adapters: dict[str, LoraAdapter] = {}
         self.layers: dict[str, LoraLayer] = {}
         self.step_groups: RowGroups | None = None
+        self.sources: dict[str, tuple[str, int]] = {}  # name → (folder, load generation), for `sync`
 
     def loaded(self) -> list[str]:
         return [name for name in self.slots if name is not None]
@@ -182,6 +183,7 @@ class LoraRegistry:
             layer.install(slot, a, b)
         self.slots[slot] = name
         self.adapters[name] = adapter
+        self.sources[name] = (str(folder), 0)
         return adapter
 
     def unload(self, name: str) -> None:
@@ -190,6 +192,28 @@ class LoraRegistry:
             layer.weights.pop(slot, None)
         self.slots[slot] = None
         del self.adapters[name]
+        self.sources.pop(name, None)
+
+    def sync(self, wanted: dict[str, str], generations: dict[str, int] | None = None) -> dict[str, str]:
+        """Hold exactly `wanted` (name → folder): drop the others and those whose folder or generation changed
+        (a reload under the same name is another adapter), then load what is missing. Returns name → why it
+        could not be loaded; the rest holds whatever fails. Idempotent, so a restarted shard gets the same call."""
+        generations = generations or {}
+        want = {name: (str(folder), generations.get(name, 0)) for name, folder in wanted.items()}
+        for name in list(self.adapters):
+            if want.get(name) != self.sources.get(name):
+                self.unload(name)
+        errors = {}
+        for name, (folder, gen) in want.items():
+            if name in self.adapters:
+                continue
+            try:
+                self.load(name, folder)
+            except (AdapterError, OSError, ValueError, RuntimeError) as e:
+                errors[name] = str(e)
+                continue
+            self.sources[name] = (folder, gen)
+        return errors
 
     def check_hooks(self) -> None:
         """Raise if something replaced a wrapped forward after the adapter hooks went on (it would drop them)."""

@@ -18,6 +18,7 @@ import zmq
 from opentelemetry.trace import Status, StatusCode
 
 from libs.protocol import Addresses, topics
+from libs.protocol.adapters import AdapterSet
 from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest
 from libs.runtime import bus, metrics, service, tracing
 from libs.runtime.settings import Settings
@@ -34,7 +35,8 @@ class TokenizerService:
         self.processor = Processor.from_settings(settings)
         self.inbox = bus.socket(zmq.PULL, connect=addresses.tokenize)
         self.admit = bus.socket(zmq.PUSH, connect=addresses.admit)
-        self.events = bus.EventBus(addresses, ROLE, settings.index, subscribe=[])
+        # the LoRA adapters the schedulers serve now (loaded and unloaded while serving)
+        self.events = bus.EventBus(addresses, ROLE, settings.index, subscribe=[topics.LORA])
         self.handled = self.rejected = self.tokenized = 0
 
     def handle(self, req: GenerateRequest) -> None:
@@ -70,15 +72,21 @@ class TokenizerService:
         if ids is not None:
             m.tokenized_tokens.inc(len(ids))
 
+    def _drain_events(self) -> None:
+        while self.events.sub.poll(0):
+            got = self.events.recv()  # LoRA adapter sets, and our own heartbeats
+            if got and isinstance(got[1], AdapterSet):
+                self.processor.adapters.update(got[1])
+
     def run(self) -> None:
         self.events.start()
         while True:
             if self.inbox.poll(500):
                 msg = bus.recv(self.inbox)
                 if isinstance(msg, GenerateRequest):
+                    self._drain_events()  # an adapter announced just before this request counts
                     self.handle(msg)
-            while self.events.sub.poll(0):
-                self.events.recv()  # only our own heartbeats come back; drain them
+            self._drain_events()
             self.events.heartbeat(
                 counters={"handled": self.handled, "rejected": self.rejected, "tokenized": self.tokenized}
             )

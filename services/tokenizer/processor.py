@@ -17,6 +17,7 @@ import os
 import numpy as np
 from tokenizers import Tokenizer
 
+from libs.protocol.adapters import KnownAdapters
 from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest, TokenizeResult
 from libs.runtime import metrics, model_store
 from libs.runtime.settings import Settings
@@ -30,6 +31,7 @@ Result = TokenizedRequest | TokenizeResult | RequestError
 class Processor:
     def __init__(self, settings: Settings, tokenizer: Tokenizer, templates: ChatTemplates) -> None:
         self.settings = settings
+        self.adapters = KnownAdapters()  # the schedulers' announcements replace the start-up list of LoRA adapters
         self.tokenizer = tokenizer
         self.templates = templates
         self.limits = GrammarLimits(
@@ -110,7 +112,7 @@ class Processor:
             max_top_n_tokens=s.max_top_n_tokens,
             stream=req.stream,
         )
-        adapter = validation.check_adapter(p.adapter_id, s.lora_names, s.model_id)
+        adapter = validation.check_adapter(p.adapter_id, self.adapters.names(s.lora_names), s.model_id)
         ids = self._encode(text, special).ids
         resolved = validation.resolve(p, ids, max_input_tokens=s.max_input_tokens, max_total_tokens=s.max_total_tokens)
         checked = self._grammar(p.grammar, plan)  # TGI checks the grammar last
