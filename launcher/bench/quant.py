@@ -146,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", choices=("kernel", "dense"), help="run the weight-only layers one way at every size")
     p.add_argument("--model", help="time whole decode steps of this model (embedded short name or folder) instead")
     p.add_argument("--streams", default="1,16,64", help="with --model: concurrent streams")
+    p.add_argument("--threads", type=int, help="torch threads (1 on an oversubscribed machine: a thread team waiting")
     args = p.parse_args(argv)
+    if args.threads:  # on a descheduled member costs more than the second thread brings)
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {cpu.describe()}")
     if args.model:
         from libs.runtime import model_store
