@@ -293,7 +293,33 @@ def from_pretrained(model_dir: str, method: str, **kwargs) -> torch.nn.Module:
         if hasattr(config, attr):
             delattr(config, attr)  # transformers' quantizers would take over (and want their CUDA packages)
     weights = read_checkpoint(model_dir, method, dict(qconfig))
-    # the quantized layers' dense weights are absent from the files: transformers initialises them, then they go
-    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, **kwargs)
+    # the quantized layers' dense weights are absent from the files: transformers initialises them (and reports
+    # every packed tensor as unexpected, quieted here: the replacement below checks each one), then they go
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     replace_linears(model, weights)
+    _check_no_linear_left_random(model, model_dir)
     return model
+
+
+def _check_no_linear_left_random(model: torch.nn.Module, model_dir: str) -> None:
+    """A dense linear that is neither in the files nor replaced would serve transformers' random initialisation."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    stored: set[str] = set()
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            stored.update(f.keys())
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is model.get_input_embeddings().weight
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear and f"{name}.weight" not in stored and not (module is output and tied):
+            raise ValueError(f"{model_dir}: `{name}` is neither quantized nor stored in the checkpoint")

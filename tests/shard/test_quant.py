@@ -284,3 +284,14 @@ def test_the_model_benchmark_runs_every_way(tiny_dirs):
     assert set(rows) == {"fp32", "bf16", "w8a8", "int4", "w8a8 bf16", "int4 bf16"}
     assert all(r["tok/s@2"] > 0 for r in rows.values())
     assert rows["int4"]["weights MB"] < rows["w8a8"]["weights MB"] < rows["fp32"]["weights MB"]
+
+
+def test_a_layer_missing_from_the_checkpoint_is_an_error(tiny_dirs, tmp_path):
+    out = write(tiny_dirs["llama"], tmp_path, "awq", group=32, sym=False)
+    path = out / "quant" / "model.safetensors"
+    tensors = load_file(str(path))
+    for suffix in ("qweight", "qzeros", "scales"):
+        del tensors[f"model.layers.1.mlp.up_proj.{suffix}"]
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match="`model.layers.1.mlp.up_proj` is neither quantized nor stored"):
+        ql.from_pretrained(str(out / "quant"), "awq", dtype=torch.float32)
