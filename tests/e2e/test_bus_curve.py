@@ -110,7 +110,7 @@ def test_encrypted_bus_serves_and_only_the_key_holder_listens(curve_server, tiny
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
                 try:
-                    proc.wait(timeout=10)
+                    proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
     assert tap.returncode == 0

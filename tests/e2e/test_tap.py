@@ -46,7 +46,7 @@ class Tap:
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
         try:
-            assert self.proc.wait(timeout=10) == 0
+            assert self.proc.wait(timeout=30) == 0
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()

@@ -161,7 +161,7 @@ def test_attach_print_detach(proxy):
             ("text", 2),
         ]  # heartbeats are not on the default topics
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 0
+        assert proc.wait(timeout=30) == 0
         assert "Traceback" not in proc.stderr.read()
     finally:
         if proc.poll() is None:
