@@ -39,7 +39,7 @@ class AdapterControl:
         self.ranks = max(1, s.num_shard)
         self.wanted: dict[str, str] = dict(e.split("=", 1) for e in s.lora_adapters.split(",") if e)
         self.generations: dict[str, int] = {}  # start-up adapters have generation 0 (absent)
-        self.accepting: set[str] = set(self.wanted)
+        self.accepting: dict[str, None] = dict.fromkeys(self.wanted)  # ordered: start-up order, then loads
         self.queue: deque[LoadAdapter | UnloadAdapter] = deque()
         self.inflight: _Op | None = None
         self.ops = self.loads = 0
@@ -82,7 +82,7 @@ class AdapterControl:
         else:
             if name not in self.accepting:
                 return self._done(msg, f"The lora adapter '{name}' cannot be found.", 404)
-            self.accepting.discard(name)  # new requests are refused from now on
+            self.accepting.pop(name, None)  # new requests are refused from now on
             self.announce()
         self.queue.append(msg)
         self.tick()
@@ -136,7 +136,7 @@ class AdapterControl:
                 self.svc.log.warning("LoRA adapter %s refused: %s", name, errors[0])
                 self._done(op.msg, errors[0], 400)
             else:
-                self.accepting.add(name)
+                self.accepting[name] = None
                 self.svc.log.info("LoRA adapter %s loaded from %s", name, op.msg.path)
                 self.announce()  # before the answer: the tokenizers hear the name first
                 self._done(op.msg, None, 200)
@@ -144,7 +144,7 @@ class AdapterControl:
 
     def announce(self) -> None:
         """The names new requests may use, to http and the tokenizers (on every change and every heartbeat)."""
-        names = sorted(self.accepting)
+        names = list(self.accepting)
         self.loaded.labels(replica=str(self.svc.replica)).set(len(names))
         self.svc.events.publish(topics.lora(self.svc.replica), AdapterSet(replica=self.svc.replica, names=names))
 

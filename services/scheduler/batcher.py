@@ -273,6 +273,7 @@ class Batcher:
         new, blocks = [], {}
         for s, cached, n in picks:
             self.waiting.popleft()
+            self._count_lookup(s, cached)
             s.seq = next(self._handles)
             self.allocator.acquire(cached)
             s.blocks = cached + self.allocator.allocate(
@@ -301,13 +302,16 @@ class Batcher:
         usable = s.total - 1  # the last token must be fed: its logits give the next token
         if not s.hashes:
             extend_hashes(s.hashes, s.tokens(0, usable), usable, self.block_size, self._hash_key(s))
-        cached = self.allocator.lookup(s.hashes[: usable // self.block_size])
-        if not s.preempted:  # a recompute is not a query of the prompt's prefix
-            self.counters["prefix_queried_tokens"] += usable // self.block_size * self.block_size
-            self.counters["prefix_hit_tokens"] += len(cached) * self.block_size
-            if s.req.adapter:
-                self.counters["lora_prefix_hit_tokens"] += len(cached) * self.block_size
-        return cached
+        return self.allocator.lookup(s.hashes[: usable // self.block_size])
+
+    def _count_lookup(self, s: Sequence, cached: list[int]) -> None:
+        """The prefix counters, once per admitted sequence (a step that admits nothing looks its head up again)."""
+        if not s.hashes or s.preempted:  # no lookup was made, or a recompute: not a query of the prompt's prefix
+            return
+        self.counters["prefix_queried_tokens"] += (s.total - 1) // self.block_size * self.block_size
+        self.counters["prefix_hit_tokens"] += len(cached) * self.block_size
+        if s.req.adapter:
+            self.counters["lora_prefix_hit_tokens"] += len(cached) * self.block_size
 
     # ---- results --------------------------------------------------------------------------------
     def apply(self, result: StepResult) -> list[Emitted]:

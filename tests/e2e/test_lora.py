@@ -148,7 +148,7 @@ def test_mixed_adapters_equal_peft_and_keep_their_own_prefix_cache(lora_server, 
     got = _mixed_batch(url, want)
     total += sum(len(v) for v in got.values())
     mixed = _fresh_counters(url, total)
-    # the base rows' hits (at least: a sequence looked up in a step that admits nothing is counted again)
+    # the base rows' hits (each admitted prompt is counted once; at least these)
     assert mixed["prefix_hit_tokens"] - start["prefix_hit_tokens"] >= prompt_blocks, (start, mixed)
     assert mixed["lora_prefix_hit_tokens"] == 0, ("an adapter row was served from another model's KV", mixed)
     assert mixed["lora_generated"] == sum(len(v) for (_, name), v in got.items() if name)  # the adapters ran

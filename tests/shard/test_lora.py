@@ -337,3 +337,28 @@ def test_replacing_a_hooked_forward_is_caught(tiny_dirs, adapters):
     use_onednn(model)  # the wrong order: it replaces the forwards our hooks wrapped
     with pytest.raises(RuntimeError, match="was replaced after its adapter hook"):
         registry.check_hooks()
+
+
+def test_sync_holds_exactly_the_wanted_set(tiny_dirs, adapters, reference, tmp_path):
+    """The shard's side of hot load/unload: the scheduler's whole run-time set, applied as a diff (idempotent, so a
+    restarted shard gets the same call); a refused adapter leaves the others loaded; a new generation reloads."""
+    registry = LoraRegistry(_base(tiny_dirs["llama"]), max_loras=3, max_rank=16)
+    folders = {name: str(adapters["llama", name]) for name in ("all", "mlp")}
+    assert registry.sync(folders) == {} and registry.loaded() == ["all", "mlp"]
+    first = registry.adapters["all"]
+    assert registry.sync(folders) == {} and registry.adapters["all"] is first  # nothing reloaded
+    broken = _copy(adapters, tmp_path)
+    (broken / "adapter_model.safetensors").unlink()
+    errors = registry.sync({**folders, "bad": str(broken)})
+    assert list(errors) == ["bad"] and "adapter_model.safetensors" in errors["bad"]
+    assert registry.loaded() == ["all", "mlp"]
+    # "all" unloaded; "mlp" reloaded under its name from other weights (a new generation); "qv" added
+    errors = registry.sync({"mlp": str(adapters["llama", "qv_rs"]), "qv": str(adapters["llama", "qv_rs"])}, {"mlp": 1})
+    assert errors == {} and sorted(registry.loaded()) == ["mlp", "qv"] and "all" not in registry.adapters
+    input_ids = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(2))
+    registry.set_step(["mlp", "qv"], [10, 10])
+    with torch.no_grad():
+        ours = registry.model(input_ids=input_ids).logits
+    registry.clear_step()
+    torch.testing.assert_close(ours, _peft_logits(reference["llama"], "qv_rs", input_ids), atol=ATOL, rtol=0)
+    assert registry.sync({}) == {} and registry.loaded() == []

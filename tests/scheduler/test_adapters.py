@@ -1,0 +1,106 @@
+"""Hot load / unload as one replica's scheduler runs it (services.scheduler.adapters), without processes: the shards'
+answers are given by hand. Every rank must answer before the route's answer goes out; a refusal on one rank
+undoes the load on the others; an unload refuses new requests at once and reaches the shards only once the
+adapter's last request ended; a reload under the same name seeds its prefix hashes anew."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from libs.protocol import topics
+from libs.protocol.adapters import AdapterDone, AdapterSet, LoadAdapter, ShardAdapters, ShardAdaptersAck, UnloadAdapter
+from libs.protocol.messages import RequestError
+from libs.runtime.settings import Settings
+from services.scheduler import adapters as module
+from services.scheduler.adapters import AdapterControl
+from services.scheduler.batcher import Batcher
+from tests.scheduler.test_prefix_preempt import EOS, req, result
+
+
+class _Events:
+    def __init__(self):
+        self.sent = []
+
+    def publish(self, topic, msg):
+        self.sent.append((topic, msg))
+
+
+class _Log:
+    def info(self, *a):
+        pass
+
+    warning = info
+
+
+@pytest.fixture
+def control(monkeypatch):
+    to_shards = []
+    monkeypatch.setattr(module.bus, "send", lambda sock, msg: to_shards.append(msg))
+    settings = Settings(num_shard=2, lora_adapters="start=/adapters/start", model_id="base")
+    batcher = Batcher(40, max_batch_size=8, max_batch_prefill_tokens=256, eos_ids={EOS}, block_size=4)
+    svc = SimpleNamespace(settings=settings, replica=0, batcher=batcher, events=_Events(), plans=None, log=_Log())
+    c = AdapterControl(svc)
+    return c, svc, to_shards
+
+
+def _done(svc):
+    return [m for _, m in svc.events.sent if isinstance(m, AdapterDone)]
+
+
+def _sets(svc):
+    return [m.names for _, m in svc.events.sent if isinstance(m, AdapterSet)]
+
+
+def test_load_answers_after_every_rank(control):
+    c, svc, to_shards = control
+    c.request(LoadAdapter(op_id="x", ingress=3, name="hot", path="/adapters/hot"))
+    (msg,) = to_shards
+    assert isinstance(msg, ShardAdapters) and msg.adapters == {"start": "/adapters/start", "hot": "/adapters/hot"}
+    c.ack(ShardAdaptersAck(op=msg.op, rank=0))
+    assert _done(svc) == [] and "hot" not in c.accepting  # rank 1 has not answered
+    c.ack(ShardAdaptersAck(op=msg.op, rank=1))
+    assert _sets(svc)[-1] == ["start", "hot"]
+    assert [(t, d.op_id, d.error) for t, d in [(t, m) for t, m in svc.events.sent if isinstance(m, AdapterDone)]] == [
+        (topics.out(3), "x", None)
+    ]
+    assert svc.batcher.hash_keys == {"hot": "hot\x001"}
+    c.request(LoadAdapter(op_id="y", ingress=3, name="hot", path="/other"))
+    assert _done(svc)[-1].status == 400 and "already been loaded" in _done(svc)[-1].error
+
+
+def test_a_refusal_on_one_rank_undoes_the_load(control):
+    c, svc, to_shards = control
+    c.request(LoadAdapter(op_id="x", ingress=0, name="bad", path="/adapters/bad"))
+    op = to_shards[-1].op
+    c.ack(ShardAdaptersAck(op=op, rank=0))
+    c.ack(ShardAdaptersAck(op=op, rank=1, errors={"bad": "LoRA adapter 'bad': uses DoRA"}))
+    assert _done(svc)[-1].error == "LoRA adapter 'bad': uses DoRA" and _done(svc)[-1].status == 400
+    assert to_shards[-1].adapters == {"start": "/adapters/start"}  # rank 0 drops it again
+    assert "bad" not in c.accepting and svc.batcher.hash_keys == {}
+
+
+def test_unload_waits_for_the_adapters_requests(control):
+    c, svc, to_shards = control
+    r = req("r1", list(range(10, 19)), 2)
+    r.adapter = "start"
+    assert c.admits(r)
+    svc.batcher.add(r)
+    p = svc.batcher.plan(1)
+    c.request(UnloadAdapter(op_id="u", ingress=1, name="start"))
+    assert _sets(svc)[-1] == [] and to_shards == []  # refused from now on; the shards keep it while r1 runs
+    late = req("r2", [5, 6, 7], 2)
+    late.adapter = "start"
+    assert not c.admits(late)
+    assert any(isinstance(m, RequestError) and m.error_type == "validation" for _, m in svc.events.sent)
+    c.tick()
+    assert to_shards == []
+    svc.batcher.apply(result(p))
+    svc.batcher.apply(result(svc.batcher.plan(2)))  # r1 ends at its 2 tokens
+    c.tick()
+    (msg,) = to_shards
+    assert msg.adapters == {}
+    c.ack(ShardAdaptersAck(op=msg.op, rank=0))
+    c.ack(ShardAdaptersAck(op=msg.op, rank=1))
+    assert _done(svc)[-1].op_id == "u" and _done(svc)[-1].error is None
+    c.request(UnloadAdapter(op_id="v", ingress=1, name="start"))
+    assert _done(svc)[-1].status == 404 and _done(svc)[-1].error == "The lora adapter 'start' cannot be found."
