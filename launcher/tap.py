@@ -1,6 +1,6 @@
 """`switchyard tap` (also `python -m launcher.tap`): watch a running server's event bus, live.
 
-It is one more SUB on the router's event proxy (DESIGN §2), so attaching and detaching never
+It is one more SUB on the router's event proxy, so attaching and detaching never
 disturb the server: a PUB drops messages for a subscriber that is slow or gone, it never waits for
 one. It prints, per row:
   - token batches (tok.*): request id, offset, token id, logprob, finish reason;

@@ -123,7 +123,7 @@ def _transformers(view, levels, mixed, args) -> list[dict]:
 
 
 def scaling(out: Path, dtype: str) -> dict:
-    """Issue 6: tokenization-bound (long prompts, 1 new token) with T=1 vs 2, detokenization-bound (many short
+    """Scale-out: tokenization-bound (long prompts, 1 new token) with T=1 vs 2, detokenization-bound (many short
     streams) with K=1 vs 2, on the tiny model (whose forward costs next to nothing); and the cost of the hops
     per token: the client's inter-token gap at concurrency 1 minus the in-process decode step."""
     _, view = models.resolve("tiny")

@@ -6,7 +6,7 @@ receiver can tell at once what it got. Bulk numeric data (token ids, logprobs, o
 travel inside the msgpack body: a message lists those fields in `FRAMES`, and the codec
 (`libs.protocol.codec`) sends each as a raw little-endian array in an extra frame.
 
-Field comments say who fills a field and what it means; the flow of a request is in DESIGN.md §3.
+Field comments say who fills a field and what it means; the flow of a request is in the README's architecture section.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ class TokenBatch(Message, tag="tokens", kw_only=True):
     replica: int
     request_ids: list[str]
     opens: list[StreamOpen] = []
-    # a resync (issue 7): request ids whose detokenizer state is dropped first; the batch then holds their
+    # a resync (docs/recovery.md): request ids whose detokenizer state is dropped first; the batch then holds their
     # StreamOpen and every token from offset 0, and the detokenizer re-emits every row (http dedupes by index)
     reset: list[str] = []
     offsets: Any = None
@@ -352,7 +352,7 @@ class StopHit(Message, tag="stop_hit", kw_only=True):
 
 
 class Resync(Message, tag="resync", kw_only=True):
-    """A stream stalled or has a gap (http or a detokenizer → ctl.<replica>), issue 7.
+    """A stream stalled or has a gap (http or a detokenizer → ctl.<replica>); docs/recovery.md.
 
     The scheduler answers with its StreamOpen and every token so far (TokenBatch.reset) when it holds the
     request's tokens, re-sends Accepted when the request still waits, or answers Unknown."""
@@ -379,9 +379,9 @@ class Heartbeat(Message, tag="hb", kw_only=True):
     free_blocks: int = 0
     total_blocks: int = 0
     counters: dict[str, int] = {}  # monotonic counters of the process (steps, tokens, …)
-    # the process's own Prometheus registry in text exposition format; /metrics merges them (issue 5)
+    # the process's own Prometheus registry in text exposition format; /metrics merges them
     metrics: str = ""
-    leaving: bool = False  # the last heartbeat of a process stopping cleanly: count it gone at once (issue 7)
+    leaving: bool = False  # the last heartbeat of a process stopping cleanly: count it gone at once
 
 
 ANY_MESSAGE = (

@@ -4,7 +4,7 @@ Why this shape: every process records into its own `prometheus_client` registry;
 (`Heartbeat.metrics`, once a second) carries `exposition()`, a compact text of what it recorded;
 the http process merges the last text of every process with `Aggregator.render()` (or plain
 `merge(texts)`), summing samples with the same name and labels. So /metrics scrapes one endpoint
-for the whole server, with TGI's metric names, labels and buckets (reference §5).
+for the whole server, with TGI's metric names, labels and buckets.
 
 Use, in a service (`service.run` already calls `init` for the synchronous services):
 
@@ -87,7 +87,7 @@ class Metrics:
         def gauge(name, doc, labels=()):
             return Gauge(name, doc, labels, registry=r)
 
-        # TGI (router/src, backends/v3/src): names, labels and buckets as reference §5
+        # TGI (router/src, backends/v3/src): names, labels and buckets as TGI's
         self.request_count = counter("tgi_request_count", "Total number of requests")
         self.request_success = counter("tgi_request_success", "Number of successful requests")
         self.request_failure = counter("tgi_request_failure", "Number of failed requests", ["err"])

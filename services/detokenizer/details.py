@@ -2,7 +2,7 @@
 
 Each token is decoded alone, special tokens kept and no cleanup, as TGI's
 `batch_decode(ids, clean_up_tokenization_spaces=False, skip_special_tokens=False)` one token at a time
-(reference §7.1). A lone token may be part of a UTF-8 character; its text then holds U+FFFD, as in TGI.
+(as TGI's decode_token). A lone token may be part of a UTF-8 character; its text then holds U+FFFD, as in TGI.
 """
 
 from __future__ import annotations

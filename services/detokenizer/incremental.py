@@ -1,4 +1,4 @@
-"""Incremental, UTF-8-safe detokenization of one request's generated tokens (TGI's decode_token, reference §7.1).
+"""Incremental, UTF-8-safe detokenization of one request's generated tokens (TGI's decode_token).
 
 TGI keeps two offsets into the ids: `prefix_offset` (start of the left context, text already emitted) and
 `read_offset` (end of what has been emitted). Each token decodes ids[prefix:read] and ids[prefix:]; the

@@ -1,4 +1,4 @@
-"""Stop sequences: finding them in a request's streamed text (TGI's StopSequenceCriteria, reference §7.2)."""
+"""Stop sequences: finding them in a request's streamed text (TGI's StopSequenceCriteria)."""
 
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ class Processor:
             raise validation.ValidationError(f"tokenizer error {e}") from e
 
     def _tokenize(self, req: GenerateRequest) -> TokenizeResult:
-        """TGI's /tokenize and /chat_tokenize: no parameter validation, no truncation (reference §1.8)."""
+        """TGI's /tokenize and /chat_tokenize: no parameter validation, no truncation."""
         text, special = self._prompt(req, self._tools(req))
         encoding = self._encode(text, special)
         offsets = np.asarray(encoding.offsets, dtype=np.uint32).reshape(-1, 2)

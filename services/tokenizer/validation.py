@@ -3,7 +3,7 @@
 Two stages, because the length rules need the token ids:
 - `check_parameters` runs the checks that need no tokens, before tokenizing;
 - `resolve` truncates the ids, runs the length checks and resolves max_new_tokens and sampling.
-Each check raises `ValidationError` with TGI's exact message, in TGI's order (reference §2.2), so a request
+Each check raises `ValidationError` with TGI's exact message, in TGI's order, so a request
 that breaks two rules gets the same message TGI would give.
 """
 
@@ -62,7 +62,7 @@ def check_parameters(
 ) -> None:
     """TGI's checks that need no tokens, in TGI's order; raises ValidationError on the first failure.
 
-    Order (reference §2.2): the stream route's own refusals (server.rs, before anything), validate_best_of
+    Order: the stream route's own refusals (server.rs, before anything), validate_best_of
     (generate_best_of, before validate()), then validate() up to `truncate`. http fans best_of=N out into N
     requests that each keep best_of=N: each copy is checked here as one request, exactly as TGI checks each of
     its N generate() calls.
@@ -138,7 +138,7 @@ class Resolved(NamedTuple):
 
 
 def is_sampling(p: Parameters) -> bool:
-    """Whether the shard samples, as TGI's HeterogeneousNextTokenChooser decides (reference §7.3).
+    """Whether the shard samples, as TGI's HeterogeneousNextTokenChooser decides.
 
     A warper makes a request sample only when it changes something: temperature != 1.0, top_k != 0,
     top_p < 1.0, typical_p < 1.0. So `temperature=1.0` alone stays greedy, as in TGI (its router's looser
@@ -157,7 +157,7 @@ def resolve(p: Parameters, input_ids: list[int], *, max_input_tokens: int, max_t
     """Truncate, run TGI's length checks, resolve max_new_tokens and sampling (after check_parameters).
 
     max_new_tokens: None → max_total_tokens − input_length. TGI generates that in chunks of ≤1024 tokens
-    (auto-continuation, reference §1.3); Switchyard generates the whole budget in one go. The ≤1024 chunk is
+    (auto-continuation); Switchyard generates the whole budget in one go. The ≤1024 chunk is
     still what the MaxTotalTokens check uses, as in TGI, so the same requests pass and fail. An explicit
     max_new_tokens > 1024 can pass that check with input_length + max_new_tokens > max_total_tokens; TGI's
     continuation would then fail mid-way, we cap the request at max_total_tokens (it ends with `length`).

@@ -1,4 +1,4 @@
-"""Observability of a real server (issue 5): /metrics after known traffic, the span tree of one request
+"""Observability of a real server: /metrics after known traffic, the span tree of one request
 exported over OTLP to a collector inside the test, and --json-output logs from every process.
 
 One server for the three tests: tiny model, --json-output, --otlp-endpoint at the in-test collector

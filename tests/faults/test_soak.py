@@ -1,4 +1,4 @@
-"""Soak (issue 7): a bounded run of mixed traffic with disconnects and bad requests, the RSS and open fds of every
+"""Soak: a bounded run of mixed traffic with disconnects and bad requests, the RSS and open fds of every
 server process sampled from /proc all along. After warm-up the memory is flat, at the end nothing waits or runs
 anywhere, every KV block is free, the run directory holds the files it held before, no 5xx was answered, and every
 process is the one that started (no crash, no restart).

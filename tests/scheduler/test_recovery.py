@@ -1,5 +1,6 @@
-"""Issue 7's scheduler bookkeeping: a shard restart re-prefills what ran (nothing streamed twice), the stream
-log replays a request from offset 0 (also a while after its end), and aborted ids are remembered (no model)."""
+"""The scheduler's recovery bookkeeping (docs/recovery.md): a shard restart re-prefills what ran (nothing
+streamed twice), the stream log replays a request from offset 0 (also a while after its end), and aborted ids
+are remembered (no model)."""
 
 import time
 

@@ -1,5 +1,5 @@
 """Every TGI validation rule through the tokenizer's Processor (real tiny tokenizer): exact message and error_type,
-and TGI's order (reference §2.2): a request that breaks two rules gets the earlier one's message.
+and TGI's order: a request that breaks two rules gets the earlier one's message.
 
 Limits (conftest.LIMITS): max_input_tokens=20, max_total_tokens=30, max_stop_sequences=4, max_best_of=2,
 max_top_n_tokens=5. "hello" is 5 tokens (with <bos>); "the cat sat " * k is 5k + 3 tokens.
