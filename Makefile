@@ -34,13 +34,13 @@ serve: model
 	$(VENV)/bin/switchyard serve
 
 test: model model-gemma
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 # fault and soak tests that take minutes (tests/faults: 1,000 random client disconnects, an overload
 # flood, kill -9 of each role under load, a soak of SWITCHYARD_SOAK_MINUTES, default 3); `make test` skips them
 .PHONY: test-faults
 test-faults: model
-	SWITCHYARD_FAULTS=1 $(PY) -m pytest -q -ra tests/faults
+	SWITCHYARD_FAULTS=1 $(PY) -m pytest -q -ra --durations=10 tests/faults
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
