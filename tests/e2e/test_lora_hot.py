@@ -200,3 +200,26 @@ def test_hot_load_serve_unload_reload(server, dirs, want):
     _until(lambda: server.pid("shard") not in (0, old), "supervisord did not restart the shard", 90)
     _until(lambda: requests.get(url + "/health", timeout=5).status_code == 200, "healthy again", 120)
     assert _generate(url, PROMPT, "hot") == want[PROMPT, "second", SHORT]
+
+
+def test_hot_load_on_two_tensor_parallel_ranks(tiny_model_dir, dirs, want, tmp_path):
+    """--num-shard 2: both ranks load their slices before the route answers (the scheduler waits for both acks),
+    so the output equals peft's; a bad adapter is refused by the ranks; unload drops it from both."""
+    flags = ["--api-key", KEY, "--max-total-tokens", "512", "--max-input-tokens", "400", "--num-shard", "2"]
+    server = Server(tiny_model_dir, tmp_path / "tp.log", *flags)
+    try:
+        server.wait_healthy()
+        url = server.url
+        r = _load(url, "tp", dirs["first"])
+        assert r.status_code == 200, r.text
+        # one line per rank (the launcher relays the shards' logs a moment later)
+        _until(lambda: server.log_path.read_text().count("LoRA adapters loaded: tp") == 2, "both ranks loaded it")
+        assert _generate(url, PROMPT, "tp") == want[PROMPT, "first", SHORT]
+        assert _generate(url, PROMPT) == want[PROMPT, None, SHORT]
+        r = _load(url, "bad", dirs["dora"])
+        assert r.status_code == 400 and "uses DoRA" in r.json()["message"], r.text
+        assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "tp"}).status_code == 200
+        _until(lambda: server.log_path.read_text().count("LoRA adapters loaded: none") == 2, "both ranks dropped it")
+        assert _post(url, "/generate", {"inputs": PROMPT, "parameters": {"adapter_id": "tp"}}).status_code == 422
+    finally:
+        server.stop(clean_log=False)
