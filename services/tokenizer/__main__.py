@@ -25,6 +25,7 @@ from libs.runtime.settings import Settings
 from services.tokenizer.processor import Processor
 
 ROLE = "tokenizer"
+ANNOUNCE_WAIT_S = 2.5  # the schedulers announce their LoRA adapters with every heartbeat (1 s)
 log = logging.getLogger("switchyard.tokenizer")
 
 
@@ -72,11 +73,18 @@ class TokenizerService:
         if ids is not None:
             m.tokenized_tokens.inc(len(ids))
 
-    def _drain_events(self) -> None:
-        while self.events.sub.poll(0):
+    def _drain_events(self, req: GenerateRequest | None = None) -> None:
+        # A tokenizer that has heard no scheduler yet (just restarted) knows only the start-up adapters: a request
+        # naming another one waits for the next announcement (once a second) before it may be refused.
+        adapter = req.parameters.adapter_id if req is not None else None
+        known = (*self.settings.lora_names, self.settings.model_id)
+        wait = adapter and not self.processor.adapters.by_replica and adapter not in known
+        deadline = time.monotonic() + ANNOUNCE_WAIT_S
+        while self.events.sub.poll(max(0, int(1000 * (deadline - time.monotonic()))) if wait else 0):
             got = self.events.recv()  # LoRA adapter sets, and our own heartbeats
             if got and isinstance(got[1], AdapterSet):
                 self.processor.adapters.update(got[1])
+                wait = False
 
     def run(self) -> None:
         self.events.start()
@@ -84,7 +92,7 @@ class TokenizerService:
             if self.inbox.poll(500):
                 msg = bus.recv(self.inbox)
                 if isinstance(msg, GenerateRequest):
-                    self._drain_events()  # an adapter announced just before this request counts
+                    self._drain_events(msg)  # an adapter announced just before this request counts
                     self.handle(msg)
             self._drain_events()
             self.events.heartbeat(

@@ -139,7 +139,7 @@ def test_hot_load_serve_unload_reload(server, dirs, want):
 
     r = _load(url, "hot", dirs["first"])
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'hot' added successfully.", r.text
-    assert "LoRA adapter hot loaded from" in server.log_path.read_text()
+    _until(lambda: "LoRA adapter hot loaded from" in server.log_path.read_text(), "the scheduler's log line")
     assert _generate(url, PROMPT, "hot") == want[PROMPT, "first", SHORT]
     assert _generate(url, PROMPT) == want[PROMPT, None, SHORT]
     models = [m["id"] for m in requests.get(url + "/v1/models", timeout=10).json()["data"]]
@@ -199,6 +199,13 @@ def test_hot_load_serve_unload_reload(server, dirs, want):
     os.kill(old, signal.SIGKILL)
     _until(lambda: server.pid("shard") not in (0, old), "supervisord did not restart the shard", 90)
     _until(lambda: requests.get(url + "/health", timeout=5).status_code == 200, "healthy again", 120)
+    assert _generate(url, PROMPT, "hot") == want[PROMPT, "second", SHORT]
+
+    # a restarted tokenizer learns the run-time adapters from the schedulers' announcements (the request waits in
+    # http while it restarts, then in the tokenizer for the announcement: never a 422)
+    old = server.pid("tokenizer")
+    os.kill(old, signal.SIGKILL)
+    _until(lambda: server.pid("tokenizer") not in (0, old), "supervisord did not restart the tokenizer", 90)
     assert _generate(url, PROMPT, "hot") == want[PROMPT, "second", SHORT]
 
 
