@@ -204,9 +204,14 @@ def _sampling(temperature: float | None) -> tuple[bool, float | None]:
     return True, temperature
 
 
+# `model` values that mean the base model: none, TGI's documented "tgi", and "dummy", the placeholder that
+# huggingface_hub's InferenceClient sends when it was given a URL instead of a model id
+BASE_MODEL_NAMES = (None, "", "tgi", "dummy")
+
+
 def adapter(model: str | None, model_id: str) -> str | None:
     """TGI sends `model` on as adapter_id unless it is "tgi"; naming the served model is no adapter either."""
-    return None if model in (None, "", "tgi", model_id) else model
+    return None if model in BASE_MODEL_NAMES or model == model_id else model
 
 
 def _format(response_format: dict | None) -> dict | None:

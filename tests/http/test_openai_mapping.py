@@ -230,3 +230,11 @@ def test_auto_streams_content_that_does_not_start_a_call():
     with pytest.raises(Failure) as e:
         stream(['{"function": {"_na'], auto=False)  # cut by max_tokens
     assert e.value.error_type == "tool_error"
+
+
+def test_model_names_that_mean_the_base_model():
+    from services.http.openai_schemas import adapter
+
+    for model in (None, "", "tgi", "dummy", "org/served"):  # dummy: huggingface_hub's placeholder for "no model"
+        assert adapter(model, "org/served") is None, model
+    assert adapter("my-lora", "org/served") == "my-lora"
