@@ -17,6 +17,7 @@ from aiohttp import web
 
 from libs.protocol.messages import GenerateRequest
 from libs.runtime.settings import Settings
+from services.http import openai_responses as oar
 from services.http import openai_schemas as oa
 from services.http import openai_tools
 from services.http.adapters import check_model
@@ -35,7 +36,7 @@ def _error(e: Failure) -> web.Response:
     return error_response(e, charset=None)  # these routes' JSON errors have always gone without a charset
 
 
-def _tool_chunks(env: oa.Envelope, tools: openai_tools.ToolStream, row, logprobs: bool, call_id: str) -> list:
+def _tool_chunks(env: oar.Envelope, tools: openai_tools.ToolStream, row, logprobs: bool, call_id: str) -> list:
     """A token of a chat with tools → its chunks: content, or TGI's tool-call deltas (none while the answer's start
     is held); the finish reason goes on the last chunk of the last token only."""
     chunks = []
@@ -92,7 +93,7 @@ class OpenAIRoutes:
         except Failure as e:
             return _error(e)
         model = body.model if body.model not in (None, "tgi") else self.settings.model_id
-        env = oa.Envelope(model, FINGERPRINT)
+        env = oar.Envelope(model, FINGERPRINT)
         logprobs = bool(body.logprobs)
         if body.stream:
             return await self._chat_stream(request, body, wire, env, logprobs, tool_mode)
@@ -110,7 +111,7 @@ class OpenAIRoutes:
         headers = timing_headers(timing, body.characters, final)
         return json_response(env.chat_completion(rows, logprobs, tool_calls), headers)
 
-    async def _chat_stream(self, request, body: oa.ChatRequest, wire, env: oa.Envelope, logprobs: bool, tool_mode):
+    async def _chat_stream(self, request, body: oa.ChatRequest, wire, env: oar.Envelope, logprobs: bool, tool_mode):
         response = None
         tools = None if tool_mode is None else openai_tools.ToolStream(auto=tool_mode == "auto")
         call_id = openai_tools.next_call_id(body.messages)
@@ -157,7 +158,7 @@ class OpenAIRoutes:
         params = oa.completion_parameters(body, self.settings.model_id)
         # add_special_tokens stays True, as TGI's completions
         wires = [bus_request(request, self.ingress.index, params, inputs=p, stream=body.stream) for p in body.prompts]
-        env = oa.Envelope(self.settings.model_id, FINGERPRINT)
+        env = oar.Envelope(self.settings.model_id, FINGERPRINT)
         if body.stream:
             return await self._completion_stream(request, body, wires, env)
         timings = [Timing(start=time.monotonic()) for _ in wires]
@@ -172,7 +173,7 @@ class OpenAIRoutes:
         )
         return json_response(env.completion(list(zip(body.prompts, results)), bool(body.echo)), headers)
 
-    async def _completion_stream(self, request, body: oa.CompletionRequest, wires, env: oa.Envelope):
+    async def _completion_stream(self, request, body: oa.CompletionRequest, wires, env: oar.Envelope):
         """The prompts' streams interleaved as their tokens come; one [DONE] at the end."""
         response = await open_stream(request, "".join(w.inputs for w in wires))
         queue: asyncio.Queue = asyncio.Queue()
@@ -218,4 +219,4 @@ class OpenAIRoutes:
         except Failure as e:
             return _error(e)
         tokens = simple_tokens(result.text, result.ids, result.starts, result.stops)
-        return json_response(oa.ChatTokenizeResponse(tokens, result.text))
+        return json_response(oar.ChatTokenizeResponse(tokens, result.text))

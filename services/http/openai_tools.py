@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from services.http.errors import Failure
-from services.http.openai_schemas import ToolCall, ToolCallFunction
+from services.http.openai_responses import ToolCall, ToolCallFunction
 
 # The head of a call, up to the character after the name: `,` (arguments follow) or `}` (none).
 HEAD = re.compile(r'\s*\{\s*"function"\s*:\s*\{\s*"_name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*([,}])')

@@ -11,6 +11,7 @@ import msgspec
 
 from libs.runtime.settings import Settings
 from services.http import errors
+from services.http import openai_responses as oar
 from services.http import openai_schemas as oa
 from services.http import tgi_schemas as tgi
 from services.http.middleware import PROTECTED
@@ -28,13 +29,13 @@ TYPES = (
     oa.ChatMessage,  # the shape of ChatRequest.messages, which pass on as sent
     oa.Tool,  # of ChatRequest.tools, likewise
     oa.CompletionRequest,
-    oa.ChatCompletion,
-    oa.ChatCompletionChunk,
-    oa.ChatCompletionDelta,  # the two shapes of ChatCompletionChunk's delta
-    oa.ChatCompletionToolDelta,
-    oa.Completion,
-    oa.CompletionChunk,
-    oa.ChatTokenizeResponse,
+    oar.ChatCompletion,
+    oar.ChatCompletionChunk,
+    oar.ChatCompletionDelta,  # the two shapes of ChatCompletionChunk's delta
+    oar.ChatCompletionToolDelta,
+    oar.Completion,
+    oar.CompletionChunk,
+    oar.ChatTokenizeResponse,
     errors.ErrorResponse,
     errors.OpenAIStreamError,
 )

@@ -63,7 +63,7 @@ class GrammarType(msgspec.Struct):
     value: Any
 
 
-GbnfText = Annotated[str, msgspec.Meta(description="A GBNF grammar (llama.cpp's), e.g. `root ::= \"yes\" | \"no\"`")]
+GbnfText = Annotated[str, msgspec.Meta(description='A GBNF grammar (llama.cpp\'s), e.g. `root ::= "yes" | "no"`')]
 
 
 class GenerateParameters(msgspec.Struct, kw_only=True):

@@ -268,11 +268,12 @@ def test_info_models_health_docs():
 
     (si, info), (sm, models), *health, (sd, docs), (sx, _) = run(scenario())
     info = json.loads(info)
+    # TGI's fields in TGI's order; model_dtype is ours, after them
     assert list(info) == [
         "model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of", "max_stop_sequences",
         "max_input_tokens", "max_total_tokens", "validation_workers", "max_client_batch_size", "router", "version",
         "sha", "docker_label", "model_dtype",
-    ]  # fmt: skip  (TGI's fields in TGI's order; model_dtype is ours, after them)
+    ]  # fmt: skip
     assert (info["model_id"], info["model_sha"], info["version"]) == ("org/tiny", "abc", "3.3.6-dev0")
     assert info["model_dtype"] == "auto"  # what the settings say: the launcher puts its resolved choice there
     assert json.loads(models) == {

@@ -1,0 +1,255 @@
+"""OpenAI's responses as TGI writes them: the completion and chunk structs and their builders (`Envelope`).
+
+These structs are what the routes (services.http.openai_api) encode and what the OpenAPI document
+(services.http.openapi) is generated from, so the two cannot drift apart. Field order is the order written on
+the wire. The requests and their mapping to TGI's parameters are in services.http.openai_schemas.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import msgspec
+
+from libs.protocol.messages import FinalInfo, TextRow
+from services.http.openai_schemas import REF
+from services.http.tgi_schemas import SimpleToken, clean_logprob, token_rows
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionTopLogprob(msgspec.Struct):
+    token: str
+    logprob: float | None
+
+
+class ChatCompletionLogprob(msgspec.Struct):
+    token: str
+    logprob: float | None
+    top_logprobs: list[ChatCompletionTopLogprob]
+
+
+class ChatCompletionLogprobs(msgspec.Struct):
+    content: list[ChatCompletionLogprob]
+
+
+class ToolCallFunction(msgspec.Struct):
+    description: str | None
+    name: str
+    arguments: str  # a JSON text, as TGI
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    type: str
+    function: ToolCallFunction
+
+
+class OutputMessage(msgspec.Struct, kw_only=True):
+    """The answer: its content, or (a tool was called) its tool calls and no content key, as TGI."""
+
+    role: str
+    content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatCompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: OutputMessage
+    logprobs: ChatCompletionLogprobs | None  # only with `logprobs`
+    finish_reason: str
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True, tag_field="object", tag="chat.completion"):
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class DeltaFunction(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    arguments: str
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True):
+    index: int
+    id: str
+    type: str
+    function: DeltaFunction
+
+
+class ChatCompletionDelta(msgspec.Struct, kw_only=True):
+    """A content delta: every key is written, `tool_calls: null` too (tool calls stream as ChatCompletionToolDelta)."""
+
+    # (the `text-generation` client requires tool_calls; TGI itself streams tool calls as tool_calls deltas)
+    role: str
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatCompletionToolDelta(msgspec.Struct, kw_only=True):
+    """A tool call's piece, as TGI streams it: no `content` key; the first names the function (arguments `{`),
+    the next ones have `name: null` and the arguments text as it comes."""
+
+    role: str
+    tool_calls: list[DeltaToolCall]
+
+
+# a content delta or a tool call's (untagged, as TGI's): documented as either struct
+Delta = Annotated[
+    Any,
+    msgspec.Meta(
+        extra_json_schema={
+            "anyOf": [
+                {"$ref": REF.format(name="ChatCompletionDelta")},
+                {"$ref": REF.format(name="ChatCompletionToolDelta")},
+            ]
+        }
+    ),
+]
+
+
+class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: Delta  # ChatCompletionDelta | ChatCompletionToolDelta
+    logprobs: ChatCompletionLogprobs | None
+    finish_reason: str | None  # on the last token's chunk only
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True, tag_field="object", tag="chat.completion.chunk"):
+    """One token; or, last with `stream_options.include_usage`, no choices and the usage."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: Usage | None
+
+
+class CompletionComplete(msgspec.Struct, kw_only=True):
+    index: int  # the prompt's
+    text: str
+    logprobs: None = None  # always null, as TGI
+    finish_reason: str
+
+
+class Completion(msgspec.Struct, kw_only=True, tag_field="object", tag="text_completion"):
+    """One choice per prompt, in prompt order; usage summed over the prompts."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionComplete]
+    usage: Usage
+
+
+class CompletionChunk(msgspec.Struct, kw_only=True, tag_field="object", tag="text_completion"):
+    """One token of one prompt. `finish_reason` is "" until the prompt's last chunk, which carries the finish
+    reason (not mapped to "stop") and the usage."""
+
+    # the key order differs from Completion's (choices before system_fingerprint), as it always has
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionComplete]
+    system_fingerprint: str
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatTokenizeResponse(msgspec.Struct):
+    tokenize_response: list[SimpleToken]
+    templated_text: str
+
+
+def openai_finish(reason: str) -> str:
+    """TGI's FinishReason::format(true): only eos_token becomes "stop"."""
+    return "stop" if reason == "eos_token" else reason
+
+
+def usage(final: FinalInfo) -> Usage:
+    return Usage(final.input_length, final.generated_tokens, final.input_length + final.generated_tokens)
+
+
+def token_logprob(row: TextRow) -> ChatCompletionLogprob:
+    tops = [ChatCompletionTopLogprob(t.text, clean_logprob(t.logprob)) for t in row.top_tokens]
+    return ChatCompletionLogprob(row.text, clean_logprob(row.logprob), tops)
+
+
+class Envelope:
+    """What every response of one request repeats: id, created, model, system_fingerprint."""
+
+    def __init__(self, model: str, fingerprint: str):
+        self.model, self.fingerprint = model, fingerprint
+
+    def head(self) -> dict:
+        # TGI's id is always ""; created is unix seconds at the time of writing
+        return {"id": "", "created": int(time.time()), "model": self.model, "system_fingerprint": self.fingerprint}
+
+    def chat_completion(self, rows: list[TextRow], logprobs: bool, tool_calls: list[ToolCall] | None = None):
+        final = rows[-1].final
+        if tool_calls is not None:
+            message = OutputMessage(role="assistant", tool_calls=tool_calls)
+        else:
+            message = OutputMessage(role="assistant", content=final.generated_text)
+        choice = ChatCompletionChoice(
+            index=0,
+            message=message,
+            logprobs=ChatCompletionLogprobs([token_logprob(r) for r in token_rows(rows)]) if logprobs else None,
+            finish_reason=openai_finish(final.finish_reason),
+        )
+        return ChatCompletion(**self.head(), choices=[choice], usage=usage(final))
+
+    def chat_chunk(self, row: TextRow, logprobs: bool, content: str | None = None) -> ChatCompletionChunk:
+        """One token as TGI streams it: a special token's content is "" (`content`: the text to send instead)."""
+        if content is None:
+            content = "" if row.special else row.text
+        delta = ChatCompletionDelta(role="assistant", content=content)
+        lp = None
+        if logprobs and row.token_id >= 0:
+            lp = ChatCompletionLogprobs([token_logprob(row)])
+        finish = openai_finish(row.final.finish_reason) if row.final is not None else None
+        choice = ChatCompletionChunkChoice(index=0, delta=delta, logprobs=lp, finish_reason=finish)
+        return ChatCompletionChunk(**self.head(), choices=[choice], usage=None)
+
+    def tool_chunk(self, row: TextRow, call_id: str, name: str | None, arguments: str) -> ChatCompletionChunk:
+        """A tool call's piece (TGI's tool delta); the stream's last one carries the finish reason."""
+        call = DeltaToolCall(
+            index=0, id=call_id, type="function", function=DeltaFunction(name=name, arguments=arguments)
+        )
+        delta = ChatCompletionToolDelta(role="assistant", tool_calls=[call])
+        finish = openai_finish(row.final.finish_reason) if row.final is not None else None
+        choice = ChatCompletionChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish)
+        return ChatCompletionChunk(**self.head(), choices=[choice], usage=None)
+
+    def usage_chunk(self, final: FinalInfo) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**self.head(), choices=[], usage=usage(final))
+
+    def completion(self, results: list[tuple[str, list[TextRow]]], echo: bool) -> Completion:
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for index, (prompt, rows) in enumerate(results):
+            final = rows[-1].final
+            text = prompt + final.generated_text if echo else final.generated_text
+            choices.append(CompletionComplete(index=index, text=text, finish_reason=openai_finish(final.finish_reason)))
+            prompt_tokens += final.input_length
+            completion_tokens += final.generated_tokens
+        total = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+        return Completion(**self.head(), choices=choices, usage=total)
+
+    def completion_chunk(self, index: int, row: TextRow, prefix: str = "") -> CompletionChunk:
+        final = row.final
+        choice = CompletionComplete(index=index, text=prefix + row.text, finish_reason="")
+        out = CompletionChunk(**self.head(), choices=[choice])
+        if final is not None:
+            choice.finish_reason = final.finish_reason
+            out.usage = usage(final)
+        return out
