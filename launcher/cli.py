@@ -19,17 +19,16 @@ CURVE (launcher/bus_flags.py).
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import shutil
 import sys
 from pathlib import Path
 
-from launcher import bench, bus_flags, keygen, lora_flags, quantize, rundir, supervise, tap
+from launcher import bench, bus_flags, keygen, quantize, rundir, supervise, tap
+from launcher.serve_settings import IGNORED, check_lora_adapters, settings_from
 from libs.protocol import Addresses
 from libs.runtime import cpu, model_store
-from libs.runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("router", "scheduler", "shard", "tokenizer", "detokenizer", "http")  # supervisord.conf's programs
@@ -60,22 +59,6 @@ def _env_sharded() -> bool | None:
         return None if raw is None else _bool_value(raw)
     except argparse.ArgumentTypeError as e:
         raise SystemExit(f"error: SHARDED: {e}") from None
-
-
-# TGI flags that are accepted so a TGI command line runs unchanged, but do nothing here (yet):
-# (name, type or "flag", TGI's default, what it does in TGI). A value other than the default is logged.
-IGNORED = [
-    ("speculate", int, None, "speculative decoding (n-gram/medusa); tokens are generated one at a time"),
-    ("kv-cache-dtype", str, None, "fp8 KV cache; the KV cache uses --dtype"),
-    ("trust-remote-code", "flag", False, "custom model code from the Hub; only transformers' own architectures run"),
-    ("max-waiting-tokens", int, 20, "how long waiting requests wait before joining; here they join every step"),
-    ("waiting-served-ratio", float, 0.3, "when waiting requests force a prefill; here new prefills join every step"),
-    ("cuda-graphs", str, None, "CUDA graph batch sizes; no CUDA graphs are captured"),
-    ("cuda-memory-fraction", float, 1.0, "GPU memory share; the KV cache is sized by --max-batch-total-tokens"),
-    ("disable-custom-kernels", "flag", False, "no custom kernels are used anyway"),
-    ("prometheus-port", int, 9000, "a separate metrics port; metrics are served on /metrics of --port"),
-    ("usage-stats", str, "on", "telemetry; none is ever sent"),
-]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,138 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _dtype(requested: str, model_path: Path) -> str:
-    """The serving dtype, chosen here once (so /info can say it) by the rule in libs/runtime/cpu.py."""
-    import torch  # not at import time: `switchyard tap --help` should not pay for torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        choice = cpu.choose_dtype(requested, cpu.checkpoint_dtype(model_path), device)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    where = cpu.describe() if device == "cpu" else torch.cuda.get_device_name(0)
-    log.info("dtype %s: %s (%s)", choice.dtype, choice.reason, where)
-    return choice.dtype
-
-
-def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
-    """Derive TGI's limits the way its launcher does, checking they are consistent."""
-    if args.max_input_tokens is not None and args.max_input_length is not None:
-        raise SystemExit("error: --max-input-tokens and --max-input-length are the same flag: give one")
-    info = model_store.model_info(model_path)
-    max_total = args.max_total_tokens or min(4096, info.get("max_position_embeddings") or 4096)
-    max_input = args.max_input_tokens or args.max_input_length or max_total - 1
-    prefill = args.max_batch_prefill_tokens or max(4096, max_input)
-    total = args.max_batch_total_tokens or max(65536, max_total)
-    if max_input >= max_total:
-        raise SystemExit(f"error: max_input_tokens ({max_input}) must be < max_total_tokens ({max_total})")
-    if prefill < max_input:
-        raise SystemExit(f"error: max_batch_prefill_tokens ({prefill}) must be >= max_input_tokens ({max_input})")
-    if total < max_total:
-        raise SystemExit(f"error: max_batch_total_tokens ({total}) must be >= max_total_tokens ({max_total})")
-    hostname = args.hostname
-    try:
-        ipaddress.ip_address(hostname)
-    except ValueError:  # as TGI: HOSTNAME is often a machine name (Docker sets it), not an address
-        log.warning("hostname %r is not an IP address; listening on 0.0.0.0", hostname)
-        hostname = "0.0.0.0"
-    if args.num_shard < 1:
-        raise SystemExit("error: --num-shard must be at least 1")
-    if args.sharded is False and args.num_shard > 1:
-        raise SystemExit("error: --sharded false is incompatible with --num-shard > 1")
-    if args.sharded and args.num_shard == 1:  # TGI would count the GPUs; we need to be told
-        raise SystemExit("error: --sharded true needs --num-shard > 1")
-    for name in ("replicas", "tokenizer_workers", "detokenizer_workers", "http_workers"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1")
-    if args.validation_workers < 1:
-        raise SystemExit("error: `validation_workers` must be > 0")
-    curve_secret, curve_public = bus_flags.curve_keys(args.bus_curve_secret_key, args.bus_curve_public_key)
-    lora_adapters = _lora_adapters(args)
-    try:
-        quantization = quantize.resolve(args.quantize, model_path)
-    except quantize.QuantizeError as e:
-        raise SystemExit(f"error: {e}") from None
-    if quantization and args.num_shard > 1:
-        raise SystemExit("error: --quantize with --num-shard > 1 is not supported yet (scales are not split)")
-    for name, _, default, _ in IGNORED:
-        value = getattr(args, name.replace("-", "_"))
-        if value != default:
-            log.warning("--%s is accepted for compatibility and ignored", name)
-    return Settings(
-        model_path=str(model_path),
-        model_id=args.model_id or model_store.DEFAULT_MODEL_NAME,
-        dtype=_dtype(args.dtype, model_path),
-        quantize=quantization or "",
-        hostname=hostname,
-        port=args.port,
-        max_concurrent_requests=args.max_concurrent_requests,
-        max_best_of=args.max_best_of,
-        max_stop_sequences=args.max_stop_sequences,
-        max_input_tokens=max_input,
-        max_total_tokens=max_total,
-        max_batch_prefill_tokens=prefill,
-        max_batch_total_tokens=total,
-        max_batch_size=args.max_batch_size,
-        shard_stall_timeout=args.shard_stall_timeout,
-        replicas=args.replicas,
-        num_shard=args.num_shard,
-        tokenizer_workers=args.tokenizer_workers,
-        detokenizer_workers=args.detokenizer_workers,
-        http_workers=args.http_workers,
-        max_client_batch_size=args.max_client_batch_size,
-        validation_workers=args.validation_workers,
-        max_top_n_tokens=args.max_top_n_tokens,
-        payload_limit=args.payload_limit,
-        api_key=args.api_key or "",
-        cors_allow_origin=_origins(args.cors_allow_origin),
-        watermark_gamma=args.watermark_gamma,
-        watermark_delta=args.watermark_delta,
-        chat_template=_chat_template(args.chat_template),
-        disable_grammar_support=args.disable_grammar_support,
-        json_output=args.json_output,
-        otlp_endpoint=args.otlp_endpoint or "",
-        otlp_service_name=args.otlp_service_name,
-        bus=bus_flags.bus_address(args.bus_address),  # "" until serve() names the run directory
-        curve_secret_key=curve_secret,
-        curve_public_key=curve_public,
-        lora_adapters=lora_adapters,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-    )
-
-
-def _check_lora_adapters(settings: Settings) -> None:
-    """Each adapter read against the model's layers now (a DoRA adapter, one of another model, a rank above
-    --max-lora-rank): exit 1 with the reason instead of shards that fail to start."""
-    if not settings.lora_adapters:
-        return
-    from services.shard.lora_adapter import AdapterError, check_adapters
-
-    folders = dict(entry.split("=", 1) for entry in settings.lora_adapters.split(","))
-    try:
-        check_adapters(settings.model_path, folders, max_rank=settings.max_lora_rank)
-    except AdapterError as e:
-        raise SystemExit(f"error: {e}") from None
-
-
-def _lora_adapters(args: argparse.Namespace) -> str:
-    """`--lora-adapters` resolved to local folders before any service starts (a Hub adapter is downloaded now),
-    as Settings carries them: "name=/folder,…"; a malformed entry or a missing adapter stops the launcher."""
-    if args.max_loras < 1 or args.max_lora_rank < 1:
-        raise SystemExit("error: --max-loras and --max-lora-rank must be at least 1")
-    try:
-        specs = lora_flags.from_flag_or_env(args.lora_adapters)
-        if len(specs) > args.max_loras:
-            raise lora_flags.LoraFlagError(f"{len(specs)} LoRA adapters given, more than --max-loras {args.max_loras}")
-        folders = lora_flags.resolve_all(specs)
-    except lora_flags.LoraFlagError as e:
-        raise SystemExit(f"error: {e}") from None
-    if any("," in str(f) or "=" in name for name, f in folders.items()):
-        raise SystemExit("error: a LoRA adapter's name or folder contains `,` or `=`, which --lora-adapters reserves")
-    return ",".join(f"{name}={folder}" for name, folder in folders.items())
-
-
 def programs(args: argparse.Namespace) -> dict[str, int]:
     """How many processes each supervisord program runs here (0: not on this host)."""
     only = [r.strip() for r in (args.only or ",".join(ROLES)).split(",") if r.strip()]
@@ -333,27 +184,6 @@ def programs(args: argparse.Namespace) -> dict[str, int]:
         "http": args.http_workers,
     }
     return {role: n if role in only else 0 for role, n in counts.items()}
-
-
-def _origins(given: list[str] | None) -> str:
-    """The origins, comma-joined as Settings holds them: repeated flags, or the environment's comma list."""
-    values = given if given is not None else [_env("cors-allow-origin", "")]
-    return ",".join(o.strip() for v in values for o in v.split(",") if o.strip())
-
-
-def _chat_template(value: str | None) -> str:
-    """A template given inline, or the content of the file it names."""
-    if not value:
-        return ""
-    path = Path(value)
-    try:
-        if path.is_file():
-            return path.read_text(encoding="utf-8")
-    except OSError:  # e.g. a template so long it is not a valid path
-        pass
-    if "{" not in value and ("/" in value or value.endswith((".jinja", ".j2", ".txt"))):
-        raise SystemExit(f"error: --chat-template {value!r}: no such file")
-    return value
 
 
 def _free_ports(n: int) -> int:
@@ -380,7 +210,7 @@ def serve(args: argparse.Namespace) -> int:
     except model_store.ModelNotAvailableError as e:
         raise SystemExit(f"error: {e}") from None
     settings = settings_from(args, model_path)
-    _check_lora_adapters(settings)
+    check_lora_adapters(settings)
     counts = programs(args)
     bus_flags.check(settings, counts)
     for stale in rundir.remove_stale():  # only servers provably dead: their lock is free (launcher/rundir.py)

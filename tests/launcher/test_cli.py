@@ -153,7 +153,7 @@ def test_dtype_is_chosen_once_by_the_launcher_and_logged(tmp_path, caplog):
     import json
     import logging
 
-    from launcher.cli import _dtype
+    from launcher.serve_settings import _dtype
     from libs.runtime import cpu
 
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
