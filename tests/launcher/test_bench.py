@@ -174,7 +174,8 @@ def test_bench_smoke_end_to_end(tmp_path):
     assert set(fixed) == {1, 2}
     for c, r in fixed.items():  # the no-EOS view makes every request run to exactly max_new_tokens
         assert r["errors"] == 0 and r["output_tokens"] == c * 5, r
-        assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0
+        # tokens read in one burst (a loaded machine) have 0 ms gaps: the ITL is measured, not necessarily > 0
+        assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] >= 0
     mixed = [r for r in results["runs"] if r["workload"] == "mixed"]
     assert len(mixed) == 1 and mixed[0]["errors"] == 0 and mixed[0]["requests"] == 4
     assert (out / "results.png").stat().st_size > 10_000
