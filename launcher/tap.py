@@ -184,7 +184,11 @@ def run(args: argparse.Namespace) -> int:
     prefixes = [p.encode() for p in (args.topic or DEFAULT_TOPICS)]
     sub, pub = attach(bus_spec, prefixes, args.timeout, curve_from(args.curve_public_key))
     out = sys.stdout
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill detaches as cleanly as Ctrl-C
+    # Ctrl-C and a kill detach cleanly, also when our parent started us with SIGINT ignored or blocked (both are
+    # inherited across exec, and Python then installs no handler: seen when started from a long test session)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         print(f"# attached to {bus_spec} (topics: {', '.join(p.decode() for p in prefixes)})", file=sys.stderr)
         while True:

@@ -144,10 +144,19 @@ def _proxy(a, b):
         pass
 
 
-def test_attach_print_detach(proxy):
+def _sigint_ignored_and_blocked() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+@pytest.mark.parametrize("parent", ["plain", "sigint-ignored"])
+def test_attach_print_detach(proxy, parent):
+    """Also when started with SIGINT ignored and blocked (both survive exec; a long test session's taps once
+    never detached): the tap installs its own handler."""
     bus, pub = proxy
     cmd = [sys.executable, "-m", "launcher.tap", "--bus", bus, "--json"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pre = _sigint_ignored_and_blocked if parent == "sigint-ignored" else None
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=pre)
     try:
         assert "# attached to" in proc.stderr.readline()  # the subscription is confirmed from here on
         pub.send_multipart(codec.encode_pub(topics.tok(0), token_batch()))
