@@ -45,7 +45,12 @@ class Liveness:
         none was ever heard. Meaningful while none is alive."""
         gone = [t + STALE_AFTER for (r, _), (t, _) in self._seen.items() if r == role]
         gone += [t for (r, _), t in self._left.items() if r == role]
-        return max(gone, default=self.since)
+        return max([*gone, self.since])
+
+    def resume(self) -> None:
+        """This view missed time (its process was starved or stopped): what it knows is old, so it starts over,
+        as at start: a role with no live process is awaited for RESTART_WAIT_S instead of missing at once."""
+        self.since = time.monotonic()
 
     def wait_left(self, role: str) -> float:
         """Seconds that work needing `role` should still wait for one to be heard (0.0: do not wait: one is

@@ -11,6 +11,7 @@ from __future__ import annotations
 # -- liveness (every process) --
 HEARTBEAT_S = 1.0  # every process publishes a heartbeat this often
 STALE_AFTER = 3.0  # seconds without a heartbeat before a process counts as gone (a heartbeat lifetime)
+VIEW_STALL_S = 1.5  # a loop turn this late (it polls every 0.5 s) means its view of the heartbeats missed time
 TP_PEER_STALE_S = 5.0  # a tensor-parallel rank silent this long is gone (its own, faster side channel)
 # A role lost less than this long ago (its last process went stale or left, or the view is younger) is taken
 # for restarting: a request that needs it waits for it (http: a tokenizer; the router: a detokenizer and a

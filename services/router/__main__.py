@@ -20,6 +20,7 @@ from libs.protocol.messages import Accepted, Heartbeat, RequestError, TokenizedR
 from libs.runtime import bus, metrics, service, tracing
 from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
+from libs.runtime.timeouts import VIEW_STALL_S
 from services.router.placement import Placement
 
 ROLE = "router"
@@ -143,23 +144,38 @@ class Router:
             self._states[key] = state
             log.info("%s.%d is up (pid %d)%s", hb.role, hb.index, hb.pid, "" if hb.ready else ", not ready yet")
 
+    def _read_heartbeats(self, most: int = 10_000) -> None:
+        """Every heartbeat that waits, before any request is placed: a router that was starved or stopped for a
+        heartbeat lifetime would otherwise judge a live peer gone on a view it has not read yet, and fail the
+        request with "No detokenizer is available" (seen after SIGSTOP/SIGCONT of the router)."""
+        for _ in range(most):
+            if not self.events.sub.poll(0):
+                return
+            got = self.events.recv()
+            if got and isinstance(got[1], Heartbeat):
+                self._log_change(got[1])
+                self.liveness.record(got[1])
+                self.placement.observe(got[1])
+
     def run(self) -> None:
         self.events.start()
         poller = zmq.Poller()
         poller.register(self.admit, zmq.POLLIN)
         poller.register(self.events.sub, zmq.POLLIN)
+        last_turn = time.monotonic()
         while True:
-            for sock, _ in poller.poll(500):
-                if sock is self.admit:
-                    msg = bus.recv(self.admit)
-                    if isinstance(msg, TokenizedRequest):
-                        self.place(msg)
-                else:
-                    got = self.events.recv()
-                    if got and isinstance(got[1], Heartbeat):
-                        self._log_change(got[1])
-                        self.liveness.record(got[1])
-                        self.placement.observe(got[1])
+            ready = dict(poller.poll(500))
+            now = time.monotonic()
+            if now - last_turn > VIEW_STALL_S:  # starved or stopped: the heartbeats we hold are old news
+                log.info("the router's loop stalled %.1f s: its view of the processes starts over", now - last_turn)
+                self.liveness.resume()
+            last_turn = now
+            if self.events.sub in ready:
+                self._read_heartbeats()
+            if self.admit in ready:
+                msg = bus.recv(self.admit)
+                if isinstance(msg, TokenizedRequest):
+                    self.place(msg)
             self._place_held()
             self.events.heartbeat(counters={f"placed_replica_{r}": n for r, n in enumerate(self.placed)})
 

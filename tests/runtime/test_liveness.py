@@ -54,3 +54,16 @@ def test_a_lost_role_is_awaited_for_the_wait_after_its_loss(lost):
     assert not lv.awaited("tokenizer")
     age(lv, STALE_AFTER + RESTART_WAIT_S)  # it too is gone, for longer than the wait: missing, not awaited
     assert not lv.alive("tokenizer") and not lv.awaited("tokenizer")
+
+
+def test_a_view_that_missed_time_starts_over():
+    """A router stopped (SIGSTOP) or starved for longer than a heartbeat lifetime holds only old heartbeats: its
+    live detokenizer looks long gone. After resume() it is awaited again, so a request waits for the next beat."""
+    lv = Liveness()
+    lv.record(Heartbeat(role="detokenizer", index=0, pid=1))
+    age(lv, STALE_AFTER + RESTART_WAIT_S + 1.0)  # the process slept through its peers' heartbeats
+    assert not lv.alive("detokenizer") and not lv.awaited("detokenizer")  # would fail the request at once
+    lv.resume()
+    assert lv.awaited("detokenizer")
+    lv.record(Heartbeat(role="detokenizer", index=0, pid=1))  # the beats that queued up while it slept
+    assert lv.alive("detokenizer") and not lv.awaited("detokenizer")
