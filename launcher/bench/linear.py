@@ -12,17 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections import Counter
 
-
-def _median_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
+from launcher.bench.timing import median_ms
 
 
 def measure(model_dir: str, batches: list[int], rounds: int = 5) -> list[dict]:
@@ -65,7 +57,7 @@ def measure(model_dir: str, batches: list[int], rounds: int = 5) -> list[dict]:
                 fn()
             for _ in range(rounds):  # interleaved: both see the same load
                 for name, fn in ways.items():
-                    got[name].append(_median_ms(fn, reps))
+                    got[name].append(median_ms(fn, reps))
             med = {name: statistics.median(v) for name, v in got.items()}
             for name in total:
                 total[name] += med[name] * count

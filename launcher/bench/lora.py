@@ -14,19 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+
+from launcher.bench.timing import median_ms
 
 SHAPES = {"SmolLM2-135M gate/up 576→1536": (576, 1536), "2048→8192": (2048, 8192)}
 ADAPTERS = 4
-
-
-def _ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
 
 
 def _cpu_flags() -> str:
@@ -104,7 +96,7 @@ def measure(rows_list: list[int], ranks: list[int], rounds: int = 5, reps: int =
                     times: dict[str, list[float]] = {k: [] for k in variants}
                     for _ in range(rounds):
                         for k, fn in variants.items():
-                            times[k].append(_ms(fn, reps))
+                            times[k].append(median_ms(fn, reps))
                 med = {k: statistics.median(v) for k, v in times.items()}
                 results.append({"shape": label, "rank": r, "rows": m, **med})
     return results

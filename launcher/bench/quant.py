@@ -20,15 +20,7 @@ import argparse
 import statistics
 import time
 
-
-def _ms(fn, reps: int) -> float:
-    fn()  # warm: first calls pack and allocate
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
+from launcher.bench.timing import median_ms
 
 
 def _ways(k: int, n: int, force: str | None = None):
@@ -73,7 +65,7 @@ def measure(shapes: list[tuple[int, int]], rows: list[int], rounds: int = 5, for
             reps = max(3, 40 // m)
             for _ in range(rounds):  # interleaved rounds
                 for name, (_, fn) in ways.items():
-                    times[name].append(_ms(lambda fn=fn, x=x: fn(x), reps))
+                    times[name].append(median_ms(lambda fn=fn, x=x: fn(x), reps, warm=True))
             row = {"shape": f"{k}→{n}", "rows": m}
             row.update({name: statistics.median(t) for name, t in times.items()})
             out.append(row)
