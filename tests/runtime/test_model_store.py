@@ -315,7 +315,7 @@ def test_embedded_model_tokenizer_parity(embedded):
 
 
 @pytest.mark.slow
-def test_default_model_chats(embedded):
+def test_default_model_chats():
     """The default is instruction-tuned: its GGUF's ChatML template is in the folder, where the server's tokenizer
     finds it, and greedy decoding answers a question (a known answer of this model)."""
     import torch
@@ -324,9 +324,7 @@ def test_default_model_chats(embedded):
 
     from services.tokenizer.chat_template import ChatTemplates
 
-    name, folder = embedded
-    if name != model_store.DEFAULT_MODEL.name:
-        pytest.skip("the chat check is the default model's")
+    folder = model_store.prepare_embedded(model_store.DEFAULT_MODEL)  # cached: the embedded fixture's folder
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     hf = AutoTokenizer.from_pretrained(folder)
     text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -340,13 +338,11 @@ def test_default_model_chats(embedded):
 
 
 @pytest.mark.slow
-def test_gemma_base_model_generates(embedded):
+def test_gemma_base_model_generates():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    name, folder = embedded
-    if name != "gemma-3-270m":
-        pytest.skip("the base-model check is Gemma's")
+    folder = model_store.prepare_embedded(model_store.EMBEDDED["gemma-3-270m"])  # cached, as above
     hf = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder)
     continuations = {}
