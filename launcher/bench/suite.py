@@ -20,6 +20,23 @@ from launcher.bench.workload import Prompts
 
 ROOT = servers.ROOT
 
+# `--workload`: the default one (fixed + mixed chat-shaped requests against the peers) or one of these, each a module
+# of its own with `add_arguments(p)` (flags prefixed with its name; no torch at import) and `run(args, out) -> int`
+# that prints its table and writes its files under `out`.
+WORKLOADS = {
+    "structured": "launcher.bench.structured",
+    "lora": "launcher.bench.lora_serving",
+    "quantize": "launcher.bench.quantize_serving",
+    "long-prompt": "launcher.bench.long_prompt",
+    "speculative": "launcher.bench.speculative",
+}
+
+
+def _workload_module(name: str):
+    import importlib
+
+    return importlib.import_module(WORKLOADS[name])
+
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 (random weights, SmolLM2-135M's shape) | tiny | gemma "
@@ -34,9 +51,19 @@ def add_arguments(p) -> None:
     p.add_argument("--scaling", action="store_true", help="also the tokenizer/detokenizer worker benchmarks "
                    "(T=1 vs 2, K=1 vs 2) and the per-token hop cost, on the tiny model")  # fmt: skip
     p.add_argument("--no-limit", action="store_true", help="skip the in-process limit")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto (what `switchyard serve` picks on this CPU), float32, "
+                   "bfloat16: the same for Switchyard, its limit and the peers")  # fmt: skip
     p.add_argument("--out", help="output folder (default .bench/<time>)")
     p.add_argument("--serve-flag", action="append", default=[], help="an extra `switchyard serve` flag (repeat)")
+    p.add_argument("--workload", default="chat", choices=["chat", *WORKLOADS],
+                   help="chat: fixed + mixed requests, with the limit and the peers; the others measure one feature "
+                   "(see each module's docstring)")  # fmt: skip
+    for name in WORKLOADS:
+        try:
+            add = _workload_module(name).add_arguments
+        except ModuleNotFoundError:  # a workload not written yet
+            continue
+        add(p)
 
 
 def _limit(model_dir: Path, batch: int, prompt: int, output: int, dtype: str) -> dict:
@@ -173,7 +200,13 @@ def machine() -> dict:
 def run(args) -> int:
     out = Path(args.out or ROOT / ".bench" / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.workload != "chat":
+        return _workload_module(args.workload).run(args, out)
     label, view = models.resolve(args.model)
+    if args.dtype == "auto":  # resolved here so that every engine (and the table's title) gets the same one
+        from libs.runtime.cpu import choose_dtype
+
+        args.dtype = choose_dtype(None).dtype
     concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     prompts = Prompts(view)
     levels = {c: prompts.fixed(args.waves * c, args.prompt_tokens, args.output_tokens) for c in concurrency}
@@ -192,7 +225,7 @@ def run(args) -> int:
     if args.url:
         results["runs"] += _engine_runs(args.url, loadgen.Dialect("tgi"), "switchyard", levels, mixed, warm)
     else:
-        results["runs"] += _switchyard(view, out, levels, mixed, warm, args.serve_flag)
+        results["runs"] += _switchyard(view, out, levels, mixed, warm, ["--dtype", args.dtype, *args.serve_flag])
     report.write(results, out)
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     if "vllm" in peers:
