@@ -16,14 +16,24 @@ call `q_proj(x)`, `k_proj(x)`, `v_proj(x)` one by one: the first call of a group
 and the others take their column slice of it, for as long as they are called with that same tensor object; a
 member called with another input just computes the product again.
 
-Only plain float32 `nn.Linear` modules on CPU are switched; tensor-parallel shards (DTensor weights) and other
-dtypes keep torch's path. The original weights stay (a tied embedding reads them); the packed copies cost the
-linear weights' size once more in memory.
+Dtypes. float32 always; bfloat16 where oneDNN runs it on this CPU (the serving dtype on CPUs with native bf16:
+libs/runtime/cpu.py). torch's own bf16 linear also ends in oneDNN but reorders the weight on every call; the
+prepacked product gives the same numbers (tested) without that. Whether oneDNN can do bf16 here is found out once
+by packing and running a small product: on AVX2-only CPUs the bf16 prepack fails outright, and then bf16 linears
+keep torch's path (logged once). Other dtypes (float16) keep torch's path.
+
+Only plain `nn.Linear` modules on CPU are switched; tensor-parallel shards (DTensor weights) keep torch's path.
+The original weights stay (a tied embedding reads them); the packed copies cost the linear weights' size once
+more in memory.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 # Batch size the weights are reordered for; oneDNN serves any M from the same packing.
 PACK_FOR_BATCH = 64
@@ -32,15 +42,39 @@ PACK_FOR_BATCH = 64
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
+# dtypes oneDNN is asked to take; each is probed once (dtype_supported)
+CANDIDATE_DTYPES = (torch.float32, torch.bfloat16)
+_supported: dict[torch.dtype, bool] = {}
+
+
 def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def dtype_supported(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and runs `dtype` linears on this CPU: tried once on a small product, then remembered."""
+    if dtype not in CANDIDATE_DTYPES or not available():
+        return False
+    if dtype not in _supported:
+        gen = torch.Generator().manual_seed(0)
+        weight, x = torch.randn(32, 64, generator=gen).to(dtype), torch.randn(2, 64, generator=gen).to(dtype)
+        try:
+            got = _linear(x, _pack(weight), None, 32)
+            ok = got.dtype == dtype and torch.allclose(got.float(), (x.float() @ weight.float().T), 5e-2, 5e-2)
+            why = "" if ok else "its product does not match"
+        except RuntimeError as e:  # "bf16 path needs the cpu support avx512bw, avx512vl and avx512dq", ...
+            ok, why = False, str(e).splitlines()[0]
+        _supported[dtype] = ok
+        if not ok:
+            log.warning("oneDNN cannot run %s linears on this CPU (%s): they keep torch's path", dtype, why)
+    return _supported[dtype]
 
 
 def _eligible(module) -> bool:
     weight = getattr(module, "weight", None)
     if type(module) is not torch.nn.Linear or type(weight.data) is not torch.Tensor:
         return False
-    return weight.device.type == "cpu" and weight.dtype == torch.float32
+    return weight.device.type == "cpu" and dtype_supported(weight.dtype)
 
 
 def use_onednn(model: torch.nn.Module, fuse: bool = True) -> int:
@@ -55,7 +89,7 @@ def use_onednn(model: torch.nn.Module, fuse: bool = True) -> int:
                 members = [getattr(parent, name, None) for name in names]
                 if not all(_eligible(m) for m in members) or any(id(m) in switched for m in members):
                     continue
-                if len({m.in_features for m in members}) != 1 or len({m.bias is None for m in members}) != 1:
+                if len({(m.in_features, m.weight.dtype, m.bias is None) for m in members}) != 1:
                     continue
                 _fuse(members)
                 switched.update(id(m) for m in members)
