@@ -1,10 +1,12 @@
-"""torch's CPU linear (MKL) against oneDNN with prepacked weights, on a model's own matrix shapes.
+"""torch's CPU linear against oneDNN with prepacked weights, in float32 and bfloat16, on a model's own shapes.
 
 Why the shard switches its linear layers (services/shard/cpu_linear.py): this prints, per batch size (the M of a
-decode step), the median time of every distinct (in, out) shape of the model both ways, measured interleaved in
-one process so that load on the machine hits both alike, and the whole decode step's share of them.
+decode step), the median time of every distinct (in, out) product of the model's decode step as the shard runs it
+(q/k/v and gate/up fused, the LM head) four ways — torch fp32 (MKL), oneDNN fp32, torch bf16, oneDNN bf16 —
+measured interleaved in one process so that load on the machine hits all alike, and the whole step's sum of them.
+bf16 is measured only where oneDNN runs it on this CPU (cpu_linear.dtype_supported).
 
-    python -m launcher.bench.linear --model DIR [--batch 1,16,64]
+    python -m launcher.bench.linear --model smollm2|gemma|llama3-128k|DIR [--batch 1,16,64]
 """
 
 from __future__ import annotations
@@ -16,50 +18,51 @@ from collections import Counter
 
 from launcher.bench.timing import median_ms
 
+WAYS = ("torch_fp32", "onednn_fp32", "torch_bf16", "onednn_bf16")
+
+
+def step_shapes(cfg) -> Counter:
+    """(in, out) -> count of the products in one decode forward, fused as the shard fuses them."""
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    shapes = Counter()
+    for k, n in ((hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden)):
+        shapes[(k, n)] += cfg.num_hidden_layers
+    shapes[(hidden, cfg.vocab_size)] += 1  # the LM head
+    return shapes
+
 
 def measure(model_dir: str, batches: list[int], rounds: int = 5) -> list[dict]:
     import torch
     from transformers import AutoConfig
 
-    from services.shard.cpu_linear import PACK_FOR_BATCH
+    from services.shard import cpu_linear
 
-    cfg = AutoConfig.from_pretrained(model_dir).get_text_config()
-    hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
-    # (in, out) -> count in one forward: q, k, v, o, gate, up, down per layer, and the LM head once
-    shapes = Counter()
-    for k, n in (
-        (hidden, q),
-        (hidden, kv),
-        (hidden, kv),
-        (q, hidden),
-        (hidden, inter),
-        (hidden, inter),
-        (inter, hidden),
-    ):
-        shapes[(k, n)] += cfg.num_hidden_layers
-    shapes[(hidden, cfg.vocab_size)] += 1
+    shapes = step_shapes(AutoConfig.from_pretrained(model_dir).get_text_config())
+    ways = [w for w in WAYS if w != "onednn_bf16" or cpu_linear.dtype_supported(torch.bfloat16)]
     gen = torch.Generator().manual_seed(0)
     rows = []
     for m in batches:
-        total = {"torch": 0.0, "onednn": 0.0}
+        total = dict.fromkeys(ways, 0.0)
         for (k, n), count in shapes.items():
-            w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_BATCH)
-            ways = {
-                "torch": lambda x=x, w=w: torch.nn.functional.linear(x, w),
-                "onednn": lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [None], ""),
-            }
+            w32, x32 = torch.randn(n, k, generator=gen) * 0.02, torch.randn(m, k, generator=gen)
+            w16, x16 = w32.bfloat16(), x32.bfloat16()
+            calls = {}
+            for name, x, w in (("fp32", x32, w32), ("bf16", x16, w16)):
+                calls[f"torch_{name}"] = lambda x=x, w=w: torch.nn.functional.linear(x, w)
+                if f"onednn_{name}" in ways:
+                    packed = cpu_linear._pack(w)
+                    calls[f"onednn_{name}"] = lambda x=x, p=packed, n=n: cpu_linear._linear(x, p, None, n)
             reps = 3 if n * k > 20_000_000 else 10
             got = {name: [] for name in ways}
-            for fn in ways.values():
-                fn()
-            for _ in range(rounds):  # interleaved: both see the same load
-                for name, fn in ways.items():
-                    got[name].append(median_ms(fn, reps))
+            for name in ways:
+                calls[name]()
+            for _ in range(rounds):  # interleaved: all see the same load
+                for name in ways:
+                    got[name].append(median_ms(calls[name], reps))
             med = {name: statistics.median(v) for name, v in got.items()}
-            for name in total:
+            for name in ways:
                 total[name] += med[name] * count
             rows.append({"batch": m, "in": k, "out": n, "per_forward": count, **{f"{a}_ms": b for a, b in med.items()}})
         rows.append({"batch": m, "in": "all", "out": "", "per_forward": sum(shapes.values()),
@@ -67,9 +70,26 @@ def measure(model_dir: str, batches: list[int], rounds: int = 5) -> list[dict]:
     return rows
 
 
+def table(rows: list[dict]) -> list[str]:
+    ways = [w for w in WAYS if f"{w}_ms" in rows[0]]
+    head = " | ".join(f"{w} ms" for w in ways)
+    lines = [f"| batch | in x out | per forward | {head} | oneDNN bf16 vs torch bf16 | vs oneDNN fp32 |"]
+    lines.append("|---:|---|---:|" + "---:|" * (len(ways) + 2))
+    for r in rows:
+        shape = "all linears" if r["in"] == "all" else f"{r['in']} x {r['out']}"
+        times = " | ".join(f"{r[f'{w}_ms']:.3f}" for w in ways)
+        if "onednn_bf16_ms" in r:
+            best = r["onednn_bf16_ms"]
+            ratios = f"{r['torch_bf16_ms'] / best:.2f}x | {r['onednn_fp32_ms'] / best:.2f}x"
+        else:
+            ratios = "- | -"
+        lines.append(f"| {r['batch']} | {shape} | {r['per_forward']} | {times} | {ratios} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", required=True, help="a benchmark model's name (launcher.bench.models) or a folder")
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, as the shard)")
     ap.add_argument("--json", action="store_true")
@@ -78,17 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    rows = measure(args.model, [int(b) for b in args.batch.split(",")])
-    if args.json:
-        print(json.dumps(rows))
-        return 0
-    print("| batch | in x out | per forward | torch (MKL) ms | oneDNN ms | speed-up |")
-    print("|---:|---|---:|---:|---:|---:|")
-    for r in rows:
-        shape = "all linears" if r["in"] == "all" else f"{r['in']} x {r['out']}"
-        speed = r["torch_ms"] / r["onednn_ms"] if r["onednn_ms"] else 0.0
-        times = f"{r['torch_ms']:.2f} | {r['onednn_ms']:.2f}"
-        print(f"| {r['batch']} | {shape} | {r['per_forward']} | {times} | {speed:.2f}x |")
+    from launcher.bench import models
+
+    _, folder = models.resolve(args.model)
+    rows = measure(str(folder), [int(b) for b in args.batch.split(",")])
+    print(json.dumps(rows) if args.json else "\n".join(table(rows)))
     return 0
 
 
