@@ -27,6 +27,7 @@ from services.shard.lora import LoraRegistry
 from services.shard.prompt_logprobs import chunk_logprobs
 from services.shard.quant_linear import from_pretrained as quantized_from_pretrained
 from services.shard.sampling import Choice, choose, samples
+from services.shard.speculative import PickGenerators, accept, expand_picks, kept_positions, select
 
 
 class _History:
@@ -45,6 +46,10 @@ class _History:
 
     def view(self) -> np.ndarray:
         return self._buf[: self._n]
+
+    def drop(self, n: int) -> None:
+        """Forget the last `n` tokens (drafts that were rejected)."""
+        self._n -= n
 
 
 @dataclass
@@ -68,7 +73,8 @@ class _Batch:
     states: list[_Sequence]  # per row
     cu: np.ndarray  # row bounds in the packed tokens: row i is [cu[i], cu[i + 1])
     sample_rows: np.ndarray  # per row: whether it yields a token (bool)
-    draw_positions: np.ndarray  # per sampled row: the position of the token it draws
+    drafts: np.ndarray | None  # per row: how many of its fed tokens are drafts (None: no row has any)
+    draw_positions: np.ndarray  # per pick (one per sampled row, 1 + drafts with drafts): the position it draws
     fed_ids: np.ndarray  # the fed token ids of all rows, concatenated
     input_ids: torch.Tensor  # the same, on the device
     position_ids: torch.Tensor
@@ -77,7 +83,8 @@ class _Batch:
     prompt_rows: list[int]  # rows that report prompt logprobs
     prompt_at: list[int]  # where each prompt row's run of logits starts among the kept ones
     sample_at: np.ndarray  # where each sampled row's logits are among the kept ones
-    keys: list[int | None] | None = None  # per sampled row: its handle when it has a grammar (None: no row has)
+    keys: list[int | None] | None = None  # per pick: its handle when it has a grammar (None: no row has)
+    pick_states: list[_Sequence] | None = None  # per pick, with drafts (None: one pick per sampled row)
 
     def sampled_states(self) -> list[_Sequence]:
         return self.states if self.sample_rows.all() else [st for st, s in zip(self.states, self.sample_rows) if s]
@@ -141,6 +148,7 @@ class ModelRunner:
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.seqs: dict[int, _Sequence] = {}
+        self._pick_pool = PickGenerators(self.device)
         self.grammars = ShardGrammars(model_dir, model_store.model_info(model_dir)["eos_token_ids"], grammar)
 
     # ---------------------------------------------------------------------------------------------------------
@@ -168,6 +176,9 @@ class ModelRunner:
         for new in plan.new:
             if new.grammar:  # its matcher, with the tokens it generated already replayed (a recompute)
                 self.grammars.open(new.seq, new.grammar, new.grammar_ids)
+        for seq, keep in plan.trim.items():  # blocks the scheduler freed (past rejected drafts)
+            if seq in self.seqs:
+                del self.seqs[seq].blocks[keep:]
         for seq, blocks in plan.blocks.items():
             self._seq(seq).blocks.extend(int(b) for b in blocks)
 
@@ -213,6 +224,11 @@ class ModelRunner:
         context_lens = np.asarray(plan.context_lens, dtype=np.int64)
         sample_rows = np.asarray(plan.sample, dtype=bool)
         fed_ids = np.asarray(plan.token_ids, dtype=np.int64)
+        drafts = None
+        if plan.drafts is not None and len(plan.drafts) and plan.drafts.any():
+            drafts = np.asarray(plan.drafts, dtype=np.int64)
+            if (drafts >= num_tokens).any() or (drafts[~sample_rows] > 0).any():
+                raise ValueError("plan drafts must be fewer than a sampled row's fed tokens")
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(num_tokens, out=cu[1:])
         if int(cu[-1]) != len(fed_ids) or (num_tokens < 1).any():
@@ -249,20 +265,25 @@ class ModelRunner:
         )
         # rows still in their prompt that report prompt logprobs need the LM head on every fed position
         prompt_rows = [i for i, st in enumerate(states) if st.prefilling and st.sampling.prompt_logprobs]
-        keep, sample_at, prompt_at = _kept_positions(cu, sample_rows, prompt_rows)
+        keep, sample_at, prompt_at = kept_positions(cu, sample_rows, prompt_rows, drafts)
+        draw_positions = (context_lens + num_tokens)[sample_rows]
+        if drafts is not None:  # each pick draws the token after its position
+            picks = 1 + drafts[sample_rows]
+            draw_positions = np.repeat(draw_positions - picks, picks) + _ranks(picks) + 1
         if any(st.adapter for st in states):  # rows grouped by adapter once per step; base-only steps skip this
             self.lora.set_step([st.adapter for st in states], num_tokens)
         return _Batch(
             seqs=seqs,
             states=states,
             cu=cu,
-            draw_positions=(context_lens + num_tokens)[sample_rows],
+            draw_positions=draw_positions,
             sample_rows=sample_rows,
+            drafts=drafts,
             fed_ids=fed_ids,
             input_ids=torch.from_numpy(fed_ids).to(dev),
             position_ids=torch.from_numpy(positions).to(dev),
             paged=paged,
-            keep=torch.from_numpy(keep).to(dev),
+            keep=torch.from_numpy(np.ascontiguousarray(keep)).to(dev),
             prompt_rows=prompt_rows,
             prompt_at=prompt_at,
             sample_at=sample_at,
@@ -289,27 +310,44 @@ class ModelRunner:
             self._prompt_logprobs(batch, logits, result)
             logits = logits[torch.from_numpy(batch.sample_at).to(self.device)]
         sampled = batch.sampled_states()
-        # Each draw is seeded by the request's seed and the position of the token it draws: a sequence preempted
-        # and recomputed, or replayed on a restarted shard, draws the same tokens again.
-        for st, position in zip(sampled, batch.draw_positions.tolist()):
-            if samples(st.sampling):
-                st.generator.manual_seed(draw_seed(st.sampling.seed, position))
+        generators = [st.generator for st in sampled]
+        histories = [None if st.history is None else st.history.view() for st in sampled]
         # rows with a grammar are masked after the processors, before the warpers (TGI's order)
         batch.keys = self.grammars.keys(batch.seqs[batch.sample_rows].tolist())
+        if batch.drafts is not None:  # a pick per position of each drafted row
+            picks = (1 + batch.drafts[batch.sample_rows]).tolist()
+            sampled, generators, histories, batch.keys = expand_picks(sampled, picks, batch.keys, self._pick_pool)
+        # Each draw is seeded by the request's seed and the position of the token it draws: a sequence preempted
+        # and recomputed, or replayed on a restarted shard, or verifying drafts, draws the same tokens again.
+        for st, gen, position in zip(sampled, generators, batch.draw_positions.tolist()):
+            if samples(st.sampling):
+                gen.manual_seed(draw_seed(st.sampling.seed, position))
         errors = result.errors = {}
         return choose(
             logits,
             [st.sampling for st in sampled],
-            [st.generator for st in sampled],
-            [None if st.history is None else st.history.view() for st in sampled],
+            generators,
+            histories,
             watermark_gamma=self.watermark_gamma,
             watermark_delta=self.watermark_delta,
             constrain=None if batch.keys is None else self.grammars.mask(batch.keys, errors),
         )
 
     def _pack(self, batch: _Batch, choice: Choice, result: StepResult) -> None:
-        """The sampled tokens into the result's frames; a sampled row ends its sequence's prompt."""
+        """The sampled tokens into the result's frames (drafted rows: the accepted ones); a sampled row ends its
+        sequence's prompt."""
         result.seqs = batch.seqs[batch.sample_rows].astype(np.int32)
+        if batch.drafts is not None:  # keep each drafted row's accepted picks
+            drafts = batch.drafts[batch.sample_rows]
+            ends = batch.cu[1:][batch.sample_rows]
+            drafted = [batch.fed_ids[end - d : end] for end, d in zip(ends.tolist(), drafts.tolist())]
+            keep, result.token_counts = accept(choice.token_ids.cpu().numpy(), drafted)
+            choice = select(choice, keep)
+            if batch.keys is not None:
+                batch.keys = [k for k, kept in zip(batch.keys, keep.tolist()) if kept]
+            for st, d, n in zip(batch.sampled_states(), drafts.tolist(), result.token_counts.tolist()):
+                if st.history is not None and d > n - 1:  # rejected drafts leave the history (penalties)
+                    st.history.drop(d - (n - 1))
         result.token_ids = choice.token_ids.cpu().numpy().astype(np.int32)
         if batch.keys is not None:  # the matchers move on; the next step's masks fill while the scheduler plans
             self.grammars.advance(batch.keys, result.token_ids.tolist(), result.errors)
@@ -340,32 +378,9 @@ def draw_seed(seed: int, position: int) -> int:
     return (seed + (position + 1) * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
 
 
-def _kept_positions(
-    cu: np.ndarray, sample_rows: np.ndarray, prompt_rows: list[int]
-) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Positions that reach the LM head, in order: (keep, where each sampled row's logits are among them,
-    where each prompt row's run of logits starts among them).
-
-    Without prompt rows only the last position of each sampled row is kept (the common, cheap case).
-    """
-    if not prompt_rows:
-        keep = cu[1:][sample_rows] - 1
-        return keep, np.arange(len(keep)), []
-    runs, sample_at, prompt_at = [], [], []
-    kept = 0
-    prompt = set(prompt_rows)
-    for i in range(len(cu) - 1):
-        if i in prompt:
-            runs.append(np.arange(cu[i], cu[i + 1]))
-            prompt_at.append(kept)
-        elif sample_rows[i]:
-            runs.append(cu[i + 1 : i + 2] - 1)
-        else:
-            continue
-        kept += len(runs[-1])
-        if sample_rows[i]:
-            sample_at.append(kept - 1)
-    return np.concatenate(runs), np.asarray(sample_at, dtype=np.int64), prompt_at
+def _ranks(counts: np.ndarray) -> np.ndarray:
+    """0, 1, … within each run of `counts` consecutive items."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _empty_rows() -> dict[str, np.ndarray]:
@@ -373,6 +388,7 @@ def _empty_rows() -> dict[str, np.ndarray]:
     i4, f4 = np.zeros(0, np.int32), np.zeros(0, np.float32)
     return dict(
         seqs=i4,
+        token_counts=i4,
         token_ids=i4,
         logprobs=f4,
         top_counts=i4,

@@ -1,0 +1,186 @@
+"""The shard's verification of drafted tokens (services/shard/speculative.py) on the tiny models.
+
+A small driver feeds decode rows as [last token, d1..dk] with drafts that are partly right and partly wrong (taken
+from the answer itself, then spoiled), so both the accept and the reject paths run: greedy output must still equal
+transformers' generate() token for token, and a seeded sampled request (with a repetition penalty, whose history
+must drop rejected drafts) must yield the same tokens, logprobs and alternatives as without drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from libs.protocol import codec
+from libs.protocol.messages import NewSequence, StepPlan
+from libs.protocol.params import SamplingParams
+from services.shard.model_runner import ModelRunner
+from services.shard.sampling import Choice
+from services.shard.speculative import accept, kept_positions, select
+from tests.reference import reference_generate
+from tests.shard.driver import prompts_for
+from tests.tiny_models import EOS
+
+Drafter = Callable[[int, list[int]], list[int]]  # (seq, its output so far) → drafts
+
+
+def drive_drafted(runner: ModelRunner, prompts, max_new, sampling, drafter: Drafter | None):
+    """Every sequence joins at step 1; decode rows carry the drafter's tokens. Returns per seq its tokens, logprobs,
+    alternatives, and the (drafted, accepted) totals."""
+    bs = runner.block_size
+    free = list(range(runner.num_blocks))[::-1]
+    out = {i: [] for i in range(len(prompts))}
+    lps = {i: [] for i in range(len(prompts))}
+    tops = {i: [] for i in range(len(prompts))}
+    ctx = dict.fromkeys(out, 0)
+    owned = {i: [] for i in out}
+    drafted = accepted = 0
+    step, finished = 0, []
+    new = [NewSequence(i, sampling[i]) for i in out]
+    while ctx:
+        step += 1
+        rows, blocks = [], {}
+        for seq in sorted(ctx):
+            if ctx[seq] == 0:
+                fed, d = prompts[seq], 0
+            else:
+                room = max_new - len(out[seq]) - 1
+                drafts = (drafter(seq, out[seq]) if drafter else [])[: max(room, 0)]
+                fed, d = [out[seq][-1], *drafts], len(drafts)
+            need = -(-(ctx[seq] + len(fed)) // bs) - len(owned[seq])
+            if need > 0:
+                blocks[seq] = [free.pop() for _ in range(need)]
+                owned[seq] += blocks[seq]
+            rows.append((seq, fed, d))
+        plan = StepPlan(
+            step=step,
+            new=new,
+            blocks=blocks,
+            finished=finished,
+            seqs=np.array([r[0] for r in rows], np.int32),
+            num_tokens=np.array([len(r[1]) for r in rows], np.int32),
+            context_lens=np.array([ctx[r[0]] for r in rows], np.int32),
+            token_ids=np.array([t for r in rows for t in r[1]], np.int32),
+            sample=np.ones(len(rows), np.uint8),
+            drafts=np.array([r[2] for r in rows], np.int32),
+        )
+        plan.check()
+        new, finished = [], []
+        result = codec.decode(codec.encode(runner.execute(plan)))
+        counts = result.token_counts.tolist() or [1] * len(result.seqs)
+        tokens, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
+        top_counts, top_ids = result.top_counts.tolist(), result.top_ids.tolist()
+        at = alt = 0
+        for (seq, fed, d), n in zip(rows, counts):
+            assert 1 <= n <= d + 1
+            drafted, accepted = drafted + d, accepted + n - 1
+            ctx[seq] += len(fed) - d + n - 1  # the fed token, plus the accepted drafts
+            for j in range(n):
+                out[seq].append(tokens[at + j])
+                lps[seq].append(logprobs[at + j])
+                k = top_counts[at + j] if top_counts else 0
+                tops[seq].append(top_ids[alt : alt + k])
+                alt += k
+            at += n
+            stop = next((j for j, t in enumerate(out[seq]) if t == EOS), None)
+            if stop is not None or len(out[seq]) >= max_new:
+                end = min(max_new, len(out[seq]) if stop is None else stop + 1)
+                del out[seq][end:], lps[seq][end:], tops[seq][end:]
+                finished.append(seq)
+                free += owned.pop(seq)
+                del ctx[seq]
+    runner.execute(codec.decode(codec.encode(StepPlan(step=step + 1, finished=finished))))
+    assert runner.seqs == {}
+    return out, lps, tops, (drafted, accepted)
+
+
+def answer_drafter(answers: dict[int, list[int]], k: int) -> Drafter:
+    """Drafts the next k tokens of the known answer, spoiling one of them every third step (so some drafts are
+    rejected at every place)."""
+    calls = {}
+
+    def draft(seq: int, so_far: list[int]) -> list[int]:
+        calls[seq] = calls.get(seq, 0) + 1
+        drafts = list(answers[seq][len(so_far) : len(so_far) + k])
+        if drafts and calls[seq] % 3 == 0:
+            spoil = calls[seq] % len(drafts)
+            drafts[spoil] = (drafts[spoil] + 7) % 900 + 3
+        return drafts
+
+    return draft
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_with_drafts_matches_generate(tiny_dirs, arch):
+    model_dir = tiny_dirs[arch]
+    prompts = prompts_for(model_dir)[1:4]
+    max_new = 24
+    want = {i: reference_generate(model_dir, p, max_new) for i, p in enumerate(prompts)}
+    runner = ModelRunner(str(model_dir), num_blocks=64, block_size=4)  # drafts cross block bounds
+    greedy = [SamplingParams() for _ in prompts]
+    got, _, _, (drafted, accepted) = drive_drafted(runner, prompts, max_new, greedy, answer_drafter(want, 4))
+    assert got == want
+    assert 0 < accepted < drafted  # both paths ran
+
+
+def test_seeded_sampling_is_the_same_with_and_without_drafts(tiny_dirs):
+    model_dir = tiny_dirs["llama"]
+    prompts = prompts_for(model_dir)[1:4]
+    params = [
+        SamplingParams(do_sample=True, temperature=0.8, seed=11, repetition_penalty=1.3, top_n_tokens=3),
+        SamplingParams(do_sample=True, top_k=20, seed=12, frequency_penalty=0.5),
+        SamplingParams(repetition_penalty=1.2, top_n_tokens=2),  # greedy, with a history
+    ]
+    runner = ModelRunner(str(model_dir), num_blocks=64, block_size=4)
+    plain, plain_lps, plain_tops, _ = drive_drafted(runner, prompts, 20, params, None)
+    got, lps, tops, (drafted, accepted) = drive_drafted(runner, prompts, 20, params, answer_drafter(plain, 3))
+    assert got == plain and tops == plain_tops
+    np.testing.assert_allclose(np.concatenate(list(lps.values())), np.concatenate(list(plain_lps.values())), atol=1e-5)
+    assert 0 < accepted < drafted
+
+
+def test_accept_keeps_the_matching_prefix_and_one_more():
+    picks = np.array([5, 6, 7, 9, 1, 1, 3, 4, 4])  # rows: 3 drafts, 0 drafts, 3 drafts
+    keep, counts = accept(picks, [np.array([5, 6, 8]), np.array([], int), np.array([2, 3, 9])])
+    assert counts.tolist() == [3, 1, 1]  # 5, 6 match, 7 replaces 8; row 2: its first pick 1 ≠ 2
+    assert keep.tolist() == [True, True, True, False, True, True, False, False, False]
+    keep, counts = accept(np.array([4, 4, 4]), [np.array([4, 4])])
+    assert counts.tolist() == [3] and keep.all()  # every draft accepted, plus the bonus pick
+    choice = Choice(
+        torch.tensor([1, 2, 3]),
+        torch.tensor([-0.1, -0.2, -0.3]),
+        torch.tensor([1, 2, 0]),
+        torch.tensor([10, 20, 21]),
+        torch.tensor([-1.0, -2.0, -2.1]),
+    )
+    kept = select(choice, np.array([False, True, True]))
+    assert kept.token_ids.tolist() == [2, 3] and kept.top_counts.tolist() == [2, 0]
+    assert kept.top_ids.tolist() == [20, 21]
+
+
+def test_kept_positions_cover_every_pick_of_a_drafted_row():
+    cu = np.array([0, 5, 8, 9])  # a prefill of 5, a drafted row of 3 (2 drafts), a decode
+    keep, sample_at, prompt_at = kept_positions(cu, np.array([True, True, True]), [], np.array([0, 2, 0]))
+    assert keep.tolist() == [4, 5, 6, 7, 8] and sample_at.tolist() == [0, 1, 2, 3, 4] and prompt_at == []
+    keep, sample_at, prompt_at = kept_positions(cu, np.array([True, True, True]), [0], np.array([0, 2, 0]))
+    assert keep.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8] and sample_at.tolist() == [4, 5, 6, 7, 8]
+
+
+def test_a_plan_that_drafts_a_sampled_row_wrongly_is_refused(tiny_dirs):
+    runner = ModelRunner(str(tiny_dirs["llama"]), num_blocks=4, block_size=4)
+    plan = StepPlan(
+        step=1,
+        new=[NewSequence(1, SamplingParams())],
+        blocks={1: [0, 1]},
+        seqs=np.array([1], np.int32),
+        num_tokens=np.array([3], np.int32),
+        context_lens=np.array([0], np.int32),
+        token_ids=np.array([5, 6, 7], np.int32),
+        sample=np.array([0], np.uint8),
+        drafts=np.array([2], np.int32),
+    )
+    with pytest.raises(ValueError, match="drafts"):
+        runner.execute(plan)
