@@ -23,6 +23,86 @@ import numpy as np
 BLOCK = 16
 
 
+class Driver:
+    """A ModelRunner and `batch` sequences of `prompt_tokens` random tokens, driven the way the scheduler drives
+    it: warm-up, packed prefills, then decode steps of the whole batch (shared by the limit and the profile)."""
+
+    def __init__(self, model_dir: str, batch: int, prompt_tokens: int, output_tokens: int, *, dtype: str = "float32",
+                 seed: int = 0):  # fmt: skip
+        import torch
+
+        from services.shard.model_runner import ModelRunner
+
+        self.batch, self.prompt_tokens, self.output_tokens = batch, prompt_tokens, output_tokens
+        self.per_seq = -(-(prompt_tokens + output_tokens) // BLOCK)
+        self.runner = ModelRunner(model_dir, num_blocks=(batch + 1) * self.per_seq, dtype=getattr(torch, dtype))
+        self.vocab = self.runner.model.config.get_text_config().vocab_size
+        self.rng = np.random.default_rng(seed)
+        self.step = 0
+        self.last: dict[int, int] = {}
+
+    def plan(self, rows, new=(), blocks=None, finished=()):
+        from libs.protocol.messages import StepPlan
+
+        self.step += 1
+        seqs, nums, ctx, ids = zip(*rows)
+        return StepPlan(
+            step=self.step,
+            new=list(new),
+            blocks=blocks or {},
+            finished=list(finished),
+            seqs=np.asarray(seqs, np.int32),
+            num_tokens=np.asarray(nums, np.int32),
+            context_lens=np.asarray(ctx, np.int32),
+            token_ids=np.concatenate(ids).astype(np.int32),
+            sample=np.ones(len(rows), np.uint8),
+        )
+
+    def _blocks(self, seq: int) -> list[int]:
+        return list(range(seq * self.per_seq, (seq + 1) * self.per_seq))
+
+    def warm(self) -> None:
+        """First-call allocations and thread pools, on a sequence of its own in the spare blocks."""
+        from libs.protocol.messages import NewSequence
+        from libs.protocol.params import SamplingParams
+
+        warm = self.batch
+        new = [NewSequence(warm, SamplingParams())]
+        self.runner.execute(
+            self.plan([(warm, 8, 0, self.rng.integers(3, self.vocab, 8))], new, {warm: self._blocks(warm)})
+        )
+        self.runner.execute(self.plan([(warm, 1, 8, np.array([5]))], finished=[warm]))
+
+    def prefill(self, max_prefill_tokens: int = 4096) -> None:
+        """Every prompt, packed up to the prefill budget a step (at least one row a step), as the scheduler packs."""
+        from libs.protocol.messages import NewSequence
+        from libs.protocol.params import SamplingParams
+
+        n = self.prompt_tokens
+        prompts = [self.rng.integers(3, self.vocab, n) for _ in range(self.batch)]
+        pending = list(range(self.batch))
+        while pending:
+            take, used = [], 0
+            while pending and (not take or used + n <= max_prefill_tokens):
+                take.append(pending.pop(0))
+                used += n
+            plan = self.plan(
+                [(i, n, 0, prompts[i]) for i in take],
+                new=[NewSequence(i, SamplingParams()) for i in take],
+                blocks={i: self._blocks(i) for i in take},
+            )
+            res = self.runner.execute(plan)
+            self.last.update(zip(res.seqs.tolist(), res.token_ids.tolist()))
+
+    def decode_plan(self, k: int):
+        """The plan of decode step `k` (0-based) of the whole batch; the last one finishes every sequence."""
+        rows = [(i, 1, self.prompt_tokens + k, np.array([self.last[i]])) for i in range(self.batch)]
+        return self.plan(rows, finished=range(self.batch) if k == self.output_tokens - 2 else ())
+
+    def took(self, result) -> None:
+        self.last = dict(zip(result.seqs.tolist(), result.token_ids.tolist()))
+
+
 def measure(
     model_dir: str,
     batch: int,
@@ -35,67 +115,15 @@ def measure(
 ) -> dict:
     import torch
 
-    from libs.protocol.messages import NewSequence, StepPlan
-    from libs.protocol.params import SamplingParams
-    from services.shard.model_runner import ModelRunner
-
-    per_seq = -(-(prompt_tokens + output_tokens) // BLOCK)
-    runner = ModelRunner(model_dir, num_blocks=batch * per_seq + per_seq, dtype=getattr(torch, dtype))
-    vocab = runner.model.config.get_text_config().vocab_size
-    rng = np.random.default_rng(seed)
-    step = 0
-
-    def plan(rows, new=(), blocks=None, finished=()):
-        nonlocal step
-        step += 1
-        seqs, nums, ctx, ids = zip(*rows)
-        return StepPlan(
-            step=step,
-            new=list(new),
-            blocks=blocks or {},
-            finished=list(finished),
-            seqs=np.asarray(seqs, np.int32),
-            num_tokens=np.asarray(nums, np.int32),
-            context_lens=np.asarray(ctx, np.int32),
-            token_ids=np.concatenate(ids).astype(np.int32),
-            sample=np.ones(len(rows), np.uint8),
-        )
-
-    # warm-up (first-call allocations, thread pools) on a sequence of its own, in the spare blocks
-    warm = batch
-    runner.execute(
-        plan(
-            [(warm, 8, 0, rng.integers(3, vocab, 8))],
-            new=[NewSequence(warm, SamplingParams())],
-            blocks={warm: list(range(batch * per_seq, batch * per_seq + per_seq))},
-        )
-    )
-    runner.execute(plan([(warm, 1, 8, np.array([5]))], finished=[warm]))
-
-    prompts = [rng.integers(3, vocab, prompt_tokens) for _ in range(batch)]
+    driver = Driver(model_dir, batch, prompt_tokens, output_tokens, dtype=dtype, seed=seed)
+    driver.warm()
     t0 = time.perf_counter()
-    last = {}
-    pending = list(range(batch))
-    while pending:  # prefills, packed up to the prefill budget (at least one row a step)
-        take, used = [], 0
-        while pending and (not take or used + prompt_tokens <= max_prefill_tokens):
-            take.append(pending.pop(0))
-            used += prompt_tokens
-        res = runner.execute(
-            plan(
-                [(i, prompt_tokens, 0, prompts[i]) for i in take],
-                new=[NewSequence(i, SamplingParams()) for i in take],
-                blocks={i: list(range(i * per_seq, (i + 1) * per_seq)) for i in take},
-            )
-        )
-        last.update(zip(res.seqs.tolist(), res.token_ids.tolist()))
+    driver.prefill(max_prefill_tokens)
     prefill_s = time.perf_counter() - t0
     steps = []
     for k in range(output_tokens - 1):
         t1 = time.perf_counter()
-        rows = [(i, 1, prompt_tokens + k, np.array([last[i]])) for i in range(batch)]
-        res = runner.execute(plan(rows, finished=range(batch) if k == output_tokens - 2 else ()))
-        last = dict(zip(res.seqs.tolist(), res.token_ids.tolist()))
+        driver.took(driver.runner.execute(driver.decode_plan(k)))
         steps.append(time.perf_counter() - t1)
     total = time.perf_counter() - t0
     step_s = statistics.median(steps) if steps else 0.0

@@ -6,6 +6,12 @@
   every id the model can emit decodes to real text, as with a trained model.
 - `tiny`: the same tokenizer under a 2-layer, 64-wide Llama: the model costs almost nothing, so tokenizing,
   detokenizing and the hops between processes are what a benchmark of it measures.
+- `llama-128k`: a small-bodied Llama with Llama 3's vocabulary size (128,256 ids, tied embeddings) and heads of
+  64 (vLLM's CPU attention runs them): hidden 512, 4 layers, 8 query / 2 KV heads, intermediate 1536 — about
+  12M parameters in the body and 66M in the LM head, so the LM head, sampling and per-step overhead decide its
+  speed, as in most modern small models. Its tokenizer is a byte-level BPE of exactly 128,256 ids trained the same
+  way on more text (the standard library and the installed packages' Python sources, ~80 MB; ~30 s of CPU,
+  once): every id decodes to real text, and prompts cover its vocabulary as a real one's would.
 - `gemma`: the embedded Gemma-3-270M (`--model-id gemma-3-270m`), resolved by the model store.
 
 Every benchmark model is served through a "no-EOS" view (symlinks + a generation_config without EOS), so each
@@ -42,47 +48,65 @@ TINY = dict(
     max_position_embeddings=8192,
     tie_word_embeddings=True,
 )
-SHAPES = {"smollm2": SMOLLM2, "tiny": TINY}
+LLAMA_128K = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,  # head_dim 64
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+SHAPES = {"smollm2": SMOLLM2, "tiny": TINY, "llama-128k": LLAMA_128K}
 BOS, EOS = "<|bos|>", "<|eos|>"
-TRAIN_BYTES = 24_000_000  # enough text for 49152 merges; ~1 min of training, once
+# (ids, bytes of text to train on, whether the installed packages' sources join the standard library's) for each
+# tokenizer: enough text for that many merges, trained once (~1 min for 49152; the stdlib alone is ~31 MB)
+TOKENIZERS = {VOCAB: (24_000_000, False), 128_256: (80_000_000, True)}
+VOCABS = {"llama-128k": 128_256}
 
 
-def _corpus():
-    """Python's standard library sources, in a fixed order (deterministic across runs on one machine)."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
+def _corpus(train_bytes: int, packages: bool):
+    """Python sources (the standard library's, then the installed packages'), in a fixed order: deterministic
+    across runs on one machine."""
+    paths = sysconfig.get_paths()
+    roots = [Path(paths["stdlib"])] + ([Path(paths["purelib"])] if packages else [])
     seen = 0
-    for path in sorted(stdlib.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        seen += len(text)
-        yield text
-        if seen >= TRAIN_BYTES:
-            return
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            if root == roots[0] and "site-packages" in path.parts:
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            seen += len(text)
+            yield text
+            if seen >= train_bytes:
+                return
 
 
-def build_tokenizer(out: Path) -> Path:
-    """A byte-level BPE tokenizer with exactly VOCAB ids (BOS prepended), written for AutoTokenizer."""
+def build_tokenizer(out: Path, vocab: int = VOCAB) -> Path:
+    """A byte-level BPE tokenizer with exactly `vocab` ids (BOS prepended), written for AutoTokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     out.mkdir(parents=True, exist_ok=True)
     if (out / "tokenizer.json").exists():
         return out
+    train_bytes, packages = TOKENIZERS[vocab]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         special_tokens=["<|pad|>", BOS, EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    if tok.get_vocab_size() != VOCAB:
-        raise RuntimeError(f"the BPE reached only {tok.get_vocab_size()} of {VOCAB} ids: too little text")
+    tok.train_from_iterator(_corpus(train_bytes, packages), trainer=trainer)
+    if tok.get_vocab_size() != vocab:
+        raise RuntimeError(f"the BPE reached only {tok.get_vocab_size()} of {vocab} ids: too little text")
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 1)])
     tmp = out / "tokenizer.json.tmp"
     tok.save(str(tmp))
@@ -108,11 +132,12 @@ def build_llama(name: str) -> Path:
     out = CACHE / name
     if (out / "model.safetensors").exists():
         return out
-    tok_dir = build_tokenizer(CACHE / "tokenizer")
+    vocab = VOCABS.get(name, VOCAB)
+    tok_dir = build_tokenizer(CACHE / ("tokenizer" if vocab == VOCAB else f"tokenizer-{vocab}"), vocab)
     out.mkdir(parents=True, exist_ok=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (out / f).write_bytes((tok_dir / f).read_bytes())
-    config = LlamaConfig(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, **SHAPES[name])
+    config = LlamaConfig(vocab_size=vocab, pad_token_id=0, bos_token_id=1, eos_token_id=2, **SHAPES[name])
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float32)  # transformers' own init (std 0.02): realistic magnitudes
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -149,7 +174,7 @@ def no_eos_view(folder: Path) -> Path:
 
 
 def resolve(model: str) -> tuple[str, Path]:
-    """(label, no-EOS folder) for `smollm2`, `tiny`, `gemma`, or a local folder."""
+    """(label, no-EOS folder) for `smollm2`, `tiny`, `llama-128k`, `gemma`, or a local folder."""
     if model in SHAPES:
         return model, no_eos_view(build_llama(model))
     if model == "gemma":

@@ -1,0 +1,155 @@
+"""Where a decode step's time goes: the shard's ModelRunner.execute in one process (as launcher.bench.limit runs it),
+timed part by part with timers the bench wraps around it (the runner itself carries none).
+
+The parts of one decode step of the whole batch, each the median over the steps:
+- wire in: decoding the plan's frames (what the shard does before `execute`);
+- prepare: checking the plan's rows and laying them out (positions, slots, block tables, tensors);
+- layers: the model's body, embedding to final norm (a pre- and a post-hook on `model.model`);
+- LM head: the output projection (hooks on the output embeddings), on the kept positions only;
+- forward other: the rest of the forward call (logits_to_keep, softcapping, the output object);
+- sampling: processors, the choice and its logprob;
+- pack: the sampled tokens into the result's arrays;
+- execute other: the plan's diff (new and finished sequences), the result object;
+- publish: encoding the result's frames (what the shard sends).
+
+    python -m launcher.bench.profile_step --model llama3-128k,smollm2,gemma --batch 1,16,64 [--dtype auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+PARTS = ("wire in", "prepare", "layers", "LM head", "forward other", "sampling", "pack", "execute other", "publish")
+
+
+class StepTimers:
+    """Per-step seconds of the named parts, from wrappers on the runner's methods and hooks on its modules."""
+
+    def __init__(self, runner):
+        self.now: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+        for name, part in (
+            ("_prepare", "prepare"),
+            ("_forward", "forward"),
+            ("_sample", "sampling"),
+            ("_pack", "pack"),
+        ):
+            setattr(runner, name, self._timed(getattr(runner, name), part))
+        model = runner.model
+        self._hook(model.model, "layers")
+        self._hook(model.get_output_embeddings(), "LM head")
+
+    def _timed(self, fn, part):
+        def wrapped(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.now[part] += time.perf_counter() - t
+
+        return wrapped
+
+    def _hook(self, module, part):
+        started = []
+        module.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
+
+        def done(*_):
+            self.now[part] += time.perf_counter() - started.pop()
+
+        module.register_forward_hook(done)
+
+    def close_step(self, **measured: float) -> None:
+        step = dict(self.now)
+        step.update(measured)
+        step["forward other"] = step.pop("forward", 0.0) - step.get("layers", 0.0) - step.get("LM head", 0.0)
+        inner = sum(step.get(p, 0.0) for p in ("prepare", "layers", "LM head", "forward other", "sampling", "pack"))
+        step["execute other"] = step.pop("execute") - inner
+        self.steps.append(step)
+        self.now.clear()
+
+    def medians_ms(self) -> dict[str, float]:
+        return {p: 1000 * statistics.median(s.get(p, 0.0) for s in self.steps) for p in PARTS}
+
+
+def profile(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int, dtype: str) -> dict:
+    from launcher.bench.limit import Driver
+    from libs.protocol import codec
+
+    driver = Driver(model_dir, batch, prompt_tokens, output_tokens, dtype=dtype)
+    driver.warm()
+    driver.prefill()
+    timers = StepTimers(driver.runner)
+    totals = []
+    for k in range(output_tokens - 1):
+        frames = [bytes(f) for f in codec.encode(driver.decode_plan(k))]
+        t0 = time.perf_counter()
+        plan = codec.decode(frames)
+        t1 = time.perf_counter()
+        result = driver.runner.execute(plan)
+        t2 = time.perf_counter()
+        codec.encode(result)
+        t3 = time.perf_counter()
+        timers.close_step(**{"wire in": t1 - t0, "execute": t2 - t1, "publish": t3 - t2})
+        totals.append(t3 - t0)
+        driver.took(result)
+    return {
+        "batch": batch,
+        "dtype": dtype,
+        "step_ms": 1000 * statistics.median(totals),
+        "parts_ms": timers.medians_ms(),
+    }
+
+
+def table(label: str, rows: list[dict]) -> list[str]:
+    lines = [f"{label} ({rows[0]['dtype']}): median ms per decode step, share of the step in brackets", ""]
+    lines.append("| part | " + " | ".join(f"batch {r['batch']}" for r in rows) + " |")
+    lines.append("|---|" + "---:|" * len(rows))
+    for part in PARTS:
+        cells = [f"{r['parts_ms'][part]:.2f} ({100 * r['parts_ms'][part] / r['step_ms']:.0f}%)" for r in rows]
+        lines.append(f"| {part} | " + " | ".join(cells) + " |")
+    lines.append("| **step** | " + " | ".join(f"**{r['step_ms']:.2f}**" for r in rows) + " |")
+    lines.append("| tok/s (decode) | " + " | ".join(f"{1000 * r['batch'] / r['step_ms']:.0f}" for r in rows) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--model", required=True, help="comma-separated benchmark models (launcher.bench.models) or folders"
+    )
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--dtype", default="auto", help="auto (the server's default on this CPU) | float32 | bfloat16")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    import torch
+
+    from launcher.bench import models
+    from libs.runtime.cpu import choose_dtype
+
+    torch.set_num_threads(int(os.environ.get("SWITCHYARD_TORCH_THREADS", os.cpu_count() or 1)))  # as the shard
+    dtype = choose_dtype(args.dtype).dtype
+    out = {}
+    for name in args.model.split(","):
+        label, folder = models.resolve(name)
+        rows = [
+            profile(str(folder), int(b), args.prompt_tokens, args.output_tokens, dtype) for b in args.batch.split(",")
+        ]
+        out[label] = rows
+        if not args.json:
+            print("\n".join(table(label, rows)), end="\n\n", flush=True)
+    if args.json:
+        json.dump(out, sys.stdout)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
