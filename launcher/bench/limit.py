@@ -27,15 +27,26 @@ class Driver:
     """A ModelRunner and `batch` sequences of `prompt_tokens` random tokens, driven the way the scheduler drives
     it: warm-up, packed prefills, then decode steps of the whole batch (shared by the limit and the profile)."""
 
-    def __init__(self, model_dir: str, batch: int, prompt_tokens: int, output_tokens: int, *, dtype: str = "float32",
-                 seed: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        batch: int,
+        prompt_tokens: int,
+        output_tokens: int,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        **runner_kwargs,  # more ModelRunner arguments (onednn_linear=False: torch's own linears)
+    ):
         import torch
 
         from services.shard.model_runner import ModelRunner
 
         self.batch, self.prompt_tokens, self.output_tokens = batch, prompt_tokens, output_tokens
         self.per_seq = -(-(prompt_tokens + output_tokens) // BLOCK)
-        self.runner = ModelRunner(model_dir, num_blocks=(batch + 1) * self.per_seq, dtype=getattr(torch, dtype))
+        self.runner = ModelRunner(
+            model_dir, num_blocks=(batch + 1) * self.per_seq, dtype=getattr(torch, dtype), **runner_kwargs
+        )
         self.vocab = self.runner.model.config.get_text_config().vocab_size
         self.rng = np.random.default_rng(seed)
         self.step = 0

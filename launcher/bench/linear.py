@@ -6,7 +6,7 @@ decode step), the median time of every distinct (in, out) product of the model's
 measured interleaved in one process so that load on the machine hits all alike, and the whole step's sum of them.
 bf16 is measured only where oneDNN runs it on this CPU (cpu_linear.dtype_supported).
 
-    python -m launcher.bench.linear --model smollm2|gemma|llama3-128k|DIR [--batch 1,16,64]
+    python -m launcher.bench.linear --model smollm2|gemma|llama-128k|DIR [--batch 1,16,64]
 """
 
 from __future__ import annotations

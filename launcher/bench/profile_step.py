@@ -12,7 +12,8 @@ The parts of one decode step of the whole batch, each the median over the steps:
 - execute other: the plan's diff (new and finished sequences), the result object;
 - publish: encoding the result's frames (what the shard sends).
 
-    python -m launcher.bench.profile_step --model llama3-128k,smollm2,gemma --batch 1,16,64 [--dtype auto]
+    python -m launcher.bench.profile_step --model llama-128k,smollm2,gemma --batch 1,16,64 [--dtype auto]
+        [--torch-linears]
 """
 
 from __future__ import annotations
@@ -77,11 +78,13 @@ class StepTimers:
         return {p: 1000 * statistics.median(s.get(p, 0.0) for s in self.steps) for p in PARTS}
 
 
-def profile(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int, dtype: str) -> dict:
+def profile(
+    model_dir: str, batch: int, prompt_tokens: int, output_tokens: int, dtype: str, onednn: bool = True
+) -> dict:
     from launcher.bench.limit import Driver
     from libs.protocol import codec
 
-    driver = Driver(model_dir, batch, prompt_tokens, output_tokens, dtype=dtype)
+    driver = Driver(model_dir, batch, prompt_tokens, output_tokens, dtype=dtype, onednn_linear=onednn)
     driver.warm()
     driver.prefill()
     timers = StepTimers(driver.runner)
@@ -127,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="auto", help="auto (the server's default on this CPU) | float32 | bfloat16")
+    ap.add_argument("--torch-linears", action="store_true", help="torch's own linears (the shard's oneDNN switch off)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import torch
