@@ -12,17 +12,28 @@ one at a time; the next starts once every rank acked the last.
 
 Each load has a generation that seeds the adapter's prefix-cache hashes, so blocks cached by an earlier adapter
 of the same name never serve the new one.
+
+The served set outlives the scheduler: every change is written to the server's run directory
+(`lora-replica-<r>.json`, atomically), and a restarted scheduler starts from it instead of the start-up list.
+So after a `kill -9` it sends its shards the set they hold (same folders, same generations: nothing is reloaded)
+and announces the same names, and a resubmitted request on a run-time adapter is served, not refused.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from libs.protocol import topics
 from libs.protocol.adapters import AdapterDone, AdapterSet, LoadAdapter, ShardAdapters, ShardAdaptersAck, UnloadAdapter
 from libs.protocol.messages import RequestError, TokenizedRequest
 from libs.runtime import bus, metrics
+
+log = logging.getLogger("switchyard.scheduler")
 
 
 @dataclass
@@ -39,10 +50,13 @@ class AdapterControl:
         self.ranks = max(1, s.num_shard)
         self.wanted: dict[str, str] = dict(e.split("=", 1) for e in s.lora_adapters.split(",") if e)
         self.generations: dict[str, int] = {}  # start-up adapters have generation 0 (absent)
-        self.accepting: dict[str, None] = dict.fromkeys(self.wanted)  # ordered: start-up order, then loads
         self.queue: deque[LoadAdapter | UnloadAdapter] = deque()
         self.inflight: _Op | None = None
         self.ops = self.loads = 0
+        run_dir = os.environ.get("SWITCHYARD_RUN_DIR")
+        self.state_path = Path(run_dir) / f"lora-replica-{service.replica}.json" if run_dir else None
+        self.restored = self._restore()  # the names a restarted scheduler took over from its predecessor
+        self.accepting: dict[str, None] = dict.fromkeys(self.wanted)  # ordered: start-up order, then loads
         m = metrics.get()
         if m is None:  # a scheduler built without service.run (tests): metrics of its own, unexported
             m = metrics.Metrics("scheduler", service.replica)
@@ -83,6 +97,7 @@ class AdapterControl:
             if name not in self.accepting:
                 return self._done(msg, f"The lora adapter '{name}' cannot be found.", 404)
             self.accepting.pop(name, None)  # new requests are refused from now on
+            self._save()
             self.announce()
         self.queue.append(msg)
         self.tick()
@@ -106,6 +121,7 @@ class AdapterControl:
         self.queue.popleft()
         self.ops += 1
         self.inflight = _Op(self.ops, msg)
+        self._save()  # the load counter: a successor never reuses a generation the shards may hold
         self.resend()
 
     def resend(self) -> None:
@@ -137,6 +153,7 @@ class AdapterControl:
                 self._done(op.msg, errors[0], 400)
             else:
                 self.accepting[name] = None
+                self._save()
                 self.svc.log.info("LoRA adapter %s loaded from %s", name, op.msg.path)
                 self.announce()  # before the answer: the tokenizers hear the name first
                 self._done(op.msg, None, 200)
@@ -147,6 +164,38 @@ class AdapterControl:
         names = list(self.accepting)
         self.loaded.labels(replica=str(self.svc.replica)).set(len(names))
         self.svc.events.publish(topics.lora(self.svc.replica), AdapterSet(replica=self.svc.replica, names=names))
+
+    # ---- across restarts -------------------------------------------------------------------
+    def _save(self) -> None:
+        """The served set (the names new requests may use, with folder and generation) and the load counter."""
+        if self.state_path is None:
+            return
+        adapters = [[name, self.wanted[name], self.generations.get(name, 0)] for name in self.accepting]
+        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps({"loads": self.loads, "adapters": adapters}))
+            os.replace(tmp, self.state_path)
+        except OSError as e:  # the run directory is gone: the server is stopping
+            log.warning("could not record the LoRA adapters in %s: %s", self.state_path, e)
+
+    def _restore(self) -> list[str]:
+        """Take over the set a predecessor served (nothing on a first start: the start-up list stands)."""
+        if self.state_path is None or not self.state_path.exists():
+            return []
+        try:
+            state = json.loads(self.state_path.read_text())
+            adapters = [(str(name), str(path), int(gen)) for name, path, gen in state["adapters"]]
+            loads = int(state["loads"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("ignored the recorded LoRA adapters in %s: %s", self.state_path, e)
+            return []
+        self.loads = loads
+        self.wanted = {name: path for name, path, _ in adapters}
+        self.generations = {name: gen for name, _, gen in adapters if gen}
+        for name, gen in self.generations.items():
+            self.svc.batcher.hash_keys[name] = f"{name}\0{gen}"
+        log.info("LoRA adapters taken over from the previous scheduler: %s", ", ".join(self.wanted) or "none")
+        return list(self.wanted)
 
     def _done(self, msg: LoadAdapter | UnloadAdapter, error: str | None, status: int) -> None:
         done = AdapterDone(op_id=msg.op_id, replica=self.svc.replica, error=error, status=status)

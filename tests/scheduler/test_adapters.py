@@ -104,3 +104,29 @@ def test_unload_waits_for_the_adapters_requests(control):
     assert _done(svc)[-1].op_id == "u" and _done(svc)[-1].error is None
     c.request(UnloadAdapter(op_id="v", ingress=1, name="start"))
     assert _done(svc)[-1].status == 404 and _done(svc)[-1].error == "The lora adapter 'start' cannot be found."
+
+
+def test_a_restarted_scheduler_takes_over_the_served_set(control, monkeypatch, tmp_path):
+    """The served set is recorded in the run directory on every change; a new AdapterControl (a scheduler after
+    kill -9) starts from it: run-time loads kept with their folders and generations (the shards reload nothing),
+    a start-up adapter unloaded at run time stays unloaded, and the next load gets a fresh generation."""
+    monkeypatch.setenv("SWITCHYARD_RUN_DIR", str(tmp_path))
+    _, svc, to_shards = control
+    c = AdapterControl(svc)  # this one records (the fixture's was built without a run directory)
+    assert c.restored == [] and not (tmp_path / "lora-replica-0.json").exists()
+    for msg in (LoadAdapter(op_id="a", ingress=0, name="hot", path="/adapters/hot"),
+                UnloadAdapter(op_id="b", ingress=0, name="start")):  # fmt: skip
+        c.request(msg)
+        c.ack(ShardAdaptersAck(op=to_shards[-1].op, rank=0))
+        c.ack(ShardAdaptersAck(op=to_shards[-1].op, rank=1))
+    assert [d.error for d in _done(svc)] == [None, None]
+
+    svc.batcher.hash_keys.clear()
+    after = AdapterControl(svc)
+    assert after.restored == ["hot"] and list(after.accepting) == ["hot"]
+    assert after.wanted == {"hot": "/adapters/hot"} and after.generations == {"hot": 1}
+    assert svc.batcher.hash_keys == {"hot": "hot\x001"}
+    after.resend()  # what the probe sends: the set the shards already hold
+    assert to_shards[-1].adapters == {"hot": "/adapters/hot"} and to_shards[-1].generations == {"hot": 1}
+    after.request(LoadAdapter(op_id="c", ingress=0, name="next", path="/adapters/next"))
+    assert after.generations["next"] == 2
