@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -40,66 +39,8 @@ from libs.protocol.messages import (
 from libs.protocol.prefix_hash import extend_hashes
 from libs.runtime.settings import BLOCK_SIZE
 from services.scheduler.block_allocator import BlockAllocator, blocks_for
-
-
-@dataclass
-class Sequence:
-    seq: int  # small integer handle shared with the shard (a new one each time it is (re)admitted)
-    req: TokenizedRequest
-    output: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    opened: bool = False  # the detokenizer has been told about it
-    # with sampling.prompt_logprobs: the logprob of each prompt token so far, gathered over prefill chunks
-    # until the StreamOpen carries them (then dropped: the detokenizer keeps them)
-    prompt_logprobs: list[float] = field(default_factory=list)
-    computed: int = 0  # tokens (prompt, then generated) whose KV is in its blocks, once the planned step ran
-    hashes: list[bytes] = field(default_factory=list)  # chain hashes of its first full blocks (lookup, index)
-    registered: int = 0  # its first blocks that are in the prefix index (or came from it)
-    planned_blocks: int = 0  # its blocks the shard has been told about
-    preempted: int = 0  # times it gave its blocks back
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.req.input_ids)
-
-    @property
-    def total(self) -> int:
-        """Tokens the sequence consists of now: prompt + generated (the last one not yet fed)."""
-        return self.prompt_len + len(self.output)
-
-    def tokens(self, start: int, end: int) -> np.ndarray:
-        """Token ids [start, end) of prompt + generated."""
-        n = self.prompt_len
-        if end <= n:
-            return self.req.input_ids[start:end]
-        gen = np.asarray(self.output[max(0, start - n) : end - n], dtype=np.int32)
-        return gen if start >= n else np.concatenate((self.req.input_ids[start:], gen))
-
-    def take_prompt_details(self) -> tuple[list[int], list[float]]:
-        """For the StreamOpen: all prompt ids and their logprobs, or ([], []) when the request asked for none.
-
-        A logprob the shard never sent (a short or missing run) is NaN, which the detokenizer reports as null;
-        the gathered list is handed over once and dropped here.
-        """
-        if not self.req.sampling.prompt_logprobs:
-            return [], []
-        n = self.prompt_len
-        logprobs = self.prompt_logprobs[:n] + [math.nan] * max(0, n - len(self.prompt_logprobs))
-        self.prompt_logprobs = []
-        return self.req.input_ids.tolist(), logprobs
-
-
-@dataclass
-class Emitted:
-    """One row for the detokenizer: a sampled token, or just an end (token_id -1)."""
-
-    seq: Sequence
-    offset: int
-    token_id: int
-    logprob: float
-    finish: int
-    top_ids: list[int] = field(default_factory=list)  # the step's alternatives (top_n_tokens), best first
-    top_logprobs: list[float] = field(default_factory=list)
+from services.scheduler.sequence import Emitted, Sequence
+from services.scheduler.speculative import Drafter
 
 
 class Batcher:
@@ -114,10 +55,15 @@ class Batcher:
         waiting_served_ratio: float = 1.2,
         prefix_caching: bool = True,
         block_size: int = BLOCK_SIZE,
+        max_prefill_tokens_while_decoding: int = 0,
+        speculate: int = 0,
     ):
         self.allocator = BlockAllocator(num_blocks)
         self.max_batch_size = max_batch_size
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
+        # prompt tokens a step may feed while decodes run (0: no cap beyond max_batch_prefill_tokens): on CPU a step's
+        # time grows with its tokens, so a long prompt in chunks keeps the running streams' inter-token gap short
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.eos_ids = eos_ids
         self.max_waiting_tokens = max_waiting_tokens
         self.waiting_served_ratio = waiting_served_ratio
@@ -133,8 +79,12 @@ class Batcher:
         self.hash_keys: dict[str, str] = {}
         self._to_drop: list[int] = []  # finished or preempted seqs the shard has not been told about
         self._handles = itertools.count(1)
-        # per planned step not applied yet: its rows as (seq, handle, computed after), to index the blocks they fill
-        self._inflight: dict[int, list[tuple[Sequence, int, int]]] = {}
+        # per planned step not applied yet: its rows as (seq, handle, computed after, drafts), to index the blocks
+        # they fill (a drafted row's accepted drafts add to its computed tokens when the result comes)
+        self._inflight: dict[int, list[tuple[Sequence, int, int, int]]] = {}
+        self.drafter = Drafter(speculate) if speculate > 0 else None  # speculative decoding (--speculate)
+        self._trim: dict[int, int] = {}  # seq → blocks it keeps, for the next plan (rejected drafts' blocks freed)
+        self.step_accepted: list[int] = []  # per drafted row of the last applied step: drafts accepted
         self._since_join = 0  # steps since waiting requests last joined a running batch
         self.step_constrained = 0  # constrained rows of the last planned step
         self.counters = {
@@ -150,6 +100,8 @@ class Batcher:
             "preemptions": 0,
             "chunked_prefills": 0,  # prefill rows that fed only part of what remained
             "constrained_rows": 0,  # sampled rows whose request has a grammar (the shard masks them)
+            "draft_tokens": 0,  # speculative decoding: tokens drafted (and verified)
+            "accepted_tokens": 0,  # of them, accepted
         }
 
     def add(self, req: TokenizedRequest) -> None:
@@ -167,7 +119,10 @@ class Batcher:
         """The next step: every running sequence's next token or chunk, plus the waiting prefills that fit."""
         rows: list[tuple[Sequence, int]] = []  # (sequence, tokens fed)
         running = list(self.running.values())
-        budget = self.max_batch_prefill_tokens - sum(1 for s in running if s.total - s.computed == 1)
+        decoding = sum(1 for s in running if s.total - s.computed == 1)
+        budget = self.max_batch_prefill_tokens - decoding
+        if decoding and self.max_prefill_tokens_while_decoding:
+            budget = min(budget, self.max_prefill_tokens_while_decoding)
         for s in running:  # oldest first; preemption takes the newest
             if s.seq not in self.running:
                 continue  # preempted below for an older sequence
@@ -183,6 +138,7 @@ class Batcher:
         new, blocks = self._admit(rows, budget)
         if not rows:
             return None
+        drafts = self.drafter.draft(self, rows) if self.drafter else {}
         for s, _ in rows:
             if s.seq not in blocks and len(s.blocks) > s.planned_blocks:
                 blocks[s.seq] = s.blocks[s.planned_blocks :]
@@ -190,16 +146,19 @@ class Batcher:
         seqs, num_tokens, context_lens, token_ids, sample = [], [], [], [], []
         inflight = self._inflight[step] = []
         decodes = constrained = 0
-        for s, n in rows:
+        for i, (s, n) in enumerate(rows):
             seqs.append(s.seq)
-            num_tokens.append(n)
             context_lens.append(s.computed)
             decodes += n == 1 and s.computed >= s.prompt_len  # it feeds one generated token
             token_ids.append(s.tokens(s.computed, s.computed + n))
+            k = len(drafts.get(i, ()))
+            if k:  # [its last token, d1..dk]: only the last token is its own until the result says more
+                token_ids.append(np.asarray(drafts[i], np.int32))
+            num_tokens.append(n + k)
             s.computed += n
             sample.append(s.computed == s.total)
             constrained += bool(s.req.grammar) and sample[-1]
-            inflight.append((s, s.seq, s.computed))
+            inflight.append((s, s.seq, s.computed, k))
         c = self.counters
         prefills = len(rows) - decodes
         c["steps"] += 1
@@ -209,16 +168,19 @@ class Batcher:
         c["constrained_rows"] += constrained
         self.step_constrained = constrained
         finished, self._to_drop = self._to_drop, []
+        trim, self._trim = self._trim, {}
         return StepPlan(
             step=step,
             new=new,
             blocks=blocks,
             finished=finished,
+            trim=trim,
             seqs=np.asarray(seqs, np.int32),
             num_tokens=np.asarray(num_tokens, np.int32),
             context_lens=np.asarray(context_lens, np.int32),
             token_ids=np.concatenate(token_ids).astype(np.int32, copy=False),
             sample=np.asarray(sample, np.uint8),
+            drafts=np.asarray([len(drafts.get(i, ())) for i in range(len(rows))] if drafts else [], np.int32),
         )
 
     def _grow(self, s: Sequence, tokens: int) -> bool:
@@ -271,11 +233,12 @@ class Batcher:
             return [], {}
         self._since_join = 0
         new, blocks = [], {}
+        for _, cached, _ in picks:  # all hits held first: a pick's new blocks must not evict a later pick's hit
+            self.allocator.acquire(cached)
         for s, cached, n in picks:
             self.waiting.popleft()
             self._count_lookup(s, cached)
             s.seq = next(self._handles)
-            self.allocator.acquire(cached)
             s.blocks = cached + self.allocator.allocate(
                 blocks_for(len(cached) * self.block_size + n, self.block_size) - len(cached)
             )
@@ -315,43 +278,69 @@ class Batcher:
 
     # ---- results --------------------------------------------------------------------------------
     def apply(self, result: StepResult) -> list[Emitted]:
-        """Index the newly full blocks; append the sampled tokens; finish by length (first, as TGI) or EOS."""
-        self._register_blocks(self._inflight.pop(result.step, []))
+        """Append each row's tokens (a drafted row's accepted ones too), finishing by length (first, as TGI) or EOS
+        at the first token that ends it; index the newly full blocks; free the blocks past accepted drafts."""
+        inflight = self._inflight.pop(result.step, [])
+        drafted = {handle: k for _, handle, _, k in inflight if k}
         self._gather_prompt_logprobs(result)
-        counts = result.top_counts.tolist()  # empty: no row has alternatives
+        counts = result.token_counts.tolist() or [1] * len(result.seqs)
+        alt_counts = result.top_counts.tolist()  # empty: no token has alternatives
+        tokens, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
         top_ids, top_logprobs = result.top_ids.tolist(), result.top_logprobs.tolist()
-        rows, start = [], 0
-        for i, (seq, token, logprob) in enumerate(
-            zip(result.seqs.tolist(), result.token_ids.tolist(), result.logprobs.tolist())
-        ):
-            end = start + (counts[i] if counts else 0)
-            alt_ids, alt_logprobs = top_ids[start:end], top_logprobs[start:end]
-            start = end
-            s = self.running.get(seq)
-            if s is None:
-                continue  # finished (aborted) or preempted while the step ran
-            s.output.append(token)
-            self.counters["generated"] += 1
+        rows, ended, at, alt = [], [], 0, 0
+        self.step_accepted = []
+        for seq, n in zip(result.seqs.tolist(), counts):
+            s, first, at = self.running.get(seq), at, at + n
+            if s is None:  # finished (aborted) or preempted while the step ran
+                alt += sum(alt_counts[first:at])
+                continue
+            finish, appended = FINISH_NONE, 0
+            for j in range(first, at):
+                end = alt + (alt_counts[j] if alt_counts else 0)
+                alt_ids, alt_logprobs, alt = top_ids[alt:end], top_logprobs[alt:end], end
+                if finish:
+                    continue  # tokens past the one that ended it are dropped
+                s.output.append(tokens[j])
+                appended += 1
+                if len(s.output) >= s.req.max_new_tokens:
+                    finish = FINISH_LENGTH
+                elif tokens[j] in self.eos_ids:
+                    finish = FINISH_EOS
+                rows.append(Emitted(s, len(s.output) - 1, tokens[j], logprobs[j], finish, alt_ids, alt_logprobs))
+            self.counters["generated"] += appended
             if s.req.adapter:
-                self.counters["lora_generated"] += 1
-            if len(s.output) >= s.req.max_new_tokens:
-                finish = FINISH_LENGTH
-            elif token in self.eos_ids:
-                finish = FINISH_EOS
-            else:
-                finish = FINISH_NONE
-            rows.append(Emitted(s, len(s.output) - 1, token, logprob, finish, alt_ids, alt_logprobs))
+                self.counters["lora_generated"] += appended
+            if seq in drafted:  # the accepted drafts' KV is the tokens just appended
+                s.computed += min(n - 1, appended)
+                s.drafting.observe(drafted[seq], n - 1)
+                self.counters["accepted_tokens"] += n - 1
+                self.step_accepted.append(n - 1)
             if finish:
-                self._release(s)
+                ended.append(s)
+        self._register_blocks(inflight)
+        for s in ended:
+            self._release(s)
+        for s, handle, _, k in inflight:
+            if k and s.seq == handle and handle in self.running:
+                self._free_past(s)
         return rows
 
-    def _register_blocks(self, rows: list[tuple[Sequence, int, int]]) -> None:
-        """A step wrote its rows' KV: index every block it filled, for later prefix hits."""
+    def _free_past(self, s: Sequence) -> None:
+        """Give back the blocks past what a drafted row keeps (its next token's slot); the next plan tells the shard."""
+        keep = blocks_for(s.computed + 1, self.block_size)
+        if len(s.blocks) > keep:
+            self.allocator.release(s.blocks[keep:])
+            s.blocks = s.blocks[:keep]
+            s.planned_blocks = min(s.planned_blocks, keep)
+            self._trim[s.seq] = keep
+
+    def _register_blocks(self, rows: list[tuple[Sequence, int, int, int]]) -> None:
+        """A step wrote its rows' KV: index every block it filled (a drafted row: its accepted tokens only)."""
         if not self.prefix_caching:
             return
         bs = self.block_size
-        for s, handle, computed in rows:
-            full = computed // bs
+        for s, handle, _, _ in rows:
+            full = s.computed // bs  # its own handle: what the step computed (drafts: as accepted)
             if s.seq != handle or handle not in self.running or full <= s.registered:
                 continue
             if len(s.hashes) < full:
@@ -394,7 +383,7 @@ class Batcher:
         name KV that is gone, is emptied."""
         for s in reversed(list(self.running.values())):
             self._preempt(s)
-        self._to_drop, self._inflight = [], {}  # the shard starts from a clean slate (the probe)
+        self._to_drop, self._inflight, self._trim = [], {}, {}  # the shard starts from a clean slate (the probe)
         self.allocator.forget_cache()  # nothing is held now: every cached block is unheld
 
     def _release(self, s: Sequence) -> None:

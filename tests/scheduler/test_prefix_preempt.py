@@ -102,3 +102,20 @@ def test_preemption_frees_the_newest_and_resumes_without_repeating():
             assert p.context_lens[i] + len(fed) == s.total and fed[-1] == s.output[-1]
     assert emitted == {"old": list(range(20)), "new": list(range(20))}  # nothing streamed twice or skipped
     assert b.allocator.free == 8
+
+
+def test_a_join_never_evicts_the_cached_blocks_a_later_join_hits():
+    """Requests admitted in one step: the first one's new blocks may evict cached blocks, but never those the second
+    one's prefix hit takes (its hits are held before anything is allocated)."""
+    b = Batcher(8, max_batch_size=8, max_batch_prefill_tokens=64, eos_ids={EOS}, block_size=4)
+    x, y = list(range(100, 109)), list(range(200, 209))  # 9 tokens each: two full blocks cached when they end
+    for rid, ids in (("x", x), ("y", y)):
+        b.add(req(rid, ids, max_new=1))
+        b.apply(result(b.plan(b.counters["steps"] + 1)))
+    assert b.allocator.cached == 4 and b.allocator.free == 8  # LRU: x's two blocks oldest, then y's
+    b.add(req("a", range(300, 320), max_new=1))  # 5 new blocks: more than the 4 never-cached ones
+    b.add(req("again", x, max_new=1))  # hits x's two blocks
+    plan = b.plan(3)
+    blocks = {b.running[s].req.request_id: b.running[s].blocks for s in plan.seqs.tolist()}
+    assert not set(blocks["a"]) & set(blocks["again"]), blocks
+    assert b.counters["prefix_hit_tokens"] == 8

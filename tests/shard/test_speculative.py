@@ -17,17 +17,20 @@ import torch
 from libs.protocol import codec
 from libs.protocol.messages import NewSequence, StepPlan
 from libs.protocol.params import SamplingParams
+from services.scheduler.batcher import Batcher
+from services.scheduler.speculative import Drafter
 from services.shard.model_runner import ModelRunner
 from services.shard.sampling import Choice
 from services.shard.speculative import accept, kept_positions, select
 from tests.reference import reference_generate
 from tests.shard.driver import prompts_for
+from tests.shard.test_engine_loop import request, serve
 from tests.tiny_models import EOS
 
-Drafter = Callable[[int, list[int]], list[int]]  # (seq, its output so far) → drafts
+DraftFn = Callable[[int, list[int]], list[int]]  # (seq, its output so far) → drafts
 
 
-def drive_drafted(runner: ModelRunner, prompts, max_new, sampling, drafter: Drafter | None):
+def drive_drafted(runner: ModelRunner, prompts, max_new, sampling, drafter: DraftFn | None):
     """Every sequence joins at step 1; decode rows carry the drafter's tokens. Returns per seq its tokens, logprobs,
     alternatives, and the (drafted, accepted) totals."""
     bs = runner.block_size
@@ -97,7 +100,7 @@ def drive_drafted(runner: ModelRunner, prompts, max_new, sampling, drafter: Draf
     return out, lps, tops, (drafted, accepted)
 
 
-def answer_drafter(answers: dict[int, list[int]], k: int) -> Drafter:
+def answer_drafter(answers: dict[int, list[int]], k: int) -> DraftFn:
     """Drafts the next k tokens of the known answer, spoiling one of them every third step (so some drafts are
     rejected at every place)."""
     calls = {}
@@ -184,3 +187,83 @@ def test_a_plan_that_drafts_a_sampled_row_wrongly_is_refused(tiny_dirs):
     )
     with pytest.raises(ValueError, match="drafts"):
         runner.execute(plan)
+
+
+# ---- the real Batcher drafting (prompt lookup) for the real ModelRunner ----------------------------------------
+
+
+def speculating_batcher(num_blocks: int, speculate: int, prefill: int = 4096, **kw) -> Batcher:
+    return Batcher(
+        num_blocks, max_batch_size=16, max_batch_prefill_tokens=prefill, eos_ids={EOS}, block_size=4,
+        speculate=speculate, **kw,
+    )  # fmt: skip
+
+
+class AnswerDrafter(Drafter):
+    """Prompt lookup's place taken by the known answers (the tiny models never copy their input, so lookup's drafts
+    are almost all rejected): drafts the answer's next tokens, one spoiled every third call."""
+
+    def __init__(self, speculate: int, answers: dict[tuple, list[int]]) -> None:
+        super().__init__(speculate)
+        self.answers, self.calls = answers, 0
+
+    def propose(self, tokens, k, stats):
+        tokens = tokens.tolist()
+        for prompt, answer in sorted(self.answers.items(), key=lambda kv: -len(kv[0])):
+            done = tokens[len(prompt) :]
+            if tokens[: len(prompt)] == list(prompt) and answer[: len(done)] == done:
+                self.calls += 1
+                drafts = answer[len(done) : len(done) + k]
+                if drafts and self.calls % 3 == 0:
+                    drafts[-1] = (drafts[-1] + 7) % 900 + 3
+                stats.since_draft = 0
+                return drafts
+        raise AssertionError("a sequence that is no request's prompt and answer")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_drafting_with_prefix_hits_chunks_and_preemption_matches_generate(tiny_dirs, arch):
+    model_dir = tiny_dirs[arch]
+    p = prompts_for(model_dir)
+    long = p[2]
+    reqs = {
+        "a": (long[:50], 16),
+        "b": (long, 18),  # a prefix hit on a's blocks
+        "copy": (p[1] + p[1] + p[1][:10], 24),  # the prompt repeats itself: lookup finds long matches
+        "d": (p[1], 20),  # a prefix hit on copy's blocks
+        "e": (p[4] + long[:20], 16),
+    }
+    want = {rid: reference_generate(model_dir, prompt, n) for rid, (prompt, n) in reqs.items()}
+    for drafter in ("lookup", "answers"):
+        arrivals = {0: [request("a", *reqs["a"]), request("copy", *reqs["copy"])]}
+        arrivals[3] = [request("b", *reqs["b"]), request("d", *reqs["d"]), request("e", *reqs["e"])]
+        runner = ModelRunner(str(model_dir), num_blocks=40, block_size=4)
+        b = speculating_batcher(40, speculate=4, prefill=24)  # KV for far fewer tokens than wanted at once
+        if drafter == "answers":
+            b.drafter = AnswerDrafter(4, {tuple(prompt): want[rid] for rid, (prompt, _) in reqs.items()})
+        got, _ = serve(runner, b, arrivals)
+        assert got == want, f"{arch}, {drafter} drafts"
+        c = b.counters
+        assert c["draft_tokens"] > 0 and c["prefix_hit_tokens"] > 0 and c["preemptions"] > 0, c
+        assert c["chunked_prefills"] > 0 and b.allocator.free == 40, c  # every block came back, trimmed ones too
+        if drafter == "answers":
+            assert c["draft_tokens"] > c["accepted_tokens"] > c["draft_tokens"] // 2, c
+
+
+def test_seeded_sampling_with_drafting_equals_without(tiny_dirs):
+    model_dir = tiny_dirs["llama"]
+    p = prompts_for(model_dir)
+    warm = dict(do_sample=True, temperature=0.7, repetition_penalty=1.2, top_n_tokens=2)
+
+    def run(drafter: Drafter | None):
+        runner = ModelRunner(str(model_dir), num_blocks=64, block_size=4)
+        b = speculating_batcher(64, 0)
+        b.drafter = drafter
+        arrivals = {0: [request(f"r{i}", p[1][i:] + p[1][:20], 24, seed=i, **warm) for i in range(3)]}
+        arrivals[2] = [request("g", p[2], 24)]
+        return serve(runner, b, arrivals)[0], b
+
+    want, _ = run(None)
+    prompts = {f"r{i}": p[1][i:] + p[1][:20] for i in range(3)} | {"g": p[2]}
+    got, b = run(AnswerDrafter(3, {tuple(prompts[rid]): out for rid, out in want.items()}))
+    assert got == want and b.counters["accepted_tokens"] > 0
