@@ -18,7 +18,6 @@ log = logging.getLogger("switchyard.launcher")
 # TGI flags that are accepted so a TGI command line runs unchanged, but do nothing here (yet):
 # (name, type or "flag", TGI's default, what it does in TGI). A value other than the default is logged.
 IGNORED = [
-    ("speculate", int, None, "speculative decoding (n-gram/medusa); tokens are generated one at a time"),
     ("kv-cache-dtype", str, None, "fp8 KV cache; the KV cache uses --dtype"),
     ("trust-remote-code", "flag", False, "custom model code from the Hub; only transformers' own architectures run"),
     ("max-waiting-tokens", int, 20, "how long waiting requests wait before joining; here they join every step"),
@@ -29,6 +28,13 @@ IGNORED = [
     ("prometheus-port", int, 9000, "a separate metrics port; metrics are served on /metrics of --port"),
     ("usage-stats", str, "on", "telemetry; none is ever sent"),
 ]
+
+
+SPECULATE_HELP = (
+    "speculative decoding: up to N tokens drafted per decode step from n-gram matches in the request's own prompt "
+    "and output (prompt lookup), verified in the same forward; outputs are unchanged, and rows whose drafts are not "
+    "accepted stop drafting by themselves (env SPECULATE; default: off)"
+)
 
 
 def _dtype(requested: str, model_path: Path) -> str:
@@ -58,6 +64,11 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         raise SystemExit(f"error: max_input_tokens ({max_input}) must be < max_total_tokens ({max_total})")
     if prefill < max_input:
         raise SystemExit(f"error: max_batch_prefill_tokens ({prefill}) must be >= max_input_tokens ({max_input})")
+    if args.max_prefill_tokens_while_decoding < 0:
+        raise SystemExit("error: --max-prefill-tokens-while-decoding must be >= 0 (0: no cap)")
+    speculate = args.speculate or 0  # TGI's default is None: no speculation
+    if speculate < 0:
+        raise SystemExit("error: --speculate must be >= 0")
     if total < max_total:
         raise SystemExit(f"error: max_batch_total_tokens ({total}) must be >= max_total_tokens ({max_total})")
     hostname = args.hostname
@@ -102,8 +113,10 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         max_input_tokens=max_input,
         max_total_tokens=max_total,
         max_batch_prefill_tokens=prefill,
+        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         max_batch_total_tokens=total,
         max_batch_size=args.max_batch_size,
+        speculate=speculate,
         shard_stall_timeout=args.shard_stall_timeout,
         replicas=args.replicas,
         num_shard=args.num_shard,

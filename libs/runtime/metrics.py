@@ -21,10 +21,11 @@ asyncio heartbeat should carry `metrics.exposition()` too, for other http proces
 
 Metrics for the lead to record (beyond TGI's): time_to_first_token / inter_token_latency (http),
 hop_queue_depth / hop_duration {hop}, step_duration {phase=plan|forward|sample|publish},
-kv_blocks_used / kv_blocks_free, prefix_cache_queried_tokens / prefix_cache_hit_tokens
-(scheduler), tokenized_tokens (tokenizer), detokenized_tokens (detokenizer). Each process adds
-switchyard_process_up and switchyard_process_{cpu_seconds_total,resident_memory_bytes,…}
-labelled {role,index}; the aggregator adds switchyard_process_restarts_total.
+kv_blocks_used / kv_blocks_free, prefix_cache_queried_tokens / prefix_cache_hit_tokens,
+speculative_draft_tokens / speculative_accepted_tokens (scheduler), tokenized_tokens (tokenizer),
+detokenized_tokens (detokenizer). Each process adds switchyard_process_up and
+switchyard_process_{cpu_seconds_total,resident_memory_bytes,…} labelled {role,index}; the aggregator adds
+switchyard_process_restarts_total.
 
 Compact heartbeat text (format and merge: `libs.runtime.promtext`): unlabelled metrics that are
 still zero are left out (the merger fills them in at zero from its own definitions), labelled
@@ -152,6 +153,12 @@ class Metrics:
             "switchyard_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"
         )
         self.prefix_cache_hit_tokens = counter("switchyard_prefix_cache_hit_tokens", "Prompt tokens found in the cache")
+        self.speculative_draft_tokens = counter(
+            "switchyard_speculative_draft_tokens", "Tokens drafted by prompt lookup and verified (--speculate)"
+        )
+        self.speculative_accepted_tokens = counter(
+            "switchyard_speculative_accepted_tokens", "Drafted tokens accepted (each one a forward step saved)"
+        )
         self.grammar_compile_duration = hist(
             "switchyard_grammar_compile_seconds", "Compiling a request's grammar, by kind (s)", labels=["kind"]
         )

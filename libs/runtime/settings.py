@@ -41,8 +41,12 @@ class Settings:
     max_input_tokens: int = 4095
     max_total_tokens: int = 4096
     max_batch_prefill_tokens: int = 4096
+    # prompt tokens one step may prefill while other requests decode (0: up to max_batch_prefill_tokens, as TGI);
+    # on CPU a step's time grows with its tokens, so a long prompt is fed in chunks that keep the streams flowing
+    max_prefill_tokens_while_decoding: int = 512
     max_batch_total_tokens: int = 65536
     max_batch_size: int = 256
+    speculate: int = 0  # --speculate: tokens drafted per decode row by prompt lookup and verified (0: off)
     # seconds a step may take before the scheduler says its shards hang (not ready: /health 503) until it returns
     shard_stall_timeout: float = 60.0
     validation_workers: int = 1

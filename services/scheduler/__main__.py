@@ -68,9 +68,11 @@ class SchedulerService:
             settings.num_blocks,
             max_batch_size=settings.max_batch_size,
             max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
+            max_prefill_tokens_while_decoding=settings.max_prefill_tokens_while_decoding,
             max_waiting_tokens=settings.max_waiting_tokens,
             waiting_served_ratio=settings.waiting_served_ratio,
             eos_ids=set(model_store.model_info(settings.model_path)["eos_token_ids"]),
+            speculate=settings.speculate,
         )
         self.observer = StepObserver(self.batcher)  # metrics and the per-request spans
         self.lora = AdapterControl(self)  # LoRA adapters loaded and unloaded while serving

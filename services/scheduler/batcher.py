@@ -84,7 +84,7 @@ class Batcher:
         self._inflight: dict[int, list[tuple[Sequence, int, int, int]]] = {}
         self.drafter = Drafter(speculate) if speculate > 0 else None  # speculative decoding (--speculate)
         self._trim: dict[int, int] = {}  # seq → blocks it keeps, for the next plan (rejected drafts' blocks freed)
-        self.step_accepted: list[int] = []  # per drafted row of the last applied step: drafts accepted
+        self.step_accepted: list[int] = []  # speculating: per sampled row of the last applied step, drafts accepted
         self._since_join = 0  # steps since waiting requests last joined a running batch
         self.step_constrained = 0  # constrained rows of the last planned step
         self.counters = {
@@ -314,6 +314,7 @@ class Batcher:
                 s.computed += min(n - 1, appended)
                 s.drafting.observe(drafted[seq], n - 1)
                 self.counters["accepted_tokens"] += n - 1
+            if self.drafter is not None:
                 self.step_accepted.append(n - 1)
             if finish:
                 ended.append(s)

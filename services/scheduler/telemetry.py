@@ -21,9 +21,11 @@ from opentelemetry.trace import Status, StatusCode
 from libs.protocol.messages import FINISH_ERROR, FINISH_NAMES, StepPlan, StepResult, TokenizedRequest
 from libs.runtime import metrics, tracing
 
-PREFIX_COUNTERS = (
+PREFIX_COUNTERS = (  # (the batcher's counter, the Prometheus counter it feeds)
     ("prefix_queried_tokens", "prefix_cache_queried_tokens"),
     ("prefix_hit_tokens", "prefix_cache_hit_tokens"),
+    ("draft_tokens", "speculative_draft_tokens"),
+    ("accepted_tokens", "speculative_accepted_tokens"),
 )
 
 
@@ -111,6 +113,8 @@ class StepObserver:
         method, t_plan, _ = self._steps.pop(step, ("decode", 0.0, 0.0))
         m, now = self.m, time.perf_counter()
         m.step_duration.labels(phase="sample").observe(now - self._t_result)
+        for accepted in self.batcher.step_accepted:  # TGI: per generation with speculation, its tokens − 1
+            m.request_skipped_tokens.observe(accepted)
         m.batch_inference_success.labels(method=method).inc()
         m.batch_inference_duration.labels(method=method).observe(now - t_plan)
 
@@ -173,7 +177,7 @@ class StepObserver:
         free = b.allocator.free
         m.kv_blocks_free.set(free)
         m.kv_blocks_used.set(b.allocator.num_blocks - free)
-        for name, metric in PREFIX_COUNTERS:  # the batcher's prefix-cache counters, as Prometheus counters
+        for name, metric in PREFIX_COUNTERS:  # the batcher's prefix-cache and draft counters, as Prometheus counters
             now = b.counters[name]
             if now > self._prefix_seen[name]:
                 getattr(m, metric).inc(now - self._prefix_seen[name])

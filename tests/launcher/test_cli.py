@@ -129,7 +129,7 @@ def test_chat_template_from_a_file(tmp_path, model_dir):
 
 def test_compatibility_flags_are_accepted_and_ignored(model_dir, caplog):
     argv = [
-        *("--speculate", "2", "--trust-remote-code", "--max-waiting-tokens", "10"),
+        *("--trust-remote-code", "--max-waiting-tokens", "10"),
         *("--waiting-served-ratio", "1.2", "--cuda-graphs", "1,2,4", "--sharded", "false"),
         *("--disable-custom-kernels", "--prometheus-port", "9001", "--usage-stats", "off"),
         *("--kv-cache-dtype", "fp8_e5m2", "--cuda-memory-fraction", "0.8"),
@@ -137,8 +137,7 @@ def test_compatibility_flags_are_accepted_and_ignored(model_dir, caplog):
     with caplog.at_level("WARNING", logger="switchyard.launcher"):
         s = settings_from(parse(*argv), model_dir)
     assert s == settings_from(parse(), model_dir)  # nothing changed
-    assert "--speculate is accepted for compatibility and ignored" in caplog.text
-    assert "--trust-remote-code" in caplog.text
+    assert "--trust-remote-code is accepted for compatibility and ignored" in caplog.text
     with pytest.raises(SystemExit, match="needs --num-shard > 1"):
         settings_from(parse("--sharded", "true"), model_dir)
     with pytest.raises(SystemExit):
@@ -164,3 +163,14 @@ def test_dtype_is_chosen_once_by_the_launcher_and_logged(tmp_path, caplog):
     assert _dtype("float32", tmp_path) == "float32"
     with pytest.raises(SystemExit, match="--dtype must be one of"):
         _dtype("float64", tmp_path)
+
+
+def test_speculate_acts(model_dir, monkeypatch, caplog):
+    with caplog.at_level("WARNING", logger="switchyard.launcher"):
+        assert settings_from(parse("--speculate", "3"), model_dir).speculate == 3
+    assert "speculate" not in caplog.text  # no longer ignored
+    assert settings_from(parse(), model_dir).speculate == 0  # TGI's default: none
+    monkeypatch.setenv("SPECULATE", "2")  # TGI's variable
+    assert settings_from(parse(), model_dir).speculate == 2
+    with pytest.raises(SystemExit, match="--speculate must be >= 0"):
+        settings_from(parse("--speculate", "-1"), model_dir)

@@ -128,3 +128,31 @@ def test_failed_step_counts_as_failure():
     obs.result(1, StepResult(step=1, error="boom"))
     assert value("tgi_batch_inference_failure_total", method="prefill") == 1
     assert value("tgi_batch_inference_success_total", method="prefill") == 0
+
+
+def test_speculative_counters_and_skipped_tokens():
+    metrics.init("scheduler", 0)
+    b = Batcher(64, max_batch_size=8, max_batch_prefill_tokens=256, eos_ids={2}, speculate=4)
+    obs = StepObserver(b)
+    loop = [11, 12, 13, 14, 15, 16] * 3  # lookup drafts 12 13 14 15 after a sampled 11
+    b.add(TokenizedRequest(request_id="a", ingress=0, input_ids=np.asarray(loop, np.int32),
+                           sampling=SamplingParams(), max_new_tokens=20))  # fmt: skip
+    for n, tokens in ((1, [11]), (2, [12, 13, 99])):  # step 2: 4 drafted, 2 accepted, one more token
+        obs.plan_started()
+        plan = b.plan(n)
+        obs.planned(plan)
+        res = StepResult(
+            step=n,
+            seqs=plan.seqs,
+            token_counts=np.array([len(tokens)], np.int32),
+            token_ids=np.array(tokens, np.int32),
+            logprobs=np.zeros(len(tokens), np.float32),
+        )
+        res = codec.decode(codec.encode(res))
+        obs.result(n, res)
+        b.apply(res)
+        obs.applied(n)
+    obs.gauges()
+    assert value("switchyard_speculative_draft_tokens_total") == 4
+    assert value("switchyard_speculative_accepted_tokens_total") == 2
+    assert value("tgi_request_skipped_tokens_count") == 2 and value("tgi_request_skipped_tokens_sum") == 2
