@@ -210,19 +210,40 @@ class Constraints:
             for j, row in enumerate(rows):
                 logits[row].masked_fill_(blocked[j], float("-inf"))
             return errors
-        allowed = unpack(bits.view(np.int32), logits.shape[-1]).numpy()
-        for j, row in enumerate(rows):
-            # A bool masked_fill over 262k scores costs ~5x a plain pass on CPU: write only the side that is
-            # small (few allowed tokens at JSON punctuation, few blocked ones inside a string).
-            keep = np.flatnonzero(allowed[j])
-            if len(keep) * 2 < len(allowed[j]):
-                index = torch.from_numpy(keep)
-                kept = logits[row, index]
-                logits[row].fill_(float("-inf"))
-                logits[row, index] = kept
-            else:
-                logits[row, torch.from_numpy(np.flatnonzero(~allowed[j]))] = float("-inf")
+        mask_rows(logits, rows, bits)
         return errors
+
+
+def mask_rows(logits: torch.Tensor, rows: Sequence[int], bits: np.ndarray) -> None:
+    """CPU: -inf at every id of `logits[rows[j]]` that bit row j of `bits` ([len(rows), words] uint32) does not
+    allow; ids past the bitmask's width are never allowed.
+
+    A bool masked_fill over 262k scores costs ~5x one pass on CPU, and a [rows, vocab] torch.where two: only the
+    small side of each row is written. Where most ids are allowed (inside a JSON string) that is the blocked ids,
+    set to -inf; where few are (JSON punctuation), the row becomes -inf and its allowed scores are put back. The
+    side is chosen on the packed words (a popcount), the words of each row inverted or not so that one unpack
+    gives every row's small side, and each row is then one or two index writes."""
+    width = logits.shape[-1]
+    few_allowed = 2 * np.bitwise_count(bits).sum(axis=1) < width
+    small = np.where(few_allowed[:, None], bits, ~bits)  # per row: the bits of the ids to write
+    # viewed as bool: flatnonzero reads bools ~4x faster than uint8
+    unpacked = np.unpackbits(small.view(np.uint8), axis=1, bitorder="little").view(bool)[:, :width]
+    beyond = 32 * bits.shape[1]  # ids past the bitmask (a model's padded vocabulary): never allowed
+    # numpy's writes, single-threaded, cost ~1/6 of torch's index ops here (which also fan out to every core)
+    scores = logits.numpy() if logits.dtype in (torch.float32, torch.float16) else logits
+    for j, row in enumerate(rows):
+        ids = np.flatnonzero(unpacked[j])
+        if scores is logits:
+            ids = torch.from_numpy(ids)
+        line = scores[row]
+        if few_allowed[j]:
+            kept = line[ids]
+            line[:] = float("-inf")
+            line[ids] = kept
+        else:
+            line[ids] = float("-inf")
+            if width > beyond:
+                line[beyond:] = float("-inf")
 
 
 class ShardGrammars:

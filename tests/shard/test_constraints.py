@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.shard.constraints import Constraints, unpack, unpack_on
+from services.shard.constraints import Constraints, mask_rows, unpack, unpack_on
 from services.tokenizer.grammar import grammar_text, tool_grammar
 from tests.tiny_models import BOS, EOS, build_tokenizer
 
@@ -276,3 +276,27 @@ def test_unpack_matches_the_bit_layout():
     # the accelerator path (torch shifts), run on the CPU here
     assert (unpack_on(bits, "cpu").numpy() == want).all()
     assert (unpack_on(bits, "cpu", blocked=True).numpy() == ~want).all()
+
+
+@pytest.mark.parametrize("width", [150, 160, 170])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # numpy's writes, torch's
+def test_mask_rows_equals_a_full_bool_mask(width, strided, dtype):
+    """The packed-word writes (blocked side of dense rows, kept side of sparse ones) against masked_fill."""
+    rng = np.random.default_rng(width)
+    dense = rng.random((2, 160)) < 0.97  # inside a string: almost everything allowed
+    sparse = rng.random((2, 160)) < 0.03  # at punctuation: a few ids
+    allowed = np.concatenate([dense, sparse, np.zeros((1, 160), bool)])
+    allowed[4, 7] = True  # the last row allows one id only
+    bits = np.packbits(allowed, axis=1, bitorder="little").view(np.uint32)
+    rows = [0, 2, 3, 5, 6]  # rows 1 and 4 of the logits are unconstrained
+    base = (torch.randn(7, width + 3) if strided else torch.randn(7, width)).to(dtype)
+    logits = base[:, :width]
+    want = logits.clone()
+    full = unpack(bits.view(np.int32), width).numpy()
+    for j, row in enumerate(rows):
+        want[row].masked_fill_(~torch.from_numpy(full[j]), float("-inf"))
+    mask_rows(logits, rows, bits)
+    assert torch.equal(logits, want)
+    kept = [int(torch.isfinite(logits[r]).sum()) for r in rows]
+    assert kept[0] > width // 2 and 0 < kept[2] < width // 2 and kept[4] == 1  # both sides were taken
