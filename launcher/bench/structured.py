@@ -1,0 +1,240 @@
+"""`switchyard bench --workload structured`: grammar-constrained vs unconstrained output tokens per second.
+
+The same prompts go to one server twice per concurrency level: first with a grammar (a JSON schema, or a regex),
+then without one, each request asked for exactly as many new tokens as its constrained answer took. A constrained
+answer ends when its grammar is complete (EOS is then the only choice), so without that pairing the unconstrained
+side would generate different lengths and pay for its prefills at another rate: the ratio would measure request
+length, not the masks. The model is served from its own folder (with its EOS ids: a grammar ends on them), not the
+no-EOS view of the chat workload; an unconstrained answer that hits EOS early is counted with its real length.
+
+Every constrained answer must parse and validate against its schema (or fully match its regex); the table says
+how many did, and the server's `switchyard_constrained_rows` histogram shows the masks were applied.
+
+    switchyard bench --workload structured --model gemma --structured-streams 1,16
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from launcher.bench import loadgen, servers
+
+# An object a random-weight model fills up to its length bounds (so answers stay a few dozen tokens) and a trained
+# model answers in a similar length: strings, an array with bounded items and a number.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 8, "maxLength": 40},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 2, "maxItems": 3},
+        "score": {"type": "number", "minimum": 0, "maximum": 100},
+    },
+    "required": ["name", "tags", "score"],
+}
+REGEX = r"[A-Z][a-z]{2,10}( [a-z]{2,10}){8,16}\."
+KINDS = {
+    "json": {"type": "json", "value": SCHEMA},
+    "regex": {"type": "regex", "value": REGEX},
+}
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("--workload structured")
+    g.add_argument("--structured-streams", default="1,16", help="comma-separated client counts")
+    g.add_argument("--structured-kinds", default="json,regex", help="grammars to measure: json, regex")
+    g.add_argument("--structured-waves", type=int, default=2, help="requests per level = waves × streams")
+    g.add_argument("--structured-prompt-tokens", type=int, default=64)
+    g.add_argument("--structured-max-new-tokens", type=int, default=128,
+                   help="the constrained requests' limit (an answer cut off by it counts as invalid)")  # fmt: skip
+
+
+class _GrammarDialect(loadgen.Dialect):
+    """TGI's /generate_stream with `parameters.grammar` (None: unconstrained); keeps each answer's text."""
+
+    def __init__(self, grammar: dict | None):
+        super().__init__("tgi")
+        self.grammar = grammar
+
+    def request(self, job: loadgen.Job) -> tuple[str, dict]:
+        path, body = super().request(job)
+        if self.grammar is not None:
+            body["parameters"]["grammar"] = self.grammar
+        return path, body
+
+    def read(self, event: dict, sample: loadgen.Sample, now: float) -> None:
+        super().read(event, sample, now)
+        if event.get("generated_text") is not None:
+            sample.text = event["generated_text"]  # the final event's whole answer
+            sample.finish = (event.get("details") or {}).get("finish_reason")
+
+
+def _folder(model: str) -> tuple[str, Path]:
+    """(label, folder with the model's EOS ids): the grammar needs them to end an answer."""
+    from launcher.bench import models
+
+    if model in models.SHAPES:
+        return model, models.build_llama(model)
+    if model == "gemma":
+        from libs.runtime import model_store
+
+        return "gemma-3-270m", Path(model_store.resolve_model("gemma-3-270m"))
+    return Path(model).name, Path(model)
+
+
+def check(kind: str, text: str | None) -> str | None:
+    """None if `text` is a valid answer for the grammar `kind`, else why not."""
+    if text is None:
+        return "no final text"
+    if kind == "regex":
+        return None if re.fullmatch(REGEX, text) else f"does not match the regex: {text[:80]!r}"
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (json.JSONDecodeError, jsonschema.ValidationError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]} in {text[:80]!r}"
+    return None
+
+
+def _constrained_rows(url: str, settle_s: float = 3.0, limit_s: float = 30.0) -> float:
+    """The server's total of constrained rows over all steps (the sum of its histogram), once it has stopped
+    moving for `settle_s`: the services report their metrics with their heartbeats, a second or so late."""
+    import urllib.request
+
+    last, since, deadline = None, time.monotonic(), time.monotonic() + limit_s
+    while True:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            value = loadgen.parse_metrics(r.read().decode()).get("switchyard_constrained_rows_sum", 0.0)
+        now = time.monotonic()
+        if value != last:
+            last, since = value, now
+        elif now - since >= settle_s or now >= deadline:
+            return value
+        time.sleep(0.5)
+
+
+def _level(url: str, kind: str, jobs: list[loadgen.Job], streams: int) -> dict:
+    """One (kind, streams) pair: the constrained run, then the paired unconstrained one."""
+    rows_before = _constrained_rows(url)
+    con, c0, c1 = asyncio.run(loadgen.drive(url, _GrammarDialect(KINDS[kind]), jobs, streams))
+    rows_constrained = _constrained_rows(url) - rows_before
+    invalid = [why for s in con if s.error is None for why in [check(kind, getattr(s, "text", None))] if why]
+    paired = [loadgen.Job(j.prompt, j.prompt_tokens, max(1, s.tokens)) for j, s in zip(jobs, con)]
+    rows_before = _constrained_rows(url)
+    free, u0, u1 = asyncio.run(loadgen.drive(url, _GrammarDialect(None), paired, streams))
+    rows_free = _constrained_rows(url) - rows_before
+    c, u = loadgen.summarize(con, c0, c1), loadgen.summarize(free, u0, u1)
+    done = [s for s in con if s.error is None]
+    return {
+        "kind": kind,
+        "streams": streams,
+        "requests": len(jobs),
+        "constrained": c,
+        "unconstrained": u,
+        "ratio": c["output_tok_s"] / u["output_tok_s"] if u["output_tok_s"] else None,
+        "tokens_per_request": c["output_tokens"] / max(1, len(done)),
+        "unconstrained_tokens": u["output_tokens"],
+        "valid": len(done) - len(invalid),
+        "invalid": invalid[:5],
+        "errors": c["errors"] + u["errors"],
+        "first_error": c["first_error"] or u["first_error"],
+        "constrained_rows": rows_constrained,  # > 0: the masks were applied
+        "constrained_rows_unconstrained_run": rows_free,  # 0: no mask on the plain requests
+    }
+
+
+def _f(v, digits: int = 1) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def table(results: dict) -> str:
+    lines = [
+        f"{results['title']}",
+        "",
+        "| grammar | streams | unconstrained tok/s | constrained tok/s | ratio | tokens/request | valid | "
+        "ITL p50 free / constrained ms | constrained rows | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in results["levels"]:
+        c, u = r["constrained"], r["unconstrained"]
+        lines.append(
+            f"| {r['kind']} | {r['streams']} | {_f(u['output_tok_s'])} | {_f(c['output_tok_s'])} "
+            f"| {_f(r['ratio'], 2)} | {_f(r['tokens_per_request'])} | {r['valid']}/{r['requests']} "
+            f"| {_f(u['itl_p50_ms'])} / {_f(c['itl_p50_ms'])} | {r['constrained_rows']:.0f} | {r['errors']} |"
+        )
+    for r in results["levels"]:
+        for why in r["invalid"]:
+            lines.append(f"\n{r['kind']} streams={r['streams']} invalid: {why}")
+        if r["first_error"]:
+            lines.append(f"\n{r['kind']} streams={r['streams']} error: {r['first_error']}")
+    lines += ["", f"CPU: {results['cpu']}; load average {results['load_avg']}"]
+    return "\n".join(lines)
+
+
+def write(results: dict, out: Path) -> list[Path]:
+    paths = [out / "structured.json", out / "structured.md"]
+    paths[0].write_text(json.dumps(results, indent=2, default=str))
+    paths[1].write_text(table(results) + "\n")
+    return paths
+
+
+def run(args, out: Path) -> int:
+    from launcher.bench.workload import Prompts
+    from libs.runtime.cpu import choose_dtype, describe
+
+    label, folder = _folder(args.model)
+    dtype = choose_dtype(None).dtype if args.dtype == "auto" else args.dtype
+    streams = [int(c) for c in args.structured_streams.split(",") if c.strip()]
+    kinds = [k.strip() for k in args.structured_kinds.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise SystemExit(f"--structured-kinds: unknown {unknown} (known: {', '.join(KINDS)})")
+    prompts = Prompts(folder)
+    results = {
+        "title": f"structured output, {label} ({dtype}): prompt {args.structured_prompt_tokens} tokens, "
+        f"constrained answers up to {args.structured_max_new_tokens}",
+        "model": label,
+        "model_dir": str(folder),
+        "dtype": dtype,
+        "command": " ".join(sys.argv),
+        "cpu": describe(),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "schema": SCHEMA,
+        "regex": REGEX,
+        "levels": [],
+    }
+    print(f"switchyard bench --workload structured: {results['title']}; results in {out}", flush=True)
+    flags = ["--dtype", dtype, *args.serve_flag]
+    with servers.switchyard(folder, out / "structured-switchyard.log", *flags) as srv:
+        srv.wait_healthy(600)
+        warm = Prompts(folder, seed=99)
+        for c in streams:
+            # an unmeasured wave per level, both ways: first-use costs (oneDNN shapes, grammar caches) stay out
+            for grammar in (*(KINDS[k] for k in kinds), None):
+                asyncio.run(loadgen.drive(srv.url, _GrammarDialect(grammar), warm.fixed(c, 16, 8), c))
+            for kind in kinds:
+                jobs = prompts.fixed(args.structured_waves * c, args.structured_prompt_tokens,
+                                     args.structured_max_new_tokens)  # fmt: skip
+                t0 = time.perf_counter()
+                r = _level(srv.url, kind, jobs, c)
+                r["seconds"] = time.perf_counter() - t0
+                results["levels"].append(r)
+                print(f"  {kind:<5} streams {c:<3} unconstrained {r['unconstrained']['output_tok_s']:7.1f} tok/s  "
+                      f"constrained {r['constrained']['output_tok_s']:7.1f} tok/s  ratio {_f(r['ratio'], 2)}  "
+                      f"valid {r['valid']}/{r['requests']}  errors {r['errors']}", flush=True)  # fmt: skip
+                write(results, out)  # after every level: a run cut short keeps what it measured
+    results["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    paths = write(results, out)
+    print(table(results))
+    print(f"written: {', '.join(str(p) for p in paths)}")
+    bad = sum(r["requests"] - r["valid"] for r in results["levels"])
+    fired = all(r["constrained_rows"] > 0 for r in results["levels"])
+    if bad or not fired:
+        print(f"FAILED: {bad} constrained answers invalid or missing; masks applied in every level: {fired}")
+        return 1
+    return 0
