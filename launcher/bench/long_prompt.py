@@ -7,7 +7,9 @@ On `--model` (smollm2 | gemma | tiny | a folder), in `--dtype`, for Switchyard a
   against the same streams alone (p50 / p99 / max of the gaps that overlap the long prompt's wait).
 And in process (the real Batcher driving the real ModelRunner, no bus), the sweep that chose the CPU default of
 `--max-prefill-tokens-while-decoding`: for each of `--long-chunks` (0: no cap), the step time of the 16 streams
-while the long prompt is fed in chunks, and how long the long prompt then takes.
+while the long prompt is fed in chunks, and how long the long prompt then takes. With `--long-memory-prompt`,
+one prompt that long fed `--long-memory-chunk` tokens a step: each chunk's time and the process's peak memory above
+the loaded model and KV cache.
 
 Prints a table with the CPU's flags; writes results.json and results.md under `out`.
 """
@@ -41,6 +43,10 @@ def add_arguments(p) -> None:
                    "prefill that arrives among the streams")  # fmt: skip
     p.add_argument("--long-chunks", default="0,2048,1024,512,256", help="long-prompt workload: in-process sweep "
                    "of the prefill cap while decoding (0: none); '' skips it")  # fmt: skip
+    p.add_argument("--long-memory-prompt", type=int, default=0, help="long-prompt workload: prompt tokens of the "
+                   "in-process memory probe (e.g. 32000 on gemma: its limit is 32768); 0 skips it")  # fmt: skip
+    p.add_argument("--long-memory-chunk", type=int, default=4096, help="long-prompt workload: prefill tokens per "
+                   "step of the memory probe")  # fmt: skip
     p.add_argument("--long-engines", default="switchyard,vllm", help="long-prompt workload: servers to measure")
 
 
@@ -116,6 +122,54 @@ def chunk_sweep(model_dir: Path, dtype: str, caps: list[int], streams: int, long
              f"during p50 {r['itl_during_p50_ms']:6.1f} / max {r['itl_during_max_ms']:7.1f} ms, "
              f"long prompt {r['long_prefill_s']:.2f} s")  # fmt: skip
     return rows
+
+
+# ---- in process: one very long prompt, chunk by chunk ----------------------------------------------------------
+def _status_kib(field: str) -> int:
+    line = next(ln for ln in open("/proc/self/status") if ln.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def memory_probe(model_dir: Path, dtype: str, tokens: int, chunk: int) -> dict:
+    """One `tokens`-token prompt fed `chunk` tokens a step by the real Batcher to the real ModelRunner: per chunk
+    its seconds and the process's peak RSS during it (VmHWM, reset before each step), against the RSS once the
+    weights and the KV cache are in place. The step's peak above that is what one chunk costs in memory."""
+    import numpy as np
+    import torch
+
+    from libs.protocol.messages import TokenizedRequest
+    from libs.protocol.params import SamplingParams
+    from services.scheduler.batcher import Batcher
+    from services.shard.model_runner import ModelRunner
+
+    torch.set_num_threads(int(os.environ.get("SWITCHYARD_TORCH_THREADS", os.cpu_count() or 1)))
+    block = 16
+    num_blocks = -(-(tokens + 1) // block) + 1
+    runner = ModelRunner(str(model_dir), num_blocks=num_blocks, block_size=block, dtype=getattr(torch, dtype))
+    vocab = runner.model.config.get_text_config().vocab_size
+    ids = np.random.default_rng(0).integers(3, vocab, tokens).astype(np.int32)
+    b = Batcher(num_blocks, max_batch_size=1, max_batch_prefill_tokens=chunk, eos_ids=set(), block_size=block)
+    b.add(TokenizedRequest(request_id="long", ingress=0, input_ids=ids, sampling=SamplingParams(), max_new_tokens=1))
+    loaded = _status_kib("VmRSS")
+    chunks, step, token = [], 0, None
+    while token is None:
+        step += 1
+        plan = b.plan(step)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS: the next reading is this step's peak
+        t0 = time.perf_counter()
+        result = runner.execute(plan)
+        took = time.perf_counter() - t0
+        peak = _status_kib("VmHWM")
+        chunks.append({"context": int(plan.context_lens[0]), "tokens": int(plan.num_tokens[0]), "s": took,
+                       "peak_above_loaded_mib": (peak - loaded) / 1024})  # fmt: skip
+        _say(f"  memory probe: chunk at {chunks[-1]['context']:>6} +{chunks[-1]['tokens']:>5} tokens: {took:7.2f} s, "
+             f"peak {chunks[-1]['peak_above_loaded_mib']:7.1f} MiB above the loaded shard")  # fmt: skip
+        emitted = b.apply(result)
+        token = emitted[0].token_id if emitted else None
+    return {"tokens": tokens, "chunk": chunk, "loaded_rss_mib": loaded / 1024, "chunks": chunks, "token": token,
+            "prefill_s": sum(c["s"] for c in chunks),
+            "max_peak_above_loaded_mib": max(c["peak_above_loaded_mib"] for c in chunks)}  # fmt: skip
 
 
 # ---- through servers ------------------------------------------------------------------------------------------
@@ -226,6 +280,9 @@ def run(args, out: Path) -> int:
     if caps:
         results["sweep"] = chunk_sweep(view, dtype, caps, args.long_streams or 16, args.long_itl_prompt)
         _write(results, out)
+    if args.long_memory_prompt:
+        results["memory"] = memory_probe(view, dtype, args.long_memory_prompt, args.long_memory_chunk)
+        _write(results, out)
     if "switchyard" in engines:
         flags = ["--dtype", dtype, "--max-total-tokens", str(total), "--max-input-tokens", str(total - 1),
                  "--max-batch-total-tokens", str(kv), *args.serve_flag]  # fmt: skip
@@ -252,7 +309,7 @@ def run(args, out: Path) -> int:
     _write(results, out)
     _say(table(results))
     _say(f"written: {out / 'results.json'}, {out / 'results.md'}")
-    return 0 if results["rows"] or results["sweep"] else 1
+    return 0 if results["rows"] or results["sweep"] or results.get("memory") else 1
 
 
 def _kv_bytes(view: Path, dtype: str) -> int:
@@ -280,6 +337,15 @@ def table(results: dict) -> str:
             lines.append(f"| {r['cap'] or 'none'} | {r['steps']} | {_f(r['itl_alone_p50_ms'], 1)} "
                          f"| {_f(r['itl_during_p50_ms'], 1)} | {_f(r['itl_during_max_ms'], 1)} "
                          f"| {_f(r['long_prefill_s'], 2)} |")  # fmt: skip
+        lines.append("")
+    mem = results.get("memory")
+    if mem:
+        lines += [f"One {mem['tokens']}-token prompt in chunks of {mem['chunk']} (in process; loaded shard "
+                  f"{mem['loaded_rss_mib']:.0f} MiB RSS): prefill {mem['prefill_s']:.1f} s, peak per chunk "
+                  f"{mem['max_peak_above_loaded_mib']:.0f} MiB above the loaded shard", "",
+                  "| context | chunk tokens | s | peak above loaded MiB |", "|---:|---:|---:|---:|"]  # fmt: skip
+        for c in mem["chunks"]:
+            lines.append(f"| {c['context']} | {c['tokens']} | {c['s']:.2f} | {c['peak_above_loaded_mib']:.0f} |")
         lines.append("")
     rows = {r["engine"]: r for r in results["rows"]}
     if rows:
