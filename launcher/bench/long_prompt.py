@@ -132,8 +132,9 @@ def _status_kib(field: str) -> int:
 
 def memory_probe(model_dir: Path, dtype: str, tokens: int, chunk: int) -> dict:
     """One `tokens`-token prompt fed `chunk` tokens a step by the real Batcher to the real ModelRunner: per chunk
-    its seconds and the process's peak RSS during it (VmHWM, reset before each step), against the RSS once the
-    weights and the KV cache are in place. The step's peak above that is what one chunk costs in memory."""
+    its seconds and the process's peak RSS during it (VmHWM, reset before each step) above the RSS just before it:
+    what one chunk needs beyond the weights and the KV written so far (the KV cache is zero-filled lazily, so the
+    RSS itself grows by each chunk's KV pages, reported as `rss_mib`)."""
     import numpy as np
     import torch
 
@@ -155,21 +156,25 @@ def memory_probe(model_dir: Path, dtype: str, tokens: int, chunk: int) -> dict:
     while token is None:
         step += 1
         plan = b.plan(step)
+        before = _status_kib("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS: the next reading is this step's peak
         t0 = time.perf_counter()
         result = runner.execute(plan)
         took = time.perf_counter() - t0
         peak = _status_kib("VmHWM")
-        chunks.append({"context": int(plan.context_lens[0]), "tokens": int(plan.num_tokens[0]), "s": took,
-                       "peak_above_loaded_mib": (peak - loaded) / 1024})  # fmt: skip
-        _say(f"  memory probe: chunk at {chunks[-1]['context']:>6} +{chunks[-1]['tokens']:>5} tokens: {took:7.2f} s, "
-             f"peak {chunks[-1]['peak_above_loaded_mib']:7.1f} MiB above the loaded shard")  # fmt: skip
+        c = {"context": int(plan.context_lens[0]), "tokens": int(plan.num_tokens[0]), "s": took,
+             "peak_mib": (peak - before) / 1024, "hwm_mib": peak / 1024,
+             "rss_mib": _status_kib("VmRSS") / 1024}  # fmt: skip
+        chunks.append(c)
+        _say(f"  memory probe: chunk at {c['context']:>6} +{c['tokens']:>5} tokens: {took:7.2f} s, peak "
+             f"{c['peak_mib']:7.1f} MiB above the RSS before it, RSS after {c['rss_mib']:.0f} MiB")  # fmt: skip
         emitted = b.apply(result)
         token = emitted[0].token_id if emitted else None
     return {"tokens": tokens, "chunk": chunk, "loaded_rss_mib": loaded / 1024, "chunks": chunks, "token": token,
             "prefill_s": sum(c["s"] for c in chunks),
-            "max_peak_above_loaded_mib": max(c["peak_above_loaded_mib"] for c in chunks)}  # fmt: skip
+            "max_peak_mib": max(c["peak_mib"] for c in chunks),
+            "hwm_mib": max(c["hwm_mib"] for c in chunks)}  # fmt: skip
 
 
 # ---- through servers ------------------------------------------------------------------------------------------
@@ -341,11 +346,15 @@ def table(results: dict) -> str:
     mem = results.get("memory")
     if mem:
         lines += [f"One {mem['tokens']}-token prompt in chunks of {mem['chunk']} (in process; loaded shard "
-                  f"{mem['loaded_rss_mib']:.0f} MiB RSS): prefill {mem['prefill_s']:.1f} s, peak per chunk "
-                  f"{mem['max_peak_above_loaded_mib']:.0f} MiB above the loaded shard", "",
-                  "| context | chunk tokens | s | peak above loaded MiB |", "|---:|---:|---:|---:|"]  # fmt: skip
+                  f"{mem['loaded_rss_mib']:.0f} MiB RSS): prefill {mem['prefill_s']:.1f} s, a chunk's peak at most "
+                  f"{mem['max_peak_mib']:.0f} MiB above the RSS before it; the process's peak "
+                  f"{mem['hwm_mib']:.0f} MiB", "",
+                  "| context | chunk tokens | s | peak above RSS before MiB | RSS after MiB |",
+                  "|---:|---:|---:|---:|---:|"]  # fmt: skip
         for c in mem["chunks"]:
-            lines.append(f"| {c['context']} | {c['tokens']} | {c['s']:.2f} | {c['peak_above_loaded_mib']:.0f} |")
+            lines.append(
+                f"| {c['context']} | {c['tokens']} | {c['s']:.2f} | {c['peak_mib']:.0f} | {c['rss_mib']:.0f} |"
+            )
         lines.append("")
     rows = {r["engine"]: r for r in results["rows"]}
     if rows:
