@@ -51,6 +51,9 @@ def add_arguments(p) -> None:
     g.add_argument("--structured-prompt-tokens", type=int, default=64)
     g.add_argument("--structured-max-new-tokens", type=int, default=128,
                    help="the constrained requests' limit (an answer cut off by it counts as invalid)")  # fmt: skip
+    g.add_argument("--structured-step-steps", type=int, default=32,
+                   help="decode steps of the in-process ratio (launcher.bench.structured_step) at the largest "
+                   "stream count; 0: skip it")  # fmt: skip
 
 
 class _GrammarDialect(loadgen.Dialect):
@@ -101,9 +104,10 @@ def check(kind: str, text: str | None) -> str | None:
     return None
 
 
-def _constrained_rows(url: str, settle_s: float = 3.0, limit_s: float = 30.0) -> float:
-    """The server's total of constrained rows over all steps (the sum of its histogram), once it has stopped
-    moving for `settle_s`: the services report their metrics with their heartbeats, a second or so late."""
+def _constrained_rows(url: str, at_least: float | None = None, settle_s: float = 3.0, limit_s: float = 60.0) -> float:
+    """The server's total of constrained rows over all steps (the sum of its histogram). The services report
+    their metrics with their heartbeats, seconds late on a loaded machine: wait until the total reaches
+    `at_least`, or (None) until it has not moved for `settle_s`; at most `limit_s`."""
     import urllib.request
 
     last, since, deadline = None, time.monotonic(), time.monotonic() + limit_s
@@ -113,7 +117,7 @@ def _constrained_rows(url: str, settle_s: float = 3.0, limit_s: float = 30.0) ->
         now = time.monotonic()
         if value != last:
             last, since = value, now
-        elif now - since >= settle_s or now >= deadline:
+        if now >= deadline or (value >= at_least if at_least is not None else now - since >= settle_s):
             return value
         time.sleep(0.5)
 
@@ -122,7 +126,9 @@ def _level(url: str, kind: str, jobs: list[loadgen.Job], streams: int) -> dict:
     """One (kind, streams) pair: the constrained run, then the paired unconstrained one."""
     rows_before = _constrained_rows(url)
     con, c0, c1 = asyncio.run(loadgen.drive(url, _GrammarDialect(KINDS[kind]), jobs, streams))
-    rows_constrained = _constrained_rows(url) - rows_before
+    # every token of a constrained answer was sampled from a masked row, the first one in its prefill step
+    expected = sum(s.tokens for s in con if s.error is None)
+    rows_constrained = _constrained_rows(url, at_least=rows_before + expected) - rows_before
     invalid = [why for s in con if s.error is None for why in [check(kind, getattr(s, "text", None))] if why]
     paired = [loadgen.Job(j.prompt, j.prompt_tokens, max(1, s.tokens)) for j, s in zip(jobs, con)]
     rows_before = _constrained_rows(url)
@@ -146,6 +152,18 @@ def _level(url: str, kind: str, jobs: list[loadgen.Job], streams: int) -> dict:
         "constrained_rows": rows_constrained,  # > 0: the masks were applied
         "constrained_rows_unconstrained_run": rows_free,  # 0: no mask on the plain requests
     }
+
+
+def _in_process(folder: Path, batch: int, steps: int, dtype: str) -> dict:
+    """The ModelRunner's decode step with and without the grammar, in a process of its own (as the limit runs)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "launcher.bench.structured_step", "--model", str(folder), "--batch", str(batch)]
+    cmd += ["--steps", str(steps), "--dtype", dtype]
+    res = subprocess.run(cmd, cwd=servers.ROOT, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"structured_step failed: {res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def _f(v, digits: int = 1) -> str:
@@ -172,6 +190,15 @@ def table(results: dict) -> str:
             lines.append(f"\n{r['kind']} streams={r['streams']} invalid: {why}")
         if r["first_error"]:
             lines.append(f"\n{r['kind']} streams={r['streams']} error: {r['first_error']}")
+    step = results.get("in_process")
+    if step:
+        lines += ["", "In process (ModelRunner decode steps, every row under a JSON schema vs none; ms per step):", "",
+                  "| batch | unconstrained step | constrained step | ratio | apply | advance |",
+                  "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in step["runs"]:
+            u, c = r["unconstrained"], r["constrained"]
+            lines.append(f"| {step['batch']} | {_f(u['step_ms'])} | {_f(c['step_ms'])} | {_f(r['ratio'], 2)} "
+                         f"| {_f(c['apply_ms_per_step'], 2)} | {_f(c['advance_ms_per_step'], 2)} |")  # fmt: skip
     lines += ["", f"CPU: {results['cpu']}; load average {results['load_avg']}"]
     return "\n".join(lines)
 
@@ -228,6 +255,9 @@ def run(args, out: Path) -> int:
                       f"constrained {r['constrained']['output_tok_s']:7.1f} tok/s  ratio {_f(r['ratio'], 2)}  "
                       f"valid {r['valid']}/{r['requests']}  errors {r['errors']}", flush=True)  # fmt: skip
                 write(results, out)  # after every level: a run cut short keeps what it measured
+    if args.structured_step_steps > 0:
+        results["in_process"] = _in_process(folder, max(streams), args.structured_step_steps, dtype)
+        print(f"  in process, batch {max(streams)}: ratio {results['in_process']['ratio']:.2f}", flush=True)
     results["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     paths = write(results, out)
     print(table(results))
