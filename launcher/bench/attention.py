@@ -12,7 +12,7 @@ Candidates run interleaved, round after round, so that load on the machine hits 
 one's median and its time relative to `sdpa-tiles`.
 
     python -m launcher.bench.attention [--n 512,2048,8192] [--dtype float32,bfloat16] [--flex] [--rounds 3]
-    python -m launcher.bench.attention --model DIR --n 2048   # a real prefill forward, tiled vs grouped
+    python -m launcher.bench.attention --model DIR --n 2048   # real prefill: tiled vs grouped, eager vs SDPA tiles
     python -m launcher.bench.attention --model DIR --n 8192 --chunk 2048 --dtype float32   # chunks, peak RSS
 """
 
@@ -186,7 +186,9 @@ def measure(ns, shapes, dtypes, rounds: int, flex: bool, sweep_at=(2048,), progr
 
 def prefill(model_dir: str, n: int, dtype_name: str, rounds: int) -> dict[str, float]:
     """A real model's prefill forward of n random tokens (one step, context 0) in ms: the tiled path against the
-    grouped path for every row (`TILE_MIN_QUERIES` past n) and the tiled path with eager tiles, interleaved."""
+    grouped path for every row (`TILE_MIN_QUERIES` past n) and the tiled path with eager tiles and with SDPA tiles
+    (what the bf16 rule in attention_tiled.choose_kernel picks between; SDPA only where no layer soft-caps),
+    interleaved."""
     import numpy as np
     import torch
 
@@ -221,12 +223,13 @@ def prefill(model_dir: str, n: int, dtype_name: str, rounds: int) -> dict[str, f
         return took
 
     saved = attention_tiled.TILE_MIN_QUERIES
-    times = {"grouped": [], "tiled": [], "tiled-eager": []}
+    softcaps = getattr(runner.model.config.get_text_config(), "attn_logit_softcapping", None)
+    times = {"grouped": [], "tiled": [], "tiled-eager": [], **({} if softcaps else {"tiled-sdpa": []})}
     try:
         for r in range(rounds + 1):  # the first round warms up
             for name in times:
                 attention_tiled.TILE_MIN_QUERIES = n + 1 if name == "grouped" else saved
-                attention_tiled.KERNEL = "eager" if name == "tiled-eager" else None
+                attention_tiled.KERNEL = {"tiled-eager": "eager", "tiled-sdpa": "sdpa"}.get(name)
                 took = once()
                 if r:
                     times[name].append(took)
@@ -315,13 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.model:
         print(f"CPU: {cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.model}")
-        print("| dtype | n | grouped ms | tiled ms | tiled, eager tiles ms | speed-up (tiled) |", flush=True)
-        print("|---|---:|---:|---:|---:|---:|", flush=True)
+        print("| dtype | n | grouped ms | tiled ms | tiled, eager tiles ms | tiled, SDPA tiles ms | speed-up (tiled) |",
+              flush=True)  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|---:|", flush=True)
         for dtype_name in args.dtype.split(","):
             for n in (int(x) for x in args.n.split(",")):
                 ms = prefill(args.model, n, dtype_name, args.rounds)
                 speed = ms["grouped"] / ms["tiled"]
-                cells = " | ".join(f"{ms[x]:.0f}" for x in ("grouped", "tiled", "tiled-eager"))
+                cells = " | ".join(f"{ms[x]:.0f}" if x in ms else "–" for x in ("grouped", "tiled", "tiled-eager",
+                                                                                    "tiled-sdpa"))  # fmt: skip
                 print(f"| {dtype_name} | {n} | {cells} | {speed:.2f}x |", flush=True)
         return 0
     ns = [int(x) for x in args.n.split(",")]
