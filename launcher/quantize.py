@@ -125,3 +125,34 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def check_shards(method: str | None, model_dir: str | Path, num_shard: int) -> None:
+    """QuantizeError where a quantized model cannot be split over `num_shard` tensor-parallel ranks: each rank keeps
+    whole groups of a row-parallel layer's inputs (o_proj, down_proj), so the groups must not straddle ranks, and
+    GPTQ's desc_act scatters every group over all the inputs."""
+    if not method or num_shard <= 1:
+        return
+    qc = quantization_config(model_dir) or {}
+    if method == "gptq" and qc.get("desc_act"):
+        raise QuantizeError(
+            f"--num-shard {num_shard}: this GPTQ checkpoint has desc_act (each group spread over all of a layer's "
+            f"inputs), which cannot be split over ranks; serve it with --num-shard 1"
+        )
+    group = int(qc.get("group_size") or qc.get("q_group_size") or 0)
+    if method == "compressed-tensors":
+        groups = list((qc.get("config_groups") or {}).values())
+        group = int(((groups[0].get("weights") or {}).get("group_size") or 0) if groups else 0)
+    if group <= 0:
+        return  # one group a row (or per channel): any split keeps its scale
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config") or config
+    heads = text.get("num_attention_heads")
+    attention = heads * (text.get("head_dim") or text["hidden_size"] // heads) if heads else None
+    # the inputs of the row-parallel layers: o_proj's (heads × head_dim) and down_proj's
+    for key, k in (("attention width", attention), ("intermediate_size", text.get("intermediate_size"))):
+        if isinstance(k, int) and k % (num_shard * group):
+            raise QuantizeError(
+                f"--num-shard {num_shard}: {key} {k} split over {num_shard} ranks cuts the checkpoint's groups of "
+                f"{group} inputs; use a number of shards that divides {k} // {group}"
+            )

@@ -249,3 +249,28 @@ def read_checkpoint(model_dir: str, method: str, qconfig: dict) -> dict[str, Qua
     else:
         raise ValueError(f"{method} checkpoints are not read here")
     return out
+
+
+def shard_for_rank(qw: QuantWeight, split: str, offset: int, size: int) -> QuantWeight:
+    """This rank's part of a whole quantized weight under tensor parallelism, its scales and zeros split with it:
+    "col" keeps output rows [offset, offset + size) (and their bias); "row" keeps those input columns and the groups
+    they make up (the bias stays whole: transformers adds it once, after the ranks' partial products are summed)."""
+    if split == "col":
+        rows = slice(offset, offset + size)
+        bias = None if qw.bias is None else qw.bias[rows].contiguous()
+        return QuantWeight(qw.levels[rows].contiguous(), qw.scales[rows].contiguous(), qw.zeros[rows].contiguous(),
+                           qw.bits, qw.group_size, qw.g_idx, qw.act_int8, bias)  # fmt: skip
+    k = qw.levels.shape[1]
+    if qw.g_idx is not None:  # desc_act scatters every group over all columns: no rank holds whole groups
+        raise ValueError("a GPTQ checkpoint with desc_act (g_idx) cannot be split by input columns over ranks; "
+                         "serve it with --num-shard 1")  # fmt: skip
+    if qw.group_size == k:  # one group a row: every rank's slice keeps the row's scale
+        scales, zeros, group = qw.scales, qw.zeros, size
+    elif offset % qw.group_size or size % qw.group_size:
+        raise ValueError(f"input columns [{offset}, {offset + size}) of this rank cut groups of {qw.group_size}: "
+                         f"the number of shards must split the layer's {k} inputs at group boundaries")  # fmt: skip
+    else:
+        kept = slice(offset // qw.group_size, (offset + size) // qw.group_size)
+        scales, zeros, group = qw.scales[:, kept], qw.zeros[:, kept], qw.group_size
+    return QuantWeight(qw.levels[:, offset : offset + size].contiguous(), scales.contiguous(), zeros.contiguous(),
+                       qw.bits, group, None, qw.act_int8, qw.bias)  # fmt: skip

@@ -17,9 +17,12 @@ resident. Each layer computes in its input's dtype: float32 stays exact against 
 
 from __future__ import annotations
 
+import re
+
 import torch
 
-from services.shard.quant_formats import QuantWeight
+from services.shard.lora import tp_split
+from services.shard.quant_formats import QuantWeight, shard_for_rank
 
 # Rows from which a weight-only layer dequantizes and runs a dense product, by activation dtype (measured with
 # python -m launcher.bench.quant; int4's unpacking costs more than int8's, so its kernel keeps more rows)
@@ -60,12 +63,14 @@ class _QuantLinear(torch.nn.Linear):
 
     def __init__(self, qw: QuantWeight, dense_from_rows: int | None = None):
         torch.nn.Module.__init__(self)  # not nn.Linear's: it would allocate the float weight
-        self.out_features, self.in_features = qw.shape
+        # the sizes this module computes; in/out_features are the whole layer's (differ under tensor parallelism)
+        self.out_features, self.in_features = self.local_out, self.local_in = qw.shape
         self.bits = qw.bits
         if dense_from_rows is not None:  # one threshold for every dtype (tests, benchmarks)
             self.dense_from = dict.fromkeys((torch.float32, torch.bfloat16, torch.float16), dense_from_rows)
         self.perm, qw = _group_order(qw)
-        self.bias = None if qw.bias is None else qw.bias.detach().float()
+        bias = None if qw.bias is None else torch.nn.Parameter(qw.bias.detach().float(), requires_grad=False)
+        self.register_parameter("bias", bias)  # a parameter: transformers' row-parallel forward hides it
 
     weight_dtype = torch.float32  # the dtype of the dense layer it replaced (replace_linears sets it)
 
@@ -73,20 +78,20 @@ class _QuantLinear(torch.nn.Linear):
     def weight(self) -> torch.Tensor:
         """A stand-in for code that reads a linear's weight shape, dtype and device (LoRA sizes and places its A/B
         by them): the right shape, no memory (one broadcast zero)."""
-        return torch.zeros((), dtype=self.weight_dtype).expand(self.out_features, self.in_features)
+        return torch.zeros((), dtype=self.weight_dtype).expand(self.local_out, self.local_in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x.reshape(-1, self.local_in)
         if self.perm is not None:
             flat = flat.index_select(-1, self.perm)
         if flat.shape[0] >= self.dense_from.get(flat.dtype, 1 << 62):
-            w = self.dequantize_into(_scratch(self.out_features, self.in_features, flat.dtype))
+            w = self.dequantize_into(_scratch(self.local_out, self.local_in, flat.dtype))
             y = torch.mm(flat, w.t())
         else:
             y = self.product(flat)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.local_out)
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -96,7 +101,7 @@ class _QuantLinear(torch.nn.Linear):
         raise NotImplementedError
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+        return f"in_features={self.local_in}, out_features={self.local_out}, bits={self.bits}"
 
 
 class Int4Linear(_QuantLinear):
@@ -246,10 +251,35 @@ def _replace(model: torch.nn.Module, name: str, qw: QuantWeight, **kw) -> None:
     if tuple(qw.shape) != (old.out_features, old.in_features):
         raise ValueError(f"{name}: quantized shape {tuple(qw.shape)} ≠ the model's {old.weight.shape}")
     if qw.bias is None and getattr(old, "bias", None) is not None:
-        qw.bias = old.bias.detach().float()
+        qw.bias = _whole(old.bias).detach().float()
+    split, offset, size = tp_split(old)
+    if split is not None:
+        qw = shard_for_rank(qw, split, offset, size)
     layer = build(qw, **kw)
     layer.weight_dtype = old.weight.dtype
+    if split is not None:
+        _tensor_parallel(model, name, layer, old)
     setattr(parent, attr, layer)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel DTensor gathered whole (a collective: every rank calls it in the same order)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _tensor_parallel(model: torch.nn.Module, name: str, layer: _QuantLinear, old: torch.nn.Module) -> None:
+    """Give a rank's quantized layer the forward that transformers' tensor-parallel plan gave the dense one (the
+    input split or replicated, the partial outputs summed over the ranks)."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    plan = getattr(model, "_tp_plan", None) or {}
+    style = next((s for p, s in plan.items() if re.fullmatch(re.escape(p).replace(r"\*", r"\d+"), name)), None)
+    if style not in ("colwise", "rowwise"):
+        raise ValueError(f"{name}: tensor-parallel style {style!r} has no quantized layer")
+    layer.out_features, layer.in_features = old.out_features, old.in_features  # the whole layer's, as for dense
+    if style == "rowwise" and layer.bias is not None:  # added by transformers to the summed output, in its dtype
+        layer.bias.data = layer.bias.data.to(layer.weight_dtype)
+    ALL_PARALLEL_STYLES[style].install_forward(layer, model._device_mesh)
 
 
 def release_freed_memory() -> None:
@@ -286,13 +316,17 @@ def quantize_model(model: torch.nn.Module, method: str, nf4_group: int = 64) -> 
     replaced = 0
     for name in names:
         module = model.get_submodule(name)
-        if type(module.weight.data) is not torch.Tensor or module.weight.device.type != "cpu":
-            continue  # tensor-parallel shards and accelerator weights keep their own path
-        w, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
+        if module.weight.device.type != "cpu":
+            continue  # accelerator weights keep their own path
+        # under tensor parallelism each rank quantizes the whole weight and keeps its part (_replace): its scales
+        # are the single-process ones, split with the weights
+        w, bias = _whole(module.weight).detach(), None if module.bias is None else _whole(module.bias).detach()
         if method in ("bitsandbytes", "eetq"):
             qw = quantize_rtn(w, 8, -1, symmetric=True, act_int8=True, bias=bias)
         elif method in ("bitsandbytes-nf4", "bitsandbytes-fp4"):
-            group = next((g for g in (nf4_group, 32) if w.shape[1] % g == 0), w.shape[1])
+            split, _, size = tp_split(module)  # a rank's input columns must hold whole groups
+            k = size if split == "row" else w.shape[1]
+            group = next((g for g in (nf4_group, 32) if k % g == 0 and w.shape[1] % g == 0), w.shape[1])
             qw = quantize_rtn(w, 4, group, symmetric=False, bias=bias)
         else:
             raise ValueError(f"{method} is not quantized at load")
@@ -346,7 +380,7 @@ def _off_the_file(model: torch.nn.Module) -> None:
     881 to 584 MiB (W8A8) with this copy."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            if t.device.type == "cpu":
+            if t.device.type == "cpu" and type(t.data) is torch.Tensor:  # a tensor-parallel shard is its own copy
                 t.data = t.data.clone()
     release_freed_memory()
 
