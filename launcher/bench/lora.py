@@ -1,13 +1,14 @@
 """The cost of LoRA adapters on one linear: the base product alone against the base plus the grouped apply
-(services/shard/lora.py) for rows spread over 4 adapters, and against a per-token gather of the weights (what a
-kernel that looks up each token's adapter does, as vLLM's punica path).
+(services/shard/lora.py) for rows spread over 4 adapters, the stacked form small steps take (every adapter in one
+shrink, a mask, one expand), and a per-token gather of the weights (what a kernel that looks up each token's
+adapter does, as vLLM's punica path).
 
 Rows are laid out two ways: sorted (each adapter's rows side by side: slices, no gather) and interleaved (round
 robin: index gathers and scatters). The base product is the one the shard serves with (oneDNN, prepacked) where
 available. Every variant is timed interleaved with the others, rounds times, and the median kept, so load on the
 machine hits all alike.
 
-    python -m launcher.bench.lora [--rows 16,64] [--ranks 8,16] [--threads N]
+    python -m launcher.bench.lora [--rows 16,64] [--ranks 8,16] [--threads N] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _variants(base, x, weights, a_stack, b_stack) -> dict:
     """The four ways to compute one step's product for these rows (closures over one shape's tensors)."""
     import torch
 
-    from services.shard.lora import apply_lora, group_rows
+    from services.shard.lora import STACKED_MAX_TOKENS, Stack, apply_lora, apply_stacked, group_rows
 
     m = x.shape[0]
     sorted_slots = [i * ADAPTERS // m for i in range(m)]
@@ -46,6 +47,12 @@ def _variants(base, x, weights, a_stack, b_stack) -> dict:
         groups = group_rows(slots)  # once per step in the shard; counted here once per product, an upper bound
         return apply_lora(x, base(x), groups, weights)
 
+    stack = Stack.of(weights)
+
+    def stacked():
+        groups = group_rows(mixed_slots)  # once per step in the shard, the mask once per layout: upper bounds
+        return apply_stacked(x, base(x), groups, stack)
+
     def gathered():
         y = base(x)
         shrink = torch.bmm(a_stack[by_token], x[:, :, None])  # per token: its adapter's A
@@ -55,19 +62,23 @@ def _variants(base, x, weights, a_stack, b_stack) -> dict:
         "base": lambda: base(x),
         "sorted": lambda: grouped(sorted_slots),
         "interleaved": lambda: grouped(mixed_slots),
+        **({"stacked": stacked} if m <= STACKED_MAX_TOKENS else {}),
         "gather": gathered,
     }
 
 
-def measure(rows_list: list[int], ranks: list[int], rounds: int = 5, reps: int = 5) -> list[dict]:
+def measure(rows_list: list[int], ranks: list[int], rounds: int = 5, reps: int = 5, dtype: str = "float32"):
     import torch
+
+    dt = getattr(torch, dtype)
+    tol = 1e-4 if dt == torch.float32 else 3e-2
 
     from services.shard import cpu_linear
 
     gen = torch.Generator().manual_seed(0)
     results = []
     for label, (n_in, n_out) in SHAPES.items():
-        weight = torch.randn(n_out, n_in, generator=gen) * 0.02
+        weight = (torch.randn(n_out, n_in, generator=gen) * 0.02).to(dt)
         if cpu_linear.available():
             packed = cpu_linear._pack(weight)
 
@@ -80,19 +91,24 @@ def measure(rows_list: list[int], ranks: list[int], rounds: int = 5, reps: int =
 
         for r in ranks:
             weights = {
-                s: (torch.randn(r, n_in, generator=gen) * 0.02, torch.randn(n_out, r, generator=gen) * 0.02)
+                s: (
+                    (torch.randn(r, n_in, generator=gen) * 0.02).to(dt),
+                    (torch.randn(n_out, r, generator=gen) * 0.02).to(dt),
+                )
                 for s in range(ADAPTERS)
             }
             a_stack = torch.stack([weights[s][0] for s in range(ADAPTERS)])  # [adapters, r, in]
             b_stack = torch.stack([weights[s][1] for s in range(ADAPTERS)])  # [adapters, out, r]
             for m in rows_list:
-                x = torch.randn(m, n_in, generator=gen)
+                x = torch.randn(m, n_in, generator=gen).to(dt)
                 variants = _variants(base, x, weights, a_stack, b_stack)
                 with torch.inference_mode():
                     for fn in variants.values():  # warm up
                         fn()
                     # the same slots per row: grouped and per-token gather must agree
-                    torch.testing.assert_close(variants["interleaved"](), variants["gather"](), atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(variants["interleaved"](), variants["gather"](), atol=tol, rtol=tol)
+                    if "stacked" in variants:
+                        torch.testing.assert_close(variants["stacked"](), variants["gather"](), atol=tol, rtol=tol)
                     times: dict[str, list[float]] = {k: [] for k in variants}
                     for _ in range(rounds):
                         for k, fn in variants.items():
@@ -104,18 +120,19 @@ def measure(rows_list: list[int], ranks: list[int], rounds: int = 5, reps: int =
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| linear | r | rows | base ms | + grouped, sorted | + grouped, interleaved | per-token gather |",
-        "|---|---|---|---|---|---|---|",
+        "| linear | r | rows | base ms | + grouped, sorted | + grouped, interleaved | + stacked, interleaved "
+        "| per-token gather |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in results:
         base = row["base"]
 
         def cell(k, row=row, base=base):
-            return f"{row[k]:.3f} (+{100 * (row[k] / base - 1):.0f}%)"
+            return f"{row[k]:.3f} (+{100 * (row[k] / base - 1):.0f}%)" if k in row else "–"
 
         lines.append(
             f"| {row['shape']} | {row['rank']} | {row['rows']} | {base:.3f} | {cell('sorted')} | "
-            f"{cell('interleaved')} | {cell('gather')} |"
+            f"{cell('interleaved')} | {cell('stacked')} | {cell('gather')} |"
         )
     return "\n".join(lines)
 
@@ -124,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.bench.lora", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="16,64", help="rows per step (comma list)")
     parser.add_argument("--ranks", default="8,16", help="adapter ranks (comma list)")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 (what the shard serves in)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=5, help="calls per timing (median of rounds)")
@@ -133,10 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = measure(
-        [int(v) for v in args.rows.split(",")], [int(v) for v in args.ranks.split(",")], args.rounds, args.reps
+        [int(v) for v in args.rows.split(",")],
+        [int(v) for v in args.ranks.split(",")],
+        args.rounds,
+        args.reps,
+        args.dtype,
     )
     print(
-        f"{ADAPTERS} adapters; torch {torch.__version__}, {torch.get_num_threads()} threads; CPU flags: {_cpu_flags()}"
+        f"{ADAPTERS} adapters, {args.dtype}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"CPU flags: {_cpu_flags()}"
     )
     print(table(results))
     return 0

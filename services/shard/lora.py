@@ -7,6 +7,13 @@ Every targeted linear then computes its base output as before and, for each adap
 `(x[rows] @ A.T) @ B.T` to those rows only: a shrink to rank r and an expand, two small matmuls per adapter,
 with no per-token gather of weights. Base-model rows are never touched.
 
+Small steps (decode, short prefills: at most STACKED_MAX_TOKENS packed tokens) take the stacked form instead:
+every adapter of the layer side by side in one [C, in] A and one [C, out] B (C = the sum of their ranks), one
+shrink for all tokens, a 0/1 mask that keeps each token's own adapter's columns (base tokens: none), one expand.
+Three products per layer whatever the number of adapters present, against four per adapter grouped: in a small
+step the products are tiny and their count is the cost (per-call overhead), while the masked-out columns cost
+C/in + C/out of the base product's arithmetic. Large steps, where that arithmetic counts, stay grouped.
+
 Hooking: each targeted linear's `forward` is wrapped around whatever forward is installed at that time — torch's,
 services/shard/cpu_linear.py's prepacked oneDNN product or its fused q/k/v / gate/up member (which returns this
 member's column slice of the fused output: the delta is added in place to those columns only), or transformers'
@@ -24,7 +31,7 @@ Tensor parallel (the wrapper sits outside transformers' TP forward, which does t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,14 +39,26 @@ import torch
 from services.shard.lora_adapter import AdapterError, LoraAdapter, load_adapter
 
 BASE = -1  # the slot of base-model rows
+STACKED_MAX_TOKENS = 128  # steps up to this many packed tokens use the stacked products (module docstring)
 
 
 @dataclass
 class RowGroups:
-    """One step's rows by adapter slot: (slot, packed token positions) for every slot present, base excluded."""
+    """One step's rows by adapter slot: (slot, packed token positions) for every slot present, base excluded;
+    and each packed token's slot, with the stacked masks built from it (one per column layout and dtype)."""
 
     num_tokens: int
     groups: list[tuple[int, slice | torch.Tensor]]
+    token_slots: torch.Tensor | None = None
+    masks: dict = field(default_factory=dict)
+
+    def mask(self, layout: tuple, column_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[tokens, C]: 1 where the column belongs to the token's adapter (layers of one layout share it)."""
+        key = (layout, dtype)
+        m = self.masks.get(key)
+        if m is None:
+            m = self.masks[key] = (self.token_slots[:, None] == column_slots[None, :]).to(dtype)
+        return m
 
 
 def group_rows(slots: Sequence[int] | np.ndarray, num_tokens: Sequence[int] | np.ndarray | None = None, device=None):
@@ -59,7 +78,8 @@ def group_rows(slots: Sequence[int] | np.ndarray, num_tokens: Sequence[int] | np
             groups.append((slot, slice(first, last + 1)))
         else:
             groups.append((slot, torch.from_numpy(idx).to(device or "cpu")))
-    return RowGroups(int(counts.sum()), groups)
+    token_slots = torch.from_numpy(per_token).to(device or "cpu") if len(per_token) <= STACKED_MAX_TOKENS else None
+    return RowGroups(int(counts.sum()), groups, token_slots)
 
 
 def apply_lora(
@@ -95,6 +115,52 @@ def apply_lora(
     return y
 
 
+def apply_stacked(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    groups: RowGroups,
+    stack: Stack,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """y += ((x @ A_all.T) * mask) @ B_all.T: every adapter of the layer in one shrink and one expand, the mask
+    keeping each token's own adapter's columns (`apply_lora`'s result, in three products)."""
+    xf = x.reshape(-1, x.shape[-1])
+    if xf.shape[0] != groups.num_tokens:
+        raise ValueError(f"LoRA: the step's rows cover {groups.num_tokens} tokens, the layer got {xf.shape[0]}")
+    try:
+        yf = y.view(-1, y.shape[-1])
+    except RuntimeError:
+        y = y.contiguous()
+        yf = y.view(-1, y.shape[-1])
+    shrunk = xf @ stack.a.T
+    if reduce is not None:  # row-parallel: the partial shrinks of every rank summed
+        shrunk = reduce(shrunk)
+    shrunk.mul_(groups.mask(stack.layout, stack.column_slots, shrunk.dtype))
+    yf.addmm_(shrunk, stack.b_t)
+    return y
+
+
+@dataclass
+class Stack:
+    """One layer's adapters side by side: A [C, in], B transposed [C, out], and each column's slot."""
+
+    layout: tuple  # ((slot, rank), ...): layers with the same layout share a step's mask
+    a: torch.Tensor
+    b_t: torch.Tensor
+    column_slots: torch.Tensor
+
+    @classmethod
+    def of(cls, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Stack | None:
+        if not weights:
+            return None
+        slots = sorted(weights)
+        a = torch.cat([weights[s][0] for s in slots])
+        b_t = torch.cat([weights[s][1] for s in slots], dim=1).T.contiguous()
+        ranks = [weights[s][0].shape[0] for s in slots]
+        column_slots = torch.tensor([s for s, r in zip(slots, ranks) for _ in range(r)], device=a.device)
+        return cls(tuple(zip(slots, ranks)), a, b_t, column_slots)
+
+
 def _all_reduce(t: torch.Tensor) -> torch.Tensor:
     torch.distributed.all_reduce(t)
     return t
@@ -124,6 +190,7 @@ class LoraLayer:
         self.inner = module.forward  # whatever is installed now (torch, oneDNN, fused member, TP)
         self.split, self.offset, self.size = tp_split(module)
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.stack: Stack | None = None  # the same weights side by side, for small steps
         module.forward = self.forward
 
     def install(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -132,13 +199,21 @@ class LoraLayer:
         elif self.split == "row":
             a = a[:, self.offset : self.offset + self.size]
         self.weights[slot] = (a.contiguous(), b.contiguous())
+        self.stack = Stack.of(self.weights)
+
+    def remove(self, slot: int) -> None:
+        if self.weights.pop(slot, None) is not None:
+            self.stack = Stack.of(self.weights)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.inner(x, *args, **kwargs)
         groups = self.registry.step_groups
         if groups is None or not self.weights:
             return y
-        return apply_lora(x, y, groups, self.weights, _all_reduce if self.split == "row" else None)
+        reduce = _all_reduce if self.split == "row" else None
+        if groups.token_slots is not None:
+            return apply_stacked(x, y, groups, self.stack, reduce)
+        return apply_lora(x, y, groups, self.weights, reduce)
 
 
 class LoraRegistry:
@@ -189,7 +264,7 @@ class LoraRegistry:
     def unload(self, name: str) -> None:
         slot = self.slot_of(name)
         for layer in self.layers.values():
-            layer.weights.pop(slot, None)
+            layer.remove(slot)
         self.slots[slot] = None
         del self.adapters[name]
         self.sources.pop(name, None)

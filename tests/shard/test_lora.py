@@ -17,7 +17,15 @@ from transformers import AutoModelForCausalLM
 from libs.protocol.messages import NewSequence, StepPlan
 from libs.protocol.params import SamplingParams
 from services.shard.cpu_linear import use_onednn
-from services.shard.lora import BASE, LoraRegistry, apply_lora, group_rows
+from services.shard.lora import (
+    BASE,
+    STACKED_MAX_TOKENS,
+    LoraRegistry,
+    Stack,
+    apply_lora,
+    apply_stacked,
+    group_rows,
+)
 from services.shard.lora_adapter import AdapterError, load_adapter
 from services.shard.model_runner import ModelRunner
 
@@ -233,6 +241,31 @@ def test_tensor_parallel_slices_sum_to_the_whole():
     rank1 = (x[rows, 6:] @ a[:, 6:].T).reshape(-1)
     rank0 = apply_lora(x[:, :6], x @ w.T, groups, {0: (a[:, :6], b)}, reduce=lambda t: t + rank1)
     torch.testing.assert_close(rank0, whole)
+
+
+def test_stacked_products_equal_the_grouped_ones():
+    """Small steps take the stacked form (one shrink, a mask, one expand for every adapter of the layer): the same
+    delta as the grouped products, interleaved rows, base rows, adapters of different ranks and one absent from the
+    step; and on tensor-parallel slices (column: B rows; row: A columns, the masked shrinks summed)."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(9, 12, generator=gen), torch.randn(10, 12, generator=gen)
+    weights = {s: (torch.randn(r, 12, generator=gen), torch.randn(10, r, generator=gen)) for s, r in
+               ((0, 4), (2, 3), (5, 6))}  # fmt: skip
+    groups = group_rows([2, BASE, 0, 2, 0], [2, 2, 1, 3, 1])  # slot 5 loaded, absent from the step
+    assert groups.token_slots.tolist() == [2, 2, -1, -1, 0, 2, 2, 2, 0]
+    whole = apply_lora(x, x @ w.T, groups, weights)
+    assert not torch.equal(whole, x @ w.T)
+    stack = Stack.of(weights)
+    torch.testing.assert_close(apply_stacked(x, x @ w.T, groups, stack), whole)
+    assert list(groups.masks) == [(stack.layout, torch.float32)]  # built once, shared by layers of its layout
+    cols = [apply_stacked(x, x @ w[o : o + 5].T, groups, Stack.of({s: (a, b[o : o + 5]) for s, (a, b) in
+            weights.items()})) for o in (0, 5)]  # fmt: skip
+    torch.testing.assert_close(torch.cat(cols, dim=1), whole)
+    rank1 = x[:, 6:] @ Stack.of(weights).a[:, 6:].T
+    rank0_stack = Stack.of({s: (a[:, :6], b) for s, (a, b) in weights.items()})
+    torch.testing.assert_close(apply_stacked(x[:, :6], x @ w.T, groups, rank0_stack, reduce=lambda t: t + rank1), whole)
+    # a large step stays grouped (no per-token slots)
+    assert group_rows([0] * (STACKED_MAX_TOKENS + 1)).token_slots is None
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------
