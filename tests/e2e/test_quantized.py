@@ -64,3 +64,27 @@ def test_a_mismatched_quantize_stops_the_launcher(gptq_dirs):
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "Quantization config mismatch: --quantize awq, but " in run.stderr and "'gptq'" in run.stderr
+
+
+def test_a_gptq_checkpoint_over_two_shards(tiny_model_dir, tmp_path):
+    """--num-shard 2: each shard holds half of every quantized layer (its scales and zeros split with it)."""
+    out = write(tiny_model_dir, tmp_path / "ckpt", "gptq", bits=4, group=32, sym=False)
+    quant, twin = out / "quant", out / "twin"
+    server = Server(quant, tmp_path / "server.log", "--max-total-tokens", "256", "--num-shard", "2")
+    try:
+        server.wait_healthy()
+        assert requests.get(server.url + "/info").json()["quantization"] == "gptq"
+        assert server.env("shard", 1)["SWITCHYARD_NUM_SHARD"] == "2"
+
+        def ask(prompt):
+            body = {"inputs": prompt, "parameters": {"max_new_tokens": 8, "details": True}}
+            return requests.post(server.url + "/generate", json=body, timeout=120).json()
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(ask, PROMPTS))
+    finally:
+        server.stop()
+    tok = AutoTokenizer.from_pretrained(twin)
+    for prompt, answer in zip(PROMPTS, answers):
+        got = [t["id"] for t in answer["details"]["tokens"]]
+        assert got == reference_generate(twin, tok(prompt).input_ids, 8)[: len(got)], prompt
