@@ -1,0 +1,29 @@
+"""`switchyard bench --workload structured` end to end on the tiny model with small counts: every constrained
+answer validated, the unconstrained twins asked for the same lengths, the masks seen in the server's metric, the
+in-process step measured, and the report files written."""
+
+import json
+
+import pytest
+
+
+@pytest.mark.e2e
+def test_structured_bench_smoke(tmp_path):
+    from launcher.cli import main
+
+    out = tmp_path / "bench"
+    argv = ["bench", "--workload", "structured", "--model", "tiny", "--structured-streams", "1,2"]
+    argv += ["--structured-waves", "1", "--structured-step-steps", "3", "--out", str(out)]
+    assert main(argv) == 0  # non-zero when an answer is invalid or a level saw no masked row
+    results = json.loads((out / "structured.json").read_text())
+    levels = {(r["kind"], r["streams"]): r for r in results["levels"]}
+    assert set(levels) == {("json", 1), ("regex", 1), ("json", 2), ("regex", 2)}
+    for r in levels.values():
+        assert r["errors"] == 0 and r["valid"] == r["requests"]
+        assert r["constrained"]["output_tokens"] == r["unconstrained_tokens"]  # paired lengths
+        assert r["constrained_rows"] >= r["constrained"]["output_tokens"] > 0
+    step = results["in_process"]
+    assert step["batch"] == 2 and all(run["constrained"]["apply_ms_per_step"] > 0 for run in step["runs"])
+    assert all(run["unconstrained"]["apply_ms_per_step"] == 0 for run in step["runs"])
+    md = (out / "structured.md").read_text()
+    assert "| json | 2 |" in md and "| regex | 1 |" in md and results["cpu"] in md
