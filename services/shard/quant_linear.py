@@ -120,7 +120,8 @@ class Int4Linear(_QuantLinear):
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.levels.to(torch.int32), 1)
         # the kernel computes (u − 8)·s + m per group; (u − z)·s = (u − 8)·s + (8 − z)·s
         self.scales_zeros = torch.stack([scales, (8 - zeros) * scales], -1).transpose(0, 1).contiguous()
-        self._group_scales, self._group_offsets = scales, (8 - zeros) * scales  # [N, K/kgroup]
+        # [N, K/kgroup] views of the same floats for the scratch dequantization (no second copy resident)
+        self._group_scales, self._group_offsets = self.scales_zeros.transpose(0, 1).unbind(-1)
         self.plain = None if _reads_int4pack(self.packed, qw.levels) else _nibbles(qw.levels)
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
@@ -301,7 +302,8 @@ def release_freed_memory() -> None:
 
 def resident_bytes(module: torch.nn.Module) -> int:
     """Bytes of the tensors a quantized layer keeps (for the benchmark's memory column)."""
-    return sum(t.numel() * t.element_size() for t in vars(module).values() if isinstance(t, torch.Tensor))
+    tensors = [t for t in [*vars(module).values(), *module._parameters.values()] if isinstance(t, torch.Tensor)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())  # views once
 
 
 def quantize_model(model: torch.nn.Module, method: str, nf4_group: int = 64) -> int:
