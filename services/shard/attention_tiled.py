@@ -1,10 +1,11 @@
 """Tiled attention for long prefill rows: memory bounded, never a [heads, n, n] score matrix.
 
-A long row's queries are cut into tiles of TILE_QUERIES. Each tile attends only to the keys it can see: on a
-sliding-window layer the window before its first query up to its last query (O(n · window) for the row), on a
-full-attention layer its causal prefix. The row's keys are gathered from the pages once per layer; every tile's
-keys are then a view of that gather, and its mask ([tile queries, tile keys] bool) is built as the tile runs, so
-the memory a row needs beyond its own K/V is one tile's mask (and, on the eager path, one tile's scores).
+A long row's queries are cut into tiles of TILE_QUERIES (fewer over a very long context: TILE_SCORES). Each tile
+attends only to the keys it can see: on a sliding-window layer the window before its first query up to its last
+query (O(n · window) for the row), on a full-attention layer its causal prefix. The row's keys are gathered from
+the pages once per layer; every tile's keys are then a view of that gather, and its mask ([tile queries, tile
+keys] bool) is built as the tile runs, so the memory a row needs beyond its own K/V is one tile's mask (and, on
+the eager path, one tile's scores).
 
 Two kernels run a tile (`choose_kernel`):
 - PyTorch's SDPA (`scaled_dot_product_attention`): on CPU it takes the flash kernel even with a boolean mask and
@@ -31,6 +32,12 @@ TILE_MIN_QUERIES = 128
 # Queries per tile: large enough that the flash kernel has blocks to spread over threads, small enough that one
 # tile's mask (and eager scores) stays small next to the row's K/V.
 TILE_QUERIES = 256
+# Queries x keys (per head) one tile may hold on a full-attention layer: a row over a context longer than
+# TILE_SCORES // TILE_QUERIES keys gets fewer queries a tile (never under TILE_FLOOR), so a chunk's eager scores
+# stay flat as the context grows (measured on Gemma-3 at 24k-32k: the 256-query tiles' scores dominated the peak);
+# sliding-window tiles see at most window + tile keys anyway.
+TILE_SCORES = 256 * 8192
+TILE_FLOOR = 32
 
 # On CPU in half precision with heads this wide (Gemma's 256), the eager math per tile measured faster than SDPA's
 # flash kernel (docs/benchmarks.md): a bfloat16 matmul over a whole tile beats the kernel's small blocks there.
@@ -71,8 +78,9 @@ def build_tiled(paged, rows: np.ndarray, window: int, device: torch.device) -> l
         first = max(0, c - window + 1) if window else 0  # the first key the row's first query sees
         fb, lb = first // bs, -(-(c + n) // bs)
         tiles = []
-        for t0 in range(0, n, TILE_QUERIES):
-            tq = min(TILE_QUERIES, n - t0)
+        per_tile = TILE_QUERIES if window else min(TILE_QUERIES, max(TILE_FLOOR, TILE_SCORES // (c + n)))
+        for t0 in range(0, n, per_tile):
+            tq = min(per_tile, n - t0)
             p0 = c + t0  # position of the tile's first query
             lo = max(0, p0 - window + 1) if window else 0  # as masking_utils: kv_idx > q_idx - sliding_window
             tiles.append((t0, tq, lo - fb * bs, p0 + tq - lo))

@@ -165,6 +165,42 @@ def test_tiles_equal_dense_attention(monkeypatch, softcap, window, dtype, ctx, d
         assert not torch.allclose(_dense(q, k, v, ctx, window + 3, 0.3, softcap), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_a_long_context_gets_smaller_tiles(monkeypatch, softcap):
+    """A full-attention row whose context makes TILE_QUERIES x keys exceed TILE_SCORES is cut into tiles of
+    TILE_SCORES // keys queries (never under TILE_FLOOR); a sliding-window row keeps its tiles; both stay exact."""
+    monkeypatch.setattr(attention_tiled, "TILE_MIN_QUERIES", 8)
+    monkeypatch.setattr(attention_tiled, "TILE_QUERIES", 16)
+    monkeypatch.setattr(attention_tiled, "TILE_SCORES", 16 * 20)
+    monkeypatch.setattr(attention_tiled, "TILE_FLOOR", 3)
+    gen = torch.Generator().manual_seed(2)
+    bs, ctx, n, heads, kv_heads, d = 4, 40, 30, 4, 2, 16
+    blocks = -(-(ctx + n) // bs)
+    k_cache, v_cache = (torch.randn(kv_heads, blocks, bs, d, generator=gen) for _ in range(2))
+    q = torch.randn(heads, n, d, generator=gen) * 3
+    batch = attention.PagedBatch(
+        kv_cache=[(k_cache, v_cache)],
+        slot_mapping=None,
+        cu_seqlens_q=None,
+        context_lens=None,
+        block_tables=None,
+        block_size=bs,
+        host_cu=np.array([0, n]),
+        host_context=np.array([ctx]),
+        host_tables=np.arange(blocks)[None],
+    )
+    k, v = k_cache.reshape(kv_heads, -1, d), v_cache.reshape(kv_heads, -1, d)
+    for window, per_tile in ((0, 16 * 20 // 70), (9, 16)):  # 70 keys: 4 queries a tile; the window keeps 16
+        _, rows = batch.plan(window, torch.device("cpu"))
+        assert [tile[1] for tile in rows[0].tiles] == [per_tile] * (n // per_tile) + [n % per_tile] * bool(n % per_tile)
+        out = torch.full((n, heads, d), float("nan"))
+        attention_tiled.attend_tiled(q, k_cache, v_cache, rows, out, 0.3, softcap, window)
+        torch.testing.assert_close(out, _dense(q, k, v, ctx, window, 0.3, softcap), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(attention_tiled, "TILE_FLOOR", 6)
+    rows = attention_tiled.build_tiled(batch, np.array([0]), 0, torch.device("cpu"))
+    assert rows[0].tiles[0][1] == 6  # the floor wins over the score budget
+
+
 def test_eager_tile_soft_caps():
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 5, 8, generator=gen) * 4 for _ in range(3))
