@@ -88,8 +88,9 @@ def _serve_two_ranks(model_dir: Path, quantize: str, token_dir: Path, tmp_path: 
     return ranks
 
 
-def test_a_gptq_checkpoint_under_two_ranks_matches_its_twin(tiny_dirs, tmp_path):
-    out = write(tiny_dirs["llama"], tmp_path / "ckpt", "gptq", bits=4, group=32, sym=False)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v carry a bias, split with their rows
+def test_a_gptq_checkpoint_under_two_ranks_matches_its_twin(tiny_dirs, tmp_path, arch):
+    out = write(tiny_dirs[arch], tmp_path / "ckpt", "gptq", bits=4, group=32, sym=False)
     ranks = _serve_two_ranks(out / "quant", "gptq", out / "twin", tmp_path)
     layers = json.loads((out / "quant" / "config.json").read_text())["num_hidden_layers"]
     assert ranks[0]["count"] == 7 * layers and ranks[0]["kinds"] == ["Int4Linear"]
