@@ -14,6 +14,10 @@ The parts of one decode step of the whole batch, each the median over the steps:
 
     python -m launcher.bench.profile_step --model llama-128k,smollm2,gemma --batch 1,16,64 [--dtype auto]
         [--torch-linears]
+
+With --compare, instead: the whole step of three runners side by side — bf16 with the oneDNN linears (the
+default on a CPU with native bf16), bf16 with torch's linears, float32 with the oneDNN linears — one step of each
+in turn, so that load on the machine hits all three alike.
 """
 
 from __future__ import annotations
@@ -109,6 +113,30 @@ def profile(
     }
 
 
+COMPARED = {
+    "bf16, oneDNN linears": dict(dtype="bfloat16"),
+    "bf16, torch's linears": dict(dtype="bfloat16", onednn_linear=False),
+    "fp32, oneDNN linears": dict(dtype="float32"),
+}
+
+
+def compare(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) -> dict[str, float]:
+    """Median decode step ms of each COMPARED runner, their steps interleaved."""
+    from launcher.bench.limit import Driver
+
+    drivers = {name: Driver(model_dir, batch, prompt_tokens, output_tokens, **kw) for name, kw in COMPARED.items()}
+    for driver in drivers.values():
+        driver.warm()
+        driver.prefill()
+    steps = {name: [] for name in drivers}
+    for k in range(output_tokens - 1):
+        for name, driver in drivers.items():
+            t = time.perf_counter()
+            driver.took(driver.runner.execute(driver.decode_plan(k)))
+            steps[name].append(time.perf_counter() - t)
+    return {name: 1000 * statistics.median(s) for name, s in steps.items()}
+
+
 def table(label: str, rows: list[dict]) -> list[str]:
     lines = [f"{label} ({rows[0]['dtype']}): median ms per decode step, share of the step in brackets", ""]
     lines.append("| part | " + " | ".join(f"batch {r['batch']}" for r in rows) + " |")
@@ -131,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="auto", help="auto (the server's default on this CPU) | float32 | bfloat16")
     ap.add_argument("--torch-linears", action="store_true", help="torch's own linears (the shard's oneDNN switch off)")
+    ap.add_argument("--compare", action="store_true", help="bf16 oneDNN / bf16 torch / fp32 oneDNN steps, interleaved")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import torch
@@ -143,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     out = {}
     for name in args.model.split(","):
         label, folder = models.resolve(name)
+        if args.compare:
+            for b in args.batch.split(","):
+                got = compare(str(folder), int(b), args.prompt_tokens, args.output_tokens)
+                out.setdefault(label, []).append({"batch": int(b), "step_ms": got})
+                if not args.json:
+                    print(f"{label} batch {b}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in got.items()), flush=True)
+            continue
         rows = [
             profile(str(folder), int(b), args.prompt_tokens, args.output_tokens, dtype) for b in args.batch.split(",")
         ]
