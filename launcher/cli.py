@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from launcher import bench, bus_flags, keygen, quantize, rundir, supervise, tap
-from launcher.serve_settings import IGNORED, check_lora_adapters, settings_from
+from launcher.serve_settings import IGNORED, SPECULATE_HELP, check_lora_adapters, settings_from
 from libs.protocol import Addresses
 from libs.runtime import cpu, model_store
 
@@ -85,8 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     flag("max-input-length", type=int, help="legacy alias of --max-input-tokens")
     flag("max-total-tokens", type=int, help="default: min(4096, the model's max_position_embeddings)")
     flag("max-batch-prefill-tokens", type=int, help="default: max(4096, max-input-tokens)")
+    flag(
+        "max-prefill-tokens-while-decoding",
+        type=int,
+        default=512,
+        help="prompt tokens one step may prefill while other requests decode (0: no cap beyond "
+        "max-batch-prefill-tokens, as TGI): a long prompt goes in chunks and running streams keep flowing",
+    )
     flag("max-batch-total-tokens", type=int, help="KV cache size in tokens (default: max(65536, max-total-tokens))")
     flag("max-batch-size", type=int, default=256)
+    flag("speculate", type=int, help=SPECULATE_HELP)
     flag(
         "shard-stall-timeout",
         type=float,
