@@ -8,7 +8,9 @@ length, not the masks. The model is served from its own folder (with its EOS ids
 no-EOS view of the chat workload; an unconstrained answer that hits EOS early is counted with its real length.
 
 Every constrained answer must parse and validate against its schema (or fully match its regex); the table says
-how many did, and the server's `switchyard_constrained_rows` histogram shows the masks were applied.
+how many did, and the server's `switchyard_constrained_rows` histogram shows the masks were applied. Also: the
+grammars' compile times (the bench's schema and regex, a 12-function tool schema under `required` and `auto`)
+and the same ratio in process (launcher.bench.structured_step: the masks' cost without the servers around it).
 
     switchyard bench --workload structured --model gemma --structured-streams 1,16
 """
@@ -154,6 +156,56 @@ def _level(url: str, kind: str, jobs: list[loadgen.Job], streams: int) -> dict:
     }
 
 
+def tools(n: int = 12) -> list[dict]:
+    """n functions of a few typed parameters each, as an agent framework sends them."""
+    out = []
+    for i in range(n):
+        params = {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "description": "what to look up"},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 50},
+                "mode": {"enum": ["fast", "exact", f"mode{i}"]},
+                "filters": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+            },
+            "required": ["query"],
+        }
+        out.append({"type": "function", "function": {"name": f"tool_{i}", "description": f"tool {i}",
+                                                       "parameters": params}})  # fmt: skip
+    return out
+
+
+def compile_times(folder: Path, repeats: int = 10) -> dict:
+    """Per grammar: the tokenizer's compile (an LLMatcher against the served tokenizer.json, as the tokenizer
+    service checks a request's grammar, its cache bypassed), p50 / p90 ms over `repeats`."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    from launcher.bench.loadgen import percentile
+    from libs.runtime import model_store
+    from services.tokenizer.grammar import grammar_text, tool_grammar
+
+    eos = model_store.model_info(folder)["eos_token_ids"]
+    t0 = time.perf_counter()
+    tok = LLTokenizer(str(folder / "tokenizer.json"), eos_token=[int(i) for i in eos])
+    out = {"tokenizer_load_s": time.perf_counter() - t0}
+    texts = {
+        "json schema (the bench's)": grammar_text(KINDS["json"])[1],
+        "regex (the bench's)": grammar_text(KINDS["regex"])[1],
+        "12 tools, tool_choice required": tool_grammar(tools(), "required").text,
+        "12 tools, tool_choice auto": tool_grammar(tools(), "auto").text,
+    }
+    for name, text in texts.items():
+        ms = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            m = LLMatcher(tok, text, log_level=0)
+            ms.append((time.perf_counter() - t0) * 1000)
+            if m.is_error():
+                raise RuntimeError(f"{name}: {m.get_error()}")
+        out[name] = {"p50_ms": percentile(ms, 50), "p90_ms": percentile(ms, 90), "grammar_bytes": len(text)}
+    return out
+
+
 def _in_process(folder: Path, batch: int, steps: int, dtype: str) -> dict:
     """The ModelRunner's decode step with and without the grammar, in a process of its own (as the limit runs)."""
     import subprocess
@@ -199,6 +251,13 @@ def table(results: dict) -> str:
             u, c = r["unconstrained"], r["constrained"]
             lines.append(f"| {step['batch']} | {_f(u['step_ms'])} | {_f(c['step_ms'])} | {_f(r['ratio'], 2)} "
                          f"| {_f(c['apply_ms_per_step'], 2)} | {_f(c['advance_ms_per_step'], 2)} |")  # fmt: skip
+    compiles = results.get("compile")
+    if compiles:
+        lines += ["", f"Grammar compile (tokenizer load {compiles['tokenizer_load_s']:.1f} s):", "",
+                  "| grammar | bytes | p50 ms | p90 ms |", "|---|---:|---:|---:|"]  # fmt: skip
+        for name, c in compiles.items():
+            if isinstance(c, dict):
+                lines.append(f"| {name} | {c['grammar_bytes']} | {_f(c['p50_ms'])} | {_f(c['p90_ms'])} |")
     lines += ["", f"CPU: {results['cpu']}; load average {results['load_avg']}"]
     return "\n".join(lines)
 
@@ -236,6 +295,7 @@ def run(args, out: Path) -> int:
         "levels": [],
     }
     print(f"switchyard bench --workload structured: {results['title']}; results in {out}", flush=True)
+    results["compile"] = compile_times(folder)  # before the server: its processes would share the cores
     flags = ["--dtype", dtype, *args.serve_flag]
     with servers.switchyard(folder, out / "structured-switchyard.log", *flags) as srv:
         srv.wait_healthy(600)

@@ -1,6 +1,6 @@
 """`switchyard bench --workload structured` end to end on the tiny model with small counts: every constrained
 answer validated, the unconstrained twins asked for the same lengths, the masks seen in the server's metric, the
-in-process step measured, and the report files written."""
+in-process step measured, a 12-function tool schema's compile timed, and the report files written."""
 
 import json
 
@@ -25,5 +25,6 @@ def test_structured_bench_smoke(tmp_path):
     step = results["in_process"]
     assert step["batch"] == 2 and all(run["constrained"]["apply_ms_per_step"] > 0 for run in step["runs"])
     assert all(run["unconstrained"]["apply_ms_per_step"] == 0 for run in step["runs"])
+    assert all(results["compile"][f"12 tools, tool_choice {c}"]["p50_ms"] > 0 for c in ("auto", "required"))
     md = (out / "structured.md").read_text()
     assert "| json | 2 |" in md and "| regex | 1 |" in md and results["cpu"] in md
