@@ -40,7 +40,8 @@ def _workload_module(name: str):
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 (random weights, SmolLM2-135M's shape) | tiny | gemma "
-                   "(the default model) | a local folder")  # fmt: skip
+                   "(the default model) | llama-128k (random weights, 128,256-token vocabulary, small body) | a local "
+                   "folder")  # fmt: skip
     p.add_argument("--url", help="drive this already running Switchyard (loopback only) instead of starting one")
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated client counts")
     p.add_argument("--prompt-tokens", type=int, default=64)
