@@ -39,6 +39,7 @@ class TokenizerService:
         # the LoRA adapters the schedulers serve now (loaded and unloaded while serving)
         self.events = bus.EventBus(addresses, ROLE, settings.index, subscribe=[topics.LORA])
         self.handled = self.rejected = self.tokenized = 0
+        self.processor.grammars.on_wait = self._heartbeat  # a long grammar compile still beats
 
     def handle(self, req: GenerateRequest) -> None:
         started = time.perf_counter()
@@ -95,9 +96,12 @@ class TokenizerService:
                     self._drain_events(msg)  # an adapter announced just before this request counts
                     self.handle(msg)
             self._drain_events()
-            self.events.heartbeat(
-                counters={"handled": self.handled, "rejected": self.rejected, "tokenized": self.tokenized}
-            )
+            self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        self.events.heartbeat(
+            counters={"handled": self.handled, "rejected": self.rejected, "tokenized": self.tokenized}
+        )
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ import concurrent.futures
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import llguidance
@@ -284,6 +285,9 @@ def tool_grammar(
     return ToolPlan(chosen, "tools_auto", LLMatcher.grammar_from_lark(lark))
 
 
+WAIT_SLICE_S = 0.25  # how often a wait for a compile hands back to the service (on_wait)
+
+
 class GrammarCompiler:
     """Compiles grammars against the served tokenizer, with limits and a wall-clock timeout per request.
 
@@ -312,6 +316,9 @@ class GrammarCompiler:
         self._valid: OrderedDict[str, None] = OrderedDict()
         self._cache_size = cache_size
         self.compiled = self.reused = 0
+        # called every WAIT_SLICE_S while the service waits for a compile: the tokenizer service beats its heartbeat
+        # there, so a compile near the 5 s timeout never makes it look gone (stale after 3 s without one)
+        self.on_wait: Callable[[], None] | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar")
         self._tokenizer = self._pool.submit(LLTokenizer, tokenizer_json, eos_token=list(eos_ids))
         self._parser_limits = LLParserLimits(
@@ -325,6 +332,19 @@ class GrammarCompiler:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def _wait(self, future: concurrent.futures.Future, deadline: float | None = None):
+        """The future's result, calling on_wait every WAIT_SLICE_S meanwhile; TimeoutError once past `deadline`
+        (a time.perf_counter() value; None: no limit)."""
+        while True:
+            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.perf_counter())
+            try:
+                return future.result(timeout=max(0.0, left))
+            except concurrent.futures.TimeoutError:
+                if deadline is not None and time.perf_counter() >= deadline:
+                    raise
+                if self.on_wait is not None:
+                    self.on_wait()
+
     def _compile(self, text: str) -> str:
         matcher = LLMatcher(self.tokenizer, text, log_level=0, limits=self._parser_limits)
         return matcher.get_error() if matcher.is_error() else ""
@@ -334,7 +354,7 @@ class GrammarCompiler:
         batch)."""
         if self.disabled:
             raise ValidationError("grammar is not supported")
-        self._tokenizer.result()  # the tokenizer's load does not count against the request's timeout
+        self._wait(self._tokenizer)  # its load (Gemma: ~10 s, once) does not count against the request's timeout
         t0 = time.perf_counter()
         if text in self._valid:
             self._valid.move_to_end(text)
@@ -342,7 +362,7 @@ class GrammarCompiler:
             return Checked(Grammar(text), kind, time.perf_counter() - t0)
         future = self._pool.submit(self._compile, text)
         try:
-            error = future.result(timeout=self.limits.compile_timeout_s)
+            error = self._wait(future, t0 + self.limits.compile_timeout_s)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise not_valid(f"compiling it took longer than {self.limits.compile_timeout_s:g} s") from None

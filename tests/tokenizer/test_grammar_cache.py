@@ -1,7 +1,10 @@
 """services.tokenizer.grammar: a grammar text that compiled once is not compiled again (many requests share one
-schema or one tool list), and a text that failed is compiled, and refused, every time."""
+schema or one tool list), and a text that failed is compiled, and refused, every time; a long compile hands back
+to the service (its heartbeat) while it waits."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -26,5 +29,23 @@ def test_a_text_that_compiled_is_reused_and_a_bad_one_is_not(tiny_dir):
         c.check({"type": "regex", "value": "b+"})  # the oldest text (the schema) leaves the cache of 2
         c.check({"type": "json", "value": SCHEMA})
         assert (c.compiled, c.reused) == (4, 1)
+    finally:
+        c.close()
+
+
+def test_a_long_compile_lets_the_service_beat(tiny_dir, monkeypatch):
+    c = GrammarCompiler(str(tiny_dir / "tokenizer.json"), [EOS])
+    beats = []
+    c.on_wait = lambda: beats.append(1)
+    try:
+        compile_for_real = c._compile
+
+        def slow(text: str) -> str:  # a compile that takes a second (some schemas take minutes)
+            time.sleep(1.0)
+            return compile_for_real(text)
+
+        monkeypatch.setattr(c, "_compile", slow)
+        assert c.check({"type": "regex", "value": "a+"}).kind == "regex"
+        assert len(beats) >= 1  # waits of 0.25 s: the service beat while llguidance worked
     finally:
         c.close()
