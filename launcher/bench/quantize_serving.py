@@ -3,7 +3,9 @@
 One server per entry of `--quant-methods` (`none` is the float model; `method@dtype` pins the serving dtype, else
 `--dtype`), on `--model` (smollm2 | gemma | tiny | a folder). Each one measures:
 - the shard's memory, from /proc/<pid>/status of the shard process found in the server's process tree: VmHWM
-  right after it turns healthy (the peak of loading: float weights read, then quantized) and VmRSS after the load;
+  right after it turns healthy (the peak of loading: float weights read, then quantized; the KV cache included)
+  and VmRSS after the runs, also less the KV cache (computed from the config: every server gets the same
+  `--max-batch-total-tokens`, `--quant-kv-tokens`, by default just what the largest level needs);
 - output tok/s, TTFT and inter-token p50 at each `--quant-concurrency` (closed loop, every request to exactly its
   max_new_tokens), after an unmeasured wave at the same concurrency;
 - the TTFT of a longer prompt alone (`--quant-long-prompt` tokens, one new token, median of 3): prefill cost;
@@ -41,6 +43,8 @@ def add_arguments(p) -> None:
                    "prefill (TTFT) probe")  # fmt: skip
     p.add_argument("--quant-quality-prompts", type=int, default=8, help="quantize workload: prompts of the "
                    "greedy agreement / logprob comparison")  # fmt: skip
+    p.add_argument("--quant-kv-tokens", type=int, help="quantize workload: --max-batch-total-tokens of every "
+                   "server (default: what the largest level needs, at least 4096)")  # fmt: skip
 
 
 def _say(msg: str) -> None:
@@ -110,6 +114,19 @@ def quality(answers: list[dict], reference: list[dict]) -> dict:
             "logprob_delta_max": max(deltas) if deltas else None}  # fmt: skip
 
 
+def kv_mib(model_dir: Path, tokens: int, dtype: str) -> float:
+    """The shard's KV cache for `tokens` (K and V, every layer, whole blocks of 16): part of its RSS, the same with
+    or without quantization, and at the default 65,536 tokens several times a small model's weights."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config") or config
+    heads = text["num_attention_heads"]
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    blocks = -(-tokens // 16)
+    size = 4 if dtype == "float32" else 2
+    return text["num_hidden_layers"] * 2 * kv_heads * head_dim * blocks * 16 * size / 2**20
+
+
 def _split(entry: str, default_dtype: str) -> tuple[str, str]:
     method, _, dtype = entry.partition("@")
     return method.strip(), (dtype.strip() or default_dtype)
@@ -118,8 +135,9 @@ def _split(entry: str, default_dtype: str) -> tuple[str, str]:
 def _serve(view: Path, out: Path, method: str, dtype: str, args, prompts: Prompts, warm: Prompts,
            quality_jobs) -> dict:  # fmt: skip
     name = f"{method}@{dtype}"
-    flags = ["--dtype", dtype, *([] if method == "none" else ["--quantize", method]), *args.serve_flag]
-    row: dict = {"method": method, "dtype": dtype, "levels": []}
+    flags = ["--dtype", dtype, *([] if method == "none" else ["--quantize", method])]
+    flags += ["--max-batch-total-tokens", str(args.quant_kv_tokens), *args.serve_flag]
+    row: dict = {"method": method, "dtype": dtype, "levels": [], "kv_mib": kv_mib(view, args.quant_kv_tokens, dtype)}
     started = time.monotonic()
     with servers.switchyard(view, out / f"quantize-{name}.log", *flags) as srv:
         srv.wait_healthy(900)
@@ -148,6 +166,7 @@ def _serve(view: Path, out: Path, method: str, dtype: str, args, prompts: Prompt
         row["answers"] = [_generate(srv.url, j.prompt, j.max_new_tokens) for j in quality_jobs]
         after = memory_mib(pids[0])
         row.update(serving_rss_mib=after["VmRSS"], serving_peak_mib=after["VmHWM"])
+        row["rss_less_kv_mib"] = after["VmRSS"] - row["kv_mib"]
     _say(f"  {name:<24} shard load peak {row['load_peak_mib']:.0f} MiB, loaded {row['loaded_rss_mib']:.0f} MiB, "
          f"serving {row['serving_rss_mib']:.0f} MiB; {args.quant_long_prompt}-token prompt TTFT "
          f"{row['long_prompt_ttft_ms'] or 0:.0f} ms")  # fmt: skip
@@ -163,7 +182,8 @@ def table(results: dict) -> str:
     levels = sorted({lv["concurrency"] for r in rows for lv in r["levels"]})
     base = rows[0] if rows else None
     head = ["method", "dtype", *[f"tok/s c={c}" for c in levels], *[f"ITL p50 ms c={c}" for c in levels],
-            f"TTFT {results['long_prompt']}-tok ms", "shard load peak MiB", "shard RSS MiB", "RSS vs first",
+            f"TTFT {results['long_prompt']}-tok ms", "shard load peak MiB", "shard RSS MiB", "KV MiB",
+            "RSS − KV MiB", "RSS − KV vs first",
             "greedy agree", "abs Δ logprob mean / max"]  # fmt: skip
     lines = [f"{results['title']}", f"CPU: {results['cpu']}", "", "| " + " | ".join(head) + " |",
              "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]  # fmt: skip
@@ -174,7 +194,8 @@ def table(results: dict) -> str:
         cells += [_f(by_c[c]["output_tok_s"], 1) if c in by_c else "–" for c in levels]
         cells += [_f(by_c[c]["itl_p50_ms"], 1) if c in by_c else "–" for c in levels]
         cells += [_f(r.get("long_prompt_ttft_ms")), _f(r.get("load_peak_mib")), _f(r.get("serving_rss_mib"))]
-        share = r["serving_rss_mib"] / base["serving_rss_mib"] if base and r.get("serving_rss_mib") else None
+        cells += [_f(r.get("kv_mib")), _f(r.get("rss_less_kv_mib"))]
+        share = r["rss_less_kv_mib"] / base["rss_less_kv_mib"] if base and r.get("rss_less_kv_mib") else None
         cells.append("–" if share is None else f"{100 * share:.0f}%")
         agree = q.get("greedy_agreement")
         cells.append("–" if agree is None else f"{100 * agree:.0f}% ({q['greedy_exact']}/{q['greedy_prompts']})")
@@ -196,6 +217,9 @@ def run(args, out: Path) -> int:
     label, view = models.resolve(args.model)
     dtype = cpu.choose_dtype(None).dtype if args.dtype == "auto" else args.dtype
     entries = [_split(e, dtype) for e in args.quant_methods.split(",") if e.strip()]
+    top = max(int(c) for c in args.quant_concurrency.split(",") if c.strip())
+    need = max(top * (args.prompt_tokens + args.output_tokens), args.quant_long_prompt + 1)
+    args.quant_kv_tokens = args.quant_kv_tokens or max(4096, -(-need // 1024) * 1024)
     prompts, warm = Prompts(view), Prompts(view, seed=99)
     quality_jobs = Prompts(view, seed=7).fixed(args.quant_quality_prompts, args.prompt_tokens, args.output_tokens)
     results = {"title": f"{label}: quantized serving, prompt {args.prompt_tokens}, output {args.output_tokens} "

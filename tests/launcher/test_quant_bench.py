@@ -37,8 +37,20 @@ def test_the_quality_proxy_counts_agreement_before_the_first_difference():
 def test_the_table_names_the_cpu_and_every_level():
     level = {"output_tok_s": 10.0, "itl_p50_ms": 5.0}
     rows = [{"method": m, "dtype": "bfloat16", "levels": [{**level, "concurrency": c} for c in (1, 16)],
-             "long_prompt_ttft_ms": 100.0, "load_peak_mib": 900.0, "serving_rss_mib": rss,
+             "long_prompt_ttft_ms": 100.0, "load_peak_mib": 900.0, "serving_rss_mib": rss, "kv_mib": 100.0,
+             "rss_less_kv_mib": rss - 100,
              "quality": qs.quality([], [])} for m, rss in (("none", 800.0), ("eetq", 400.0))]  # fmt: skip
     text = qs.table({"title": "t", "cpu": "CPU [avx2]", "long_prompt": 512, "rows": rows, "failed": {"x": "why"}})
     assert "CPU: CPU [avx2]" in text and "tok/s c=16" in text and "TTFT 512-tok ms" in text
-    assert "| eetq | bfloat16 | 10.0 | 10.0 | 5.0 | 5.0 | 100 | 900 | 400 | 50% |" in text and "x: why" in text
+    assert "| eetq | bfloat16 | 10.0 | 10.0 | 5.0 | 5.0 | 100 | 900 | 400 | 100 | 300 | 43% |" in text
+    assert "x: why" in text
+
+
+def test_the_kv_cache_is_sized_from_the_config(tmp_path):
+    import json
+
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # SmolLM2's shape: 30 layers × K and V × 3 heads × 64 × 4 bytes = 90 KiB a token in float32
+    assert qs.kv_mib(tmp_path, 4096, "float32") == 4096 * 30 * 2 * 3 * 64 * 4 / 2**20
+    assert qs.kv_mib(tmp_path, 4090, "bfloat16") == qs.kv_mib(tmp_path, 4096, "float32") / 2  # whole blocks
