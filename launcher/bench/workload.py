@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 from launcher.bench.loadgen import Job
-from launcher.bench.models import _corpus
+from launcher.bench.models import TOKENIZERS, VOCAB, _corpus
 
 _TEXT: str | None = None
 
@@ -15,7 +15,7 @@ def _text() -> str:
     global _TEXT
     if _TEXT is None:
         parts, size = [], 0
-        for chunk in _corpus():
+        for chunk in _corpus(*TOKENIZERS[VOCAB]):
             parts.append(chunk)
             size += len(chunk)
             if size > 2_000_000:
