@@ -7,7 +7,8 @@ tokens as the common flags say): every request on the base model, then requests 
 model and the adapters (`--lora-base-share` of them on the base model). The ratio of the two throughputs is the
 figure (the issue's target: at least 85 %). Each wave gets prompts of its own (no prefix-cache hits between
 them), one unmeasured wave at its concurrency goes first, and the schedulers' counter
-`switchyard_scheduler_lora_generated_total` shows every adapter token ran. Writes lora.json and lora.md under the output folder.
+`switchyard_scheduler_lora_generated_total` shows every adapter token ran. Writes lora.json and lora.md under the
+output folder.
 
     switchyard bench --workload lora [--model smollm2] [--lora-concurrency 16,64] [--lora-rounds 2]
 """
