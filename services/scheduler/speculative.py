@@ -6,8 +6,10 @@ work (editing code, quoting a document) finds long matches; free writing finds f
 
 Verifying a draft costs a position in the step's forward (LM head, attention, MLP), so drafts must pay:
 - per row, an exponential moving average of its acceptance (accepted / drafted, per drafted step) decides: a row
-  drafts while its average is at least MIN_ACCEPTANCE, and otherwise only one probe token every PROBE_EVERY
-  steps, so that a row whose text turns repetitive is noticed again;
+  drafts while its average is at least MIN_ACCEPTANCE (it starts at 1: a copy often begins with a few misses, a
+  free-writing row falls below within about four drafted steps), and otherwise one probe token every
+  PROBE_EVERY steps, and only on a match of two tokens or more, so that a row whose text turns to copying is
+  noticed again at little cost;
 - per step, the drafts of all rows together are capped by STEP_DRAFT_BUDGET minus the rows (a batch of one may
   verify many drafts for the price of one forward; a large batch, which is already compute-bound, few), the
   rows with the best acceptance first;
@@ -24,15 +26,17 @@ import numpy as np
 MAX_NGRAM = 3  # the longest suffix looked up
 MIN_ACCEPTANCE = 0.3  # a row drafts while its acceptance average is at least this
 EMA_WEIGHT = 0.3  # weight of the newest drafted step in the average
-PROBE_EVERY = 16  # a row below MIN_ACCEPTANCE drafts one token this often (steps)
+PROBE_EVERY = 8  # a row below MIN_ACCEPTANCE drafts one token this often (steps), on a match of PROBE_NGRAM
+PROBE_NGRAM = 2
 STEP_DRAFT_BUDGET = 24  # drafts of one step ≤ this minus its rows (never fewer than 0)
-INITIAL_ACCEPTANCE = 0.5  # a new row starts optimistic
+INITIAL_ACCEPTANCE = 1.0  # a new row starts optimistic
 
 
-def lookup(tokens: np.ndarray, k: int, max_ngram: int = MAX_NGRAM) -> np.ndarray:
-    """Up to `k` tokens that followed the most recent earlier occurrence of the longest matching suffix."""
+def lookup(tokens: np.ndarray, k: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> np.ndarray:
+    """Up to `k` tokens that followed the most recent earlier occurrence of the longest matching suffix (of at
+    least `min_ngram` tokens)."""
     size = len(tokens)
-    for n in range(min(max_ngram, size - 1), 0, -1):
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
         suffix = tokens[size - n :]
         starts = np.flatnonzero(tokens[: size - n] == suffix[0])  # earlier starts: something follows each
         for j in range(1, n):
@@ -101,7 +105,8 @@ class Drafter:
         """The row's drafts (at most k), from prompt lookup over its tokens."""
         if k <= 0:
             return []
-        drafts = lookup(tokens, k).tolist()
+        probe = stats.acceptance < MIN_ACCEPTANCE
+        drafts = lookup(tokens, k, min_ngram=PROBE_NGRAM if probe else 1).tolist()
         if drafts:
             stats.since_draft = 0
         return drafts

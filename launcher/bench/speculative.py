@@ -1,0 +1,181 @@
+"""`switchyard bench --workload speculative`: `--speculate 0` against `--speculate N`, real servers, two workloads.
+
+On `--spec-model` (default: the default model, SmolLM2-135M-Instruct, which is chat-tuned: a copy instruction through
+its chat template copies well), greedy, every request streamed (TGI's /generate_stream):
+- copy: "Repeat this code exactly" with a different small Python module in each prompt (the input-copying case
+  prompt lookup is for: most drafts are the model's own next tokens);
+- free: "Write a short story about …" (free writing: few drafts match, and the rule in
+  services/scheduler/speculative.py must turn drafting down so that it costs nothing).
+Each server runs both workloads at each `--spec-concurrency` (closed loop, `--spec-waves` × c requests, after an
+unmeasured wave), reading the scheduler's draft/accepted counters before and after each level. Requests end at
+the model's EOS or `--spec-max-new`; tok/s counts the tokens the server generated. The outputs of the two servers
+are compared (greedy: they must be identical). Targets (issue 15 §3): copy at 1 stream ≥ 1.8× tok/s; free at 16
+streams no loss beyond noise. results.json and results.md go to the output folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from launcher.bench import loadgen, servers
+
+TOPICS = ["a lighthouse keeper", "a lost robot", "a city under the sea", "an old clock", "a dragon who bakes",
+          "the last train", "a garden on Mars", "a talking cat", "a winter festival", "a map with no roads",
+          "a shy volcano", "a library at night", "two rival chefs", "a paper boat", "a silent orchestra",
+          "a mountain village"]  # fmt: skip
+NAMES = ["parse", "merge", "scale", "count", "render", "filter", "split", "score", "clean", "index", "shift", "pack",
+         "trace", "blend", "round", "guard"]  # fmt: skip
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--spec-model", default="default", help="speculative workload: `default` (the default model) "
+                   "or a local folder (a chat model: the prompts go through its chat template)")  # fmt: skip
+    p.add_argument("--spec-n", type=int, default=4, help="speculative workload: the --speculate N compared with 0")
+    p.add_argument("--spec-concurrency", default="1,16", help="speculative workload: comma-separated stream counts")
+    p.add_argument("--spec-waves", type=int, default=2, help="speculative workload: requests per level = waves × c")
+    p.add_argument("--spec-max-new", type=int, default=160, help="speculative workload: max_new_tokens per request")
+    p.add_argument("--spec-workloads", default="copy,free", help="speculative workload: copy, free or both")
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def code_module(i: int) -> str:
+    """A small Python module of its own per request (names and constants differ: no shared prefix past the
+    instruction)."""
+    a, b = NAMES[i % len(NAMES)], NAMES[(i * 7 + 3) % len(NAMES)]
+    return (
+        f"def {a}_items(items, limit={i + 2}):\n    out = []\n    for item in items:\n"
+        f"        if len(out) >= limit:\n            break\n        out.append(item * {i % 5 + 2})\n"
+        "    return out\n\n\n"
+        f"def {b}_total(values):\n    total = 0\n    for value in values:\n        total += value - {i % 3}\n"
+        f"    return total\n"
+    )
+
+
+def prompts(model_dir: Path, workload: str, count: int, max_new: int) -> list[loadgen.Job]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    jobs = []
+    for i in range(count):
+        ask = (f"Repeat this code exactly:\n\n{code_module(i)}" if workload == "copy"
+               else f"Write a short story about {TOPICS[i % len(TOPICS)]}.")  # fmt: skip
+        text = tok.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True, tokenize=False)
+        jobs.append(loadgen.Job(text, len(tok(text, add_special_tokens=False).input_ids), max_new))
+    return jobs
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return r.read().decode()
+
+
+def counters(url: str) -> dict[str, float]:
+    m = loadgen.parse_metrics(_get(url + "/metrics"))
+    return {k: m.get(f"switchyard_speculative_{k}_tokens_total", 0.0) for k in ("draft", "accepted")}
+
+
+def _generate(url: str, prompt: str, max_new: int) -> str:
+    body = json.dumps({"inputs": prompt, "parameters": {"max_new_tokens": max_new}}).encode()
+    req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())["generated_text"]
+
+
+def _serve(model_dir: Path, out: Path, n: int, args, jobs: dict[str, list], checks: list) -> dict:
+    row: dict = {"speculate": n, "levels": [], "answers": []}
+    flags = ["--speculate", str(n), "--dtype", args.spec_dtype, *args.serve_flag]
+    with servers.switchyard(model_dir, out / f"speculate-{n}.log", *flags) as srv:
+        srv.wait_healthy(900)
+        dialect = loadgen.Dialect("tgi")
+        for workload, todo in jobs.items():
+            for c in args.levels:
+                asyncio.run(loadgen.drive(srv.url, dialect, todo[:c], c))  # unmeasured: first-call costs out
+                before = counters(srv.url)
+                r = asyncio.run(loadgen.run_level(srv.url, dialect, todo[: args.spec_waves * c], c, metrics=False))
+                r.pop("series", None)
+                if r["errors"]:
+                    raise RuntimeError(f"speculate {n} {workload} c={c}: {r['errors']} failed: {r['first_error']}")
+                after = _settled_counters(srv.url)
+                r.update(workload=workload, drafted=after["draft"] - before["draft"],
+                         accepted=after["accepted"] - before["accepted"])  # fmt: skip
+                row["levels"].append(r)
+                _say(f"  speculate {n} {workload:<5} c={c:<3} {r['output_tok_s']:8.1f} tok/s  ITL p50 "
+                     f"{r['itl_p50_ms'] or 0:6.1f} ms  drafted {r['drafted']:.0f} "
+                     f"accepted {r['accepted']:.0f}")  # fmt: skip
+        row["answers"] = [_generate(srv.url, j.prompt, j.max_new_tokens) for j in checks]
+    return row
+
+
+def _settled_counters(url: str) -> dict[str, float]:
+    """The counters once a heartbeat after the level carried them (they travel about once a second)."""
+    last, deadline = counters(url), time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(1.2)
+        now = counters(url)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def table(results: dict) -> str:
+    rows = {r["speculate"]: r for r in results["rows"]}
+    base, spec = rows.get(0), rows.get(results["n"])
+    lines = [results["title"], f"CPU: {results['cpu']}", "",
+             f"| workload | streams | tok/s --speculate 0 | tok/s --speculate {results['n']} | ratio | "
+             "ITL p50 ms (0 / N) | drafted | accepted | acceptance |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    if base and spec:
+        for lb, ls in zip(base["levels"], spec["levels"]):
+            ratio = ls["output_tok_s"] / lb["output_tok_s"] if lb["output_tok_s"] else 0.0
+            share = ls["accepted"] / ls["drafted"] if ls["drafted"] else 0.0
+            lines.append(f"| {ls['workload']} | {ls['concurrency']} | {lb['output_tok_s']:.1f} | "
+                         f"{ls['output_tok_s']:.1f} | {ratio:.2f}× | {lb['itl_p50_ms'] or 0:.1f} / "
+                         f"{ls['itl_p50_ms'] or 0:.1f} | {ls['drafted']:.0f} | {ls['accepted']:.0f} | "
+                         f"{100 * share:.0f}% |")  # fmt: skip
+        same = sum(a == b for a, b in zip(base["answers"], spec["answers"]))
+        lines.append(f"\ngreedy outputs identical with and without speculation: {same}/{len(base['answers'])}")
+    for name, why in results.get("failed", {}).items():
+        lines.append(f"\n{name}: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def run(args, out: Path) -> int:
+    from libs.runtime import cpu, model_store
+
+    model_dir = model_store.resolve_model(None) if args.spec_model == "default" else Path(args.spec_model)
+    args.spec_dtype = cpu.choose_dtype(None).dtype if args.dtype == "auto" else args.dtype
+    args.levels = [int(c) for c in args.spec_concurrency.split(",") if c.strip()]
+    most = args.spec_waves * max(args.levels)
+    workloads = [w.strip() for w in args.spec_workloads.split(",") if w.strip()]
+    if set(workloads) - {"copy", "free"} or args.spec_n < 1:
+        raise SystemExit("error: --spec-workloads takes copy and/or free; --spec-n must be at least 1")
+    jobs = {w: prompts(model_dir, w, most, args.spec_max_new) for w in workloads}
+    checks = [j for w in workloads for j in jobs[w][:2]]
+    results = {"title": f"{model_dir.name}: --speculate 0 vs {args.spec_n}, greedy, up to {args.spec_max_new} new "
+               f"tokens, dtype {args.spec_dtype}", "cpu": cpu.describe(), "command": " ".join(sys.argv),
+               "n": args.spec_n, "load_avg_start": os.getloadavg(), "rows": [], "failed": {}}  # fmt: skip
+    _say(f"switchyard bench --workload speculative: {results['title']}; CPU {results['cpu']}; results in {out}")
+    for n in (0, args.spec_n):
+        try:
+            results["rows"].append(_serve(model_dir, out, n, args, jobs, checks))
+        except (RuntimeError, TimeoutError, OSError) as e:
+            results["failed"][f"speculate {n}"] = str(e)[-800:]
+            _say(f"  speculate {n} failed: {str(e)[-800:]}")
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    results["load_avg_end"] = os.getloadavg()
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(table(results))
+    _say(table(results))
+    _say(f"written: {out / 'results.json'}, {out / 'results.md'}")
+    same = len(results["rows"]) == 2 and results["rows"][0]["answers"] == results["rows"][1]["answers"]
+    return 0 if same and not results["failed"] else 1
