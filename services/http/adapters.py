@@ -11,13 +11,19 @@ is checked by the tokenizer instead (a 422, with the validation errors).
 the change to every replica's scheduler and answer once each replica answered (its every rank loaded or dropped
 the adapter), with vLLM's texts: a plain-text success, or vLLM's error object (400 bad adapter or name taken,
 404 unknown name). A load refused by one replica is undone on the others.
+
+A restarted http process starts from the sets the schedulers recorded in the run directory (every change, see
+services/scheduler/adapters.py) rather than the start-up list, so a run-time adapter is not a 404 before the
+first announcement.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import uuid
+from pathlib import Path
 
 import msgspec
 from aiohttp import web
@@ -36,6 +42,28 @@ ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 def names(settings: Settings) -> list[str]:
     """The adapters a new request may use now."""
     return KNOWN.names(settings.lora_names)
+
+
+def seed_from_records(replicas: int, start: list[str], run_dir: str | None) -> bool:
+    """Take each replica's recorded set (`lora-replica-<r>.json`; a replica without one serves `start`) for those
+    not announced yet; False (and nothing taken) when nothing was recorded or a record cannot be read."""
+    if not run_dir:
+        return False
+    paths = {r: Path(run_dir) / f"lora-replica-{r}.json" for r in range(replicas)}
+    if not any(path.exists() for path in paths.values()):
+        return False
+    sets = {}
+    for r, path in paths.items():
+        try:
+            sets[r] = [str(entry[0]) for entry in json.loads(path.read_text())["adapters"]]
+        except FileNotFoundError:
+            sets[r] = list(start)
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            return False  # the announcements (within a beat) will say
+    for r, names in sets.items():
+        if r not in KNOWN.by_replica:
+            KNOWN.update(AdapterSet(replica=r, names=names))
+    return True
 
 
 def check_model(model: str | None, settings: Settings) -> str | None:
@@ -103,6 +131,7 @@ async def _body(request: web.Request) -> dict:
 
 def install(app: web.Application, settings: Settings, ingress) -> None:
     replicas = list(range(max(1, settings.replicas)))
+    seed_from_records(len(replicas), settings.lora_names, os.environ.get("SWITCHYARD_RUN_DIR"))
 
     async def load(request: web.Request) -> web.Response:
         try:

@@ -2,7 +2,8 @@
 it unloaded and another loaded while serving; a request streaming on the loaded adapter when the scheduler dies
 finishes with peft's tokens (resubmitted to the restarted scheduler, never refused); afterwards the loaded adapter
 still serves peft's output, the unloaded one is still unknown, the restarted scheduler logs the set it took over,
-and the shard kept its weights (no reload, which it would log)."""
+and the shard kept its weights (no reload, which it would log). A restarted http process lists the run-time
+adapter in its very first answer (it reads the schedulers' record before any announcement reaches it)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,17 @@ def _until(check, what, within=60.0):
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.2)
+
+
+def _first_answer(url):
+    """The first answer of a restarting server process to GET `url` (connection refusals retried)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return requests.get(url, timeout=10)
+        except requests.ConnectionError:
+            assert time.monotonic() < deadline, f"no answer from {url}"
+            time.sleep(0.05)
 
 
 def _generate(url, adapter, n=SHORT):
@@ -103,5 +115,11 @@ def test_run_time_adapters_survive_a_scheduler_kill(tiny_model_dir, tmp_path):
         assert [m["id"] for m in requests.get(url + "/v1/models", timeout=10).json()["data"]][1:] == ["hot"]
         # the shard logs every change of its set: the restarted scheduler sent the one it already held
         assert server.log_path.read_text().count("LoRA adapters loaded:") == shard_lines
+
+        old = server.pid("http")
+        os.kill(old, signal.SIGKILL)
+        _until(lambda: server.pid("http") not in (0, old), "supervisord did not restart http")
+        r = _first_answer(url + "/v1/models")
+        assert r.status_code == 200 and [m["id"] for m in r.json()["data"]][1:] == ["hot"], r.text
     finally:
         server.stop(clean_log=False)  # the killed scheduler leaves its traces in the log

@@ -130,3 +130,25 @@ def test_a_restarted_scheduler_takes_over_the_served_set(control, monkeypatch, t
     assert to_shards[-1].adapters == {"hot": "/adapters/hot"} and to_shards[-1].generations == {"hot": 1}
     after.request(LoadAdapter(op_id="c", ingress=0, name="next", path="/adapters/next"))
     assert after.generations["next"] == 2
+
+
+def test_a_restarted_http_process_reads_what_the_schedulers_recorded(control, monkeypatch, tmp_path):
+    """http's side of the record (services/http/adapters.py): before any announcement a restarted http process
+    takes each replica's recorded set, the start-up list for a replica that recorded nothing; announcements win."""
+    from libs.protocol.adapters import KnownAdapters
+    from services.http import adapters as http_adapters
+
+    monkeypatch.setattr(http_adapters, "KNOWN", KnownAdapters())
+    assert not http_adapters.seed_from_records(2, ["start"], str(tmp_path))  # nothing recorded: the list stands
+    monkeypatch.setenv("SWITCHYARD_RUN_DIR", str(tmp_path))
+    _, svc, to_shards = control
+    c = AdapterControl(svc)
+    c.request(LoadAdapter(op_id="a", ingress=0, name="hot", path="/adapters/hot"))
+    for rank in (0, 1):
+        c.ack(ShardAdaptersAck(op=to_shards[-1].op, rank=rank))
+    http_adapters.KNOWN.update(AdapterSet(replica=1, names=["start", "hot", "other"]))  # replica 1 announced
+    assert http_adapters.seed_from_records(2, ["start"], str(tmp_path))
+    assert http_adapters.KNOWN.by_replica == {0: ["start", "hot"], 1: ["start", "hot", "other"]}
+    (tmp_path / "lora-replica-0.json").write_text("{not json")
+    monkeypatch.setattr(http_adapters, "KNOWN", KnownAdapters())
+    assert not http_adapters.seed_from_records(2, ["start"], str(tmp_path)) and http_adapters.KNOWN.by_replica == {}
