@@ -92,10 +92,9 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
     lora_adapters = _lora_adapters(args)
     try:
         quantization = quantize.resolve(args.quantize, model_path)
+        quantize.check_shards(quantization, model_path, args.num_shard)
     except quantize.QuantizeError as e:
         raise SystemExit(f"error: {e}") from None
-    if quantization and args.num_shard > 1:
-        raise SystemExit("error: --quantize with --num-shard > 1 is not supported yet (scales are not split)")
     for name, _, default, _ in IGNORED:
         value = getattr(args, name.replace("-", "_"))
         if value != default:

@@ -5,7 +5,9 @@ chunking path, plus what TGI lacks):
 - FIFO admission; the head waits until it fits (no overtaking). A request is admitted when the KV blocks for
   its next chunk are free (plus a small watermark), not for its whole length: KV is allocated as it grows.
 - Chunked prefill: one step feeds at most `max_batch_prefill_tokens` tokens (decodes count one each); a prompt
-  that does not fit is fed in chunks over several steps, in the same forward as the running decodes.
+  that does not fit is fed in chunks over several steps, in the same forward as the running decodes. While any
+  sequence decodes, a step prefills at most `max_prefill_tokens_while_decoding` (0: no such cap; TGI has none):
+  on CPU a step's time grows with its tokens, so a long prompt in small chunks keeps the streams' gaps short.
 - Prefix caching: full blocks are indexed by chain hashes of their tokens once computed; a new prompt takes the
   blocks of its longest cached prefix (shared, reference counted) and is fed only from there. Unheld cached
   blocks are reused LRU when blocks run out. No lookup for requests that want prompt logprobs (TGI), since the

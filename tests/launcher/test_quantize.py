@@ -129,8 +129,9 @@ def test_serve_resolves_the_method_into_the_settings(tmp_path, monkeypatch):
         settings("--quantize", "awq", qc={"quant_method": "gptq"})
     with pytest.raises(SystemExit, match="error: --quantize marlin needs a CUDA GPU"):
         settings("--quantize", "marlin", qc={"quant_method": "gptq"})
-    with pytest.raises(SystemExit, match="--num-shard > 1 is not supported yet"):
-        settings("--quantize", "eetq", "--num-shard", "2")
+    assert settings("--quantize", "eetq", "--num-shard", "2").quantize == "eetq"  # split per rank (test_quant_tp)
+    with pytest.raises(SystemExit, match="error: --num-shard 2: this GPTQ checkpoint has desc_act"):
+        settings("--num-shard", "2", qc={"quant_method": "gptq", "desc_act": True, "group_size": 32})
 
 
 def test_info_reports_the_quantization():
