@@ -59,6 +59,8 @@ def add_arguments(p) -> None:
     p.add_argument("--workload", default="chat", choices=["chat", *WORKLOADS],
                    help="chat: fixed + mixed requests, with the limit and the peers; the others measure one feature "
                    "(see each module's docstring)")  # fmt: skip
+    p.add_argument("--quantize", help="shorthand for --workload quantize --quant-methods QUANTIZE (comma-separated "
+                   "methods; `none` is the float model, `none@float32` float32)")  # fmt: skip
     for name in WORKLOADS:
         try:
             add = _workload_module(name).add_arguments
@@ -201,6 +203,8 @@ def machine() -> dict:
 def run(args) -> int:
     out = Path(args.out or ROOT / ".bench" / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.quantize:
+        args.workload, args.quant_methods = "quantize", args.quantize
     if args.workload != "chat":
         return _workload_module(args.workload).run(args, out)
     label, view = models.resolve(args.model)
