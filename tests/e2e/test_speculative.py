@@ -1,0 +1,130 @@
+"""Speculative decoding end to end (`--speculate 4`) on the default model (SmolLM2-135M-Instruct, float32): a
+chat request that copies its input drafts and accepts many tokens, and every answer still equals transformers'
+greedy generate() token for token; several tokens per step stream as one SSE event each; a stop sequence that
+ends inside a multi-token step ends the text where it matched; `details` gives every token its logprob and top-n;
+the counters and TGI's skipped-tokens summary show the drafts on /metrics."""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer
+
+from libs.runtime import model_store
+from tests.e2e.conftest import sse_events
+from tests.e2e.server import Server
+from tests.reference import reference_generate
+
+pytestmark = pytest.mark.e2e
+
+TEXT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return model_store.resolve_model(None)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "speculate-server.log"
+    server = Server(None, log, "--dtype", "float32", "--speculate", "4")
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def copy_prompt(folder) -> tuple[str, list[int]]:
+    """The copy request as text for /generate (the chat template rendered by transformers) and as ids."""
+    messages = [{"role": "user", "content": "Repeat this code exactly:\n\n" + TEXT}]
+    rendered = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    return rendered, Tokenizer.from_file(str(folder / "tokenizer.json")).encode(rendered, add_special_tokens=False).ids
+
+
+def generate(server: Server, inputs: str, **parameters) -> dict:
+    body = {"inputs": inputs, "parameters": {"max_new_tokens": MAX_NEW, **parameters}}
+    r = requests.post(server.url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def counter(server: Server, name: str) -> float:
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+
+def settled(server: Server, name: str) -> float:
+    """The counter once two reads a heartbeat apart agree (heartbeats carry it, about once a second)."""
+    last, deadline = counter(server, name), time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(1.2)
+        now = counter(server, name)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def test_copying_accepts_drafts_and_equals_generate(server, folder, copy_prompt):
+    text, ids = copy_prompt
+    want = reference_generate(folder, ids, MAX_NEW)
+    out = generate(server, text, details=True, decoder_input_details=False, top_n_tokens=2)
+    tokens = out["details"]["tokens"]
+    assert [t["id"] for t in tokens] == want
+    assert all(t["logprob"] <= 0 for t in tokens)  # every accepted token has its own logprob …
+    alternatives = out["details"]["top_tokens"]  # … and its top-n, from its own step's distribution
+    assert len(alternatives) == len(tokens) and all(len(alts) == 2 for alts in alternatives)
+    assert all(alts[0]["id"] == t["id"] for alts, t in zip(alternatives, tokens))  # greedy: the best is the pick
+    assert out["details"]["generated_tokens"] == len(want)
+    drafted = settled(server, "switchyard_speculative_draft_tokens_total")
+    accepted = settled(server, "switchyard_speculative_accepted_tokens_total")
+    assert drafted >= accepted >= 4, (drafted, accepted)  # the copy really was drafted, and drafts accepted
+    assert settled(server, "tgi_request_skipped_tokens_sum") == accepted  # TGI's: tokens − 1 per generation
+
+
+def test_streaming_sends_one_event_per_token(server, copy_prompt):
+    text, _ = copy_prompt
+    whole = generate(server, text, details=True)
+    body = {"inputs": text, "parameters": {"max_new_tokens": MAX_NEW}, "stream": True}
+    r = requests.post(server.url + "/generate_stream", json=body, timeout=300)
+    events = sse_events(r.content)
+    assert [e["token"]["id"] for e in events] == [t["id"] for t in whole["details"]["tokens"]]
+    assert [e["index"] for e in events] == list(range(1, len(events) + 1))  # TGI's index, one per token
+    assert events[-1]["generated_text"] == whole["generated_text"]
+
+
+def test_a_stop_sequence_inside_a_multi_token_step(server, copy_prompt):
+    text, _ = copy_prompt
+    whole = generate(server, text)["generated_text"]
+    stop = "return a - b"  # deep in the copy: the tokens around it come several per step
+    assert stop in whole
+    out = generate(server, text, details=True, stop=[stop])
+    assert out["details"]["finish_reason"] == "stop_sequence"
+    assert out["generated_text"] == whole[: whole.index(stop) + len(stop)]
+    # the stream ends at the same token, though the step that held it held more
+    params = {"max_new_tokens": MAX_NEW, "stop": [stop], "details": True}
+    body = {"inputs": text, "parameters": params, "stream": True}
+    events = sse_events(requests.post(server.url + "/generate_stream", json=body, timeout=300).content)
+    assert len(events) == out["details"]["generated_tokens"]
+    assert events[-1]["details"]["finish_reason"] == "stop_sequence"
+    assert events[-1]["generated_text"] == out["generated_text"]
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(server, copy_prompt):
+    text, _ = copy_prompt
+    params = {"do_sample": True, "temperature": 0.7, "seed": 5}
+    alone = generate(server, text, **params)["generated_text"]
+    with ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(lambda seed: generate(server, text, **{**params, "seed": seed}), [5, 6, 5, 7]))
+    assert runs[0]["generated_text"] == runs[2]["generated_text"] == alone
