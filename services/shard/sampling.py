@@ -140,8 +140,10 @@ def _greedy(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     The log-softmax writes as much as it reads, and at a large vocabulary and batch (Gemma: 64 × 262k floats,
     64 MB) every pass over it goes to memory: this does max, subtract, exp and sum a few rows at a time, in
-    cache (docs/benchmarks.md has the gain). torch.max returns the first maximal index, as argmax does. The logprobs are
-    closer to float64's than float32's log-softmax is (~1e-7 against ~7e-5 at 262k tokens).
+    cache (docs/benchmarks.md has the gain). `scores` may be bf16 logits: each chunk turns float32 in the buffer,
+    so no float32 copy of them all is made. The argmax is `_first_argmax` (torch's CPU argmax and max(dim) run
+    ~20x slower than amax). The logprobs are closer to float64's than float32's log-softmax is (~1e-7 against
+    ~7e-5 at 262k tokens).
     """
     rows, vocab = scores.shape
     chunk = max(1, GREEDY_CHUNK_ELEMENTS // vocab)
@@ -149,12 +151,31 @@ def _greedy(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logprobs = torch.empty(rows, dtype=torch.float32, device=scores.device)
     buffer = torch.empty(min(chunk, rows), vocab, dtype=torch.float32, device=scores.device)
     for start in range(0, rows, chunk):
-        part = scores[start : start + chunk].float()
-        best, token_ids[start : start + chunk] = torch.max(part, dim=-1)
-        shifted = buffer[: part.shape[0]]
-        torch.sub(part, best[:, None], out=shifted).exp_()
-        logprobs[start : start + chunk] = -torch.log(shifted.sum(dim=-1))
+        part = buffer[: min(chunk, rows - start)]
+        part.copy_(scores[start : start + chunk])
+        token_ids[start : start + chunk] = _first_argmax(part)
+        part.sub_(part.amax(dim=-1, keepdim=True)).exp_()
+        logprobs[start : start + chunk] = -torch.log(part.sum(dim=-1))
     return token_ids, logprobs
+
+
+# Width of the blocks `_first_argmax` reduces first.
+ARGMAX_BLOCK = 128
+
+
+def _first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) of a [rows, vocab] tensor — the first maximal index, NaN counting as the maximum — as
+    the amax of blocks of ARGMAX_BLOCK, then the argmax within each row's first block that holds its maximum."""
+    rows, vocab = x.shape
+    full = vocab // ARGMAX_BLOCK * ARGMAX_BLOCK
+    if full == 0:
+        return x.argmax(dim=-1)
+    block_max = x[:, :full].view(rows, -1, ARGMAX_BLOCK).amax(dim=-1)
+    if full < vocab:
+        block_max = torch.cat([block_max, x[:, full:].amax(dim=-1, keepdim=True)], dim=1)
+    where = block_max.argmax(dim=-1, keepdim=True) * ARGMAX_BLOCK + torch.arange(ARGMAX_BLOCK, device=x.device)
+    where.clamp_(max=vocab - 1)  # the short last block repeats its last index: a later place, never chosen first
+    return where.gather(1, x.gather(1, where).argmax(dim=-1, keepdim=True))[:, 0]
 
 
 def choose(
@@ -172,6 +193,10 @@ def choose(
     device = logits.device
     if n == 0:
         return Choice(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, device=device))
+    sampled = [samples(p) for p in params]
+    want = [p.top_n_tokens for p in params]
+    if not any(sampled) and max(want) == 0 and constrain is None and not any(p.keeps_history() for p in params):
+        return Choice(*_greedy(logits))  # nothing changes the logits: straight from them (bf16 too), no copy first
     scores = final_scores(
         logits,
         params,
@@ -180,8 +205,6 @@ def choose(
         watermark_delta=watermark_delta,
         constrain=constrain,
     )
-    sampled = [samples(p) for p in params]
-    want = [p.top_n_tokens for p in params]
     if not any(sampled) and max(want) == 0:
         return Choice(*_greedy(scores))
     token_ids = torch.argmax(scores, dim=-1)  # greedy rows: argmax of the processed scores (TGI)

@@ -145,3 +145,25 @@ def test_greedy_fast_path_equals_argmax_and_log_softmax(rows, vocab, monkeypatch
     # against float64: closer than float32's own log-softmax, which is off by ~7e-5 at 300k tokens
     want = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, None])[:, 0]
     torch.testing.assert_close(logprobs.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [100, 128, 1000, 128_256])
+def test_greedy_argmax_by_blocks_equals_torchs(dtype, vocab):
+    """The blockwise argmax picks torch.argmax's index everywhere: the maximum in the short last block, ties across
+    blocks, NaN (the first one wins, as in torch) and all -inf rows; bf16 logits give float32's answer."""
+    from services.shard import sampling
+
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype)
+    logits[0, -1] = 99.0  # in the last (short) block
+    logits[1, [1, vocab - 2]] = 99.0  # a tie across blocks
+    logits[2, [vocab // 2, 3]] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 0] = 99.0
+    assert torch.equal(sampling._first_argmax(logits.float()), torch.argmax(logits.float(), -1))
+    ids, logprobs = sampling.sample(logits, [SamplingParams()] * 6, [None] * 6)
+    assert ids.tolist() == torch.argmax(logits.float(), -1).tolist()
+    assert ids[0] == vocab - 1 and ids[1] == 1 and ids[2] == 3 and ids[4] == 0
+    want = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, None])[:, 0]
+    keep = [0, 1, 4, 5]  # rows 2 and 3 have no finite logprob
+    torch.testing.assert_close(logprobs[keep].double(), want[keep], rtol=1e-6, atol=1e-6)
