@@ -304,7 +304,7 @@ class SchedulerService:
     def _fail_rows(self, errors: dict[int, str]) -> None:
         """Rows whose grammar failed on the shard (no token fits): those requests alone fail (TGI's generation
         error, 424) and free their blocks; the step's other rows go on."""
-        rows = []
+        rows, failed = [], []
         for seq, error in errors.items():
             s = self.batcher.running.get(seq)
             if s is None:
@@ -314,22 +314,29 @@ class SchedulerService:
             self.log.error("request failed: %s", message, extra={"request_id": req.request_id})
             err = RequestError(request_id=req.request_id, message=message, error_type="generation")
             self.events.publish(topics.out(req.ingress), err)
-            self.streams.fail(req.request_id, message)
+            failed.append((req.request_id, message))
             rows.append(self.batcher.finish(req.request_id, FINISH_ERROR))
+        self._publish_failed(rows, failed)
+
+    def _publish_failed(self, rows: list, failed: list[tuple[str, str]]) -> None:
+        """Publish the failed rows, then mark their streams failed: a request failing at its first step has no
+        stream before `_publish` opens it, and the error must be in the stream log for a resync to replay it."""
         self._publish([r for r in rows if r is not None])
+        for request_id, message in failed:
+            self.streams.fail(request_id, message)
 
     def _fail_running(self, error: str) -> None:
         self.log.error("step failed: %s", error)
-        rows = []
+        rows, failed = [], []
         for s in list(self.batcher.running.values()):
             req = s.req
             self.log.error("request failed: %s", error, extra={"request_id": req.request_id})
             message = f"Request failed during generation: Server error: {error}"
             err = RequestError(request_id=req.request_id, message=message, error_type="generation")
             self.events.publish(topics.out(req.ingress), err)
-            self.streams.fail(req.request_id, message)
+            failed.append((req.request_id, message))
             rows.append(self.batcher.finish(req.request_id, FINISH_ERROR))
-        self._publish([r for r in rows if r is not None])
+        self._publish_failed(rows, failed)
 
     # ---- heartbeat ------------------------------------------------------------------------
     def _beat(self) -> None:

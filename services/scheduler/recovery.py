@@ -55,7 +55,11 @@ class StreamLog:
                 self.end(rid)
 
     def fail(self, request_id: str, message: str) -> None:
-        self.live.setdefault(request_id, Stream()).error = message
+        """The request failed with `message`: kept with its stream (live, or just ended by its failed row)."""
+        st = self.get(request_id)
+        if st is None:
+            st = self.live[request_id] = Stream()
+        st.error = message
         self.end(request_id)
 
     def end(self, request_id: str) -> None:

@@ -91,11 +91,6 @@ def test_a_failed_grammar_row_ends_its_request_alone(service):
     assert b.allocator.free == b.allocator.num_blocks - held  # the failed request's block is free again
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scheduler: _fail_rows records the error (streams.fail) before _publish records the failed row's "
-    "first StreamOpen, which starts a new stream without the error: a resync then replays no error",
-)
 def test_a_failed_grammar_row_keeps_its_error_for_a_resync(service):
     svc, _ = service
     svc.batcher.add(req("bad", 5, 10, grammar="G"))
@@ -107,3 +102,4 @@ def test_a_failed_grammar_row_keeps_its_error_for_a_resync(service):
     assert (
         svc.streams.get("bad").error == "Request failed during generation: grammar: token 40 does not fit the grammar"
     )
+    assert svc.streams.get("bad").open is not None  # the error sits with the stream its first row opened
