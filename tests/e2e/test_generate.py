@@ -93,8 +93,8 @@ def scheduler_counter(url: str, name: str) -> int:
     return int(m.group(1))
 
 
-def counter_rises(url: str, name: str, above: int, within: float = 5.0) -> bool:
-    """Counters travel in heartbeats (one a second): wait for one that is fresh enough."""
+def counter_rises(url: str, name: str, above: int, within: float = 30.0) -> bool:
+    """Counters travel in heartbeats (one a second, later on a loaded machine): wait for one fresh enough."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         if scheduler_counter(url, name) > above:

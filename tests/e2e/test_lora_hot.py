@@ -177,8 +177,11 @@ def test_hot_load_serve_unload_reload(server, dirs, want):
         hot.result()
         assert [b.result() for b in bases] == [want[text, None, LONG] for text in BASE_PROMPTS]
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'hot' removed successfully.", r.text
-    # the running request finished with every token before the unload answered
-    assert hot_out[-2:] == ["end", "unloaded"] and hot_out[:-2] == want[PROMPT, "first", LONG]
+    # the running request finished with every token, undisturbed. (Which the client sees first, the stream's last
+    # events or the unload's answer, is a race between two connections: the last tokens take one hop more, through
+    # the detokenizer. That the scheduler holds the unload until the adapter's rows are done is
+    # tests/scheduler/test_adapters.py's.)
+    assert "unloaded" in hot_out and [t for t in hot_out if t != "unloaded"] == [*want[PROMPT, "first", LONG], "end"]
     # unknown again at once
     bad = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "adapter_id": "hot"}}
     assert _post(url, "/generate", bad).status_code == 422
