@@ -143,7 +143,15 @@ def table(results: dict) -> str:
                          f"{ls['itl_p50_ms'] or 0:.1f} | {ls['drafted']:.0f} | {ls['accepted']:.0f} | "
                          f"{100 * share:.0f}% |")  # fmt: skip
         same = sum(a == b for a, b in zip(base["answers"], spec["answers"]))
-        lines.append(f"\ngreedy outputs identical with and without speculation: {same}/{len(base['answers'])}")
+        lines.append(
+            f"\ngreedy outputs identical with and without speculation: {same}/{len(base['answers'])}"
+            + (
+                ""
+                if results.get("exact")
+                else " (bf16: a verified chunk's numerics differ from one-token "
+                "steps', so greedy ties break otherwise; --dtype float32 is the exact mode)"
+            )
+        )
     for name, why in results.get("failed", {}).items():
         lines.append(f"\n{name}: {why}")
     return "\n".join(lines) + "\n"
@@ -163,7 +171,8 @@ def run(args, out: Path) -> int:
     checks = [j for w in workloads for j in jobs[w][:2]]
     results = {"title": f"{model_dir.name}: --speculate 0 vs {args.spec_n}, greedy, up to {args.spec_max_new} new "
                f"tokens, dtype {args.spec_dtype}", "cpu": cpu.describe(), "command": " ".join(sys.argv),
-               "n": args.spec_n, "load_avg_start": os.getloadavg(), "rows": [], "failed": {}}  # fmt: skip
+               "n": args.spec_n, "load_avg_start": os.getloadavg(), "rows": [], "failed": {},
+               "exact": args.spec_dtype == "float32"}  # fmt: skip
     _say(f"switchyard bench --workload speculative: {results['title']}; CPU {results['cpu']}; results in {out}")
     for n in (0, args.spec_n):
         try:
@@ -178,4 +187,4 @@ def run(args, out: Path) -> int:
     _say(table(results))
     _say(f"written: {out / 'results.json'}, {out / 'results.md'}")
     same = len(results["rows"]) == 2 and results["rows"][0]["answers"] == results["rows"][1]["answers"]
-    return 0 if same and not results["failed"] else 1
+    return 0 if (same or not results["exact"]) and not results["failed"] else 1
