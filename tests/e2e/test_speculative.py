@@ -64,16 +64,18 @@ def counter(server: Server, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
-def settled(server: Server, name: str) -> float:
-    """The counter once two reads a heartbeat apart agree (heartbeats carry it, about once a second)."""
-    last, deadline = counter(server, name), time.monotonic() + 30
-    while time.monotonic() < deadline:
-        time.sleep(1.2)
-        now = counter(server, name)
-        if now == last:
+def settled(server: Server, *names: str) -> tuple[float, ...]:
+    """The counters once the scheduler's heartbeat that carries this request's drafts has arrived (the accepted
+    count is non-zero) and two reads a heartbeat apart agree. All three come from the scheduler's one heartbeat:
+    reading them from the same snapshot keeps them consistent (a read before any heartbeat sees zeros)."""
+    last, deadline = None, time.monotonic() + 60
+    while True:
+        now = tuple(counter(server, name) for name in names)
+        if now == last and now[1] > 0:
             return now
+        assert time.monotonic() < deadline, (names, now)
         last = now
-    return last
+        time.sleep(1.2)
 
 
 def test_copying_accepts_drafts_and_equals_generate(server, folder, copy_prompt):
@@ -87,10 +89,14 @@ def test_copying_accepts_drafts_and_equals_generate(server, folder, copy_prompt)
     assert len(alternatives) == len(tokens) and all(len(alts) == 2 for alts in alternatives)
     assert all(alts[0]["id"] == t["id"] for alts, t in zip(alternatives, tokens))  # greedy: the best is the pick
     assert out["details"]["generated_tokens"] == len(want)
-    drafted = settled(server, "switchyard_speculative_draft_tokens_total")
-    accepted = settled(server, "switchyard_speculative_accepted_tokens_total")
+    drafted, accepted, skipped = settled(
+        server,
+        "switchyard_speculative_draft_tokens_total",
+        "switchyard_speculative_accepted_tokens_total",
+        "tgi_request_skipped_tokens_sum",
+    )
     assert drafted >= accepted >= 4, (drafted, accepted)  # the copy really was drafted, and drafts accepted
-    assert settled(server, "tgi_request_skipped_tokens_sum") == accepted  # TGI's: tokens − 1 per generation
+    assert skipped == accepted  # TGI's: tokens − 1 per generation
 
 
 def test_streaming_sends_one_event_per_token(server, copy_prompt):
