@@ -1,18 +1,7 @@
-"""Quantized linear layers on CPU, on torch's own kernels, behind nn.Linear's forward.
-
-- `W8A8Linear`: int8 weights per output channel, activations quantized per token (row) to int8 at run time, the
-  product in `torch._int_mm` (int32 accumulation: VNNI / AMX-INT8). The only quantized product that stays fast at
-  every batch size on CPU.
-- `Int4Linear`: 4-bit weights, group-wise scales and zero points, `_weight_int4pack_mm_for_cpu`.
-- `Int8Linear`: 8-bit weight-only, symmetric per channel, `_weight_int8pack_mm`.
-- `DequantLinear`: any other layout (8-bit with groups or zero points, odd group sizes); dequantizes per call.
-
-Weight-only kernels read the weights once at a quarter or half the bytes, but their cost grows with the rows, and
-with float32 activations steeply (on the AVX512-BF16 machine measured, ~60 ms a row for a 2048→8192 layer, against
-~3 ms with bfloat16 ones: `python -m launcher.bench.quant`, docs/benchmarks.md). From `dense_from[dtype]` rows on, a
-layer dequantizes its weights into a scratch buffer shared by every layer (layers run one after another in one
-thread) and runs one dense product, so prefill stays near dense speed while only the quantized weights stay
-resident. Each layer computes in its input's dtype: float32 stays exact against the dequantized weights.
+"""Quantized models on CPU: each float linear replaced by its quantized layer (services/shard/quant_layers.py), as a
+checkpoint is read (`from_pretrained`) or a float model is quantized at load (`quantize_model`); under tensor
+parallelism each rank keeps its share of every quantized layer. The layers themselves, and the names tests and
+benchmarks reach through this module (`W8A8Linear`, `build`, `INT4_DENSE_FROM`, …), live in quant_layers.
 """
 
 from __future__ import annotations
@@ -23,219 +12,18 @@ import torch
 
 from services.shard.lora import tp_split
 from services.shard.quant_formats import QuantWeight, shard_for_rank
-
-# Rows from which a weight-only layer dequantizes and runs a dense product, by activation dtype (measured with
-# python -m launcher.bench.quant; int4's unpacking costs more than int8's, so its kernel keeps more rows)
-INT4_DENSE_FROM = {torch.bfloat16: 512, torch.float16: 512, torch.float32: 4}
-INT8_DENSE_FROM = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 4}
-INT4_GROUPS = (256, 128, 64, 32)  # group sizes the CPU int4 kernel takes
-_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
-
-
-def _scratch(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    buf = _SCRATCH.get(dtype)
-    if buf is None or buf.numel() < n * k:
-        buf = _SCRATCH[dtype] = torch.empty(n * k, dtype=dtype)
-    return buf[: n * k].view(n, k)
-
-
-def _group_order(qw: QuantWeight) -> tuple[torch.Tensor | None, QuantWeight]:
-    """With GPTQ's desc_act the groups are scattered over the columns: sort the columns by group so each group is
-    contiguous (the input is permuted the same way at run time)."""
-    if qw.g_idx is None:
-        return None, qw
-    n_groups = qw.scales.shape[1]
-    counts = torch.bincount(qw.g_idx, minlength=n_groups)
-    if not bool((counts == counts[0]).all()):
-        raise ValueError("g_idx groups of unequal size")
-    perm = torch.argsort(qw.g_idx, stable=True)
-    k = qw.levels.shape[1]
-    sorted_qw = QuantWeight(
-        qw.levels[:, perm].contiguous(), qw.scales, qw.zeros, qw.bits, k // n_groups, None, qw.act_int8, qw.bias
-    )
-    return perm, sorted_qw
-
-
-class _QuantLinear(torch.nn.Linear):
-    """A linear layer to whoever asks (isinstance: LoRA targets it), without nn.Linear's float weight."""
-
-    dense_from: dict[torch.dtype, int] = {}  # rows from which the dense scratch product runs (absent: never)
-
-    def __init__(self, qw: QuantWeight, dense_from_rows: int | None = None):
-        torch.nn.Module.__init__(self)  # not nn.Linear's: it would allocate the float weight
-        # the sizes this module computes; in/out_features are the whole layer's (differ under tensor parallelism)
-        self.out_features, self.in_features = self.local_out, self.local_in = qw.shape
-        self.bits = qw.bits
-        if dense_from_rows is not None:  # one threshold for every dtype (tests, benchmarks)
-            self.dense_from = dict.fromkeys((torch.float32, torch.bfloat16, torch.float16), dense_from_rows)
-        self.perm, qw = _group_order(qw)
-        bias = None if qw.bias is None else torch.nn.Parameter(qw.bias.detach().float(), requires_grad=False)
-        self.register_parameter("bias", bias)  # a parameter: transformers' row-parallel forward hides it
-
-    weight_dtype = torch.float32  # the dtype of the dense layer it replaced (replace_linears sets it)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """A stand-in for code that reads a linear's weight shape, dtype and device (LoRA sizes and places its A/B
-        by them): the right shape, no memory (one broadcast zero)."""
-        return torch.zeros((), dtype=self.weight_dtype).expand(self.local_out, self.local_in)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.local_in)
-        if self.perm is not None:
-            flat = flat.index_select(-1, self.perm)
-        if flat.shape[0] >= self.dense_from.get(flat.dtype, 1 << 62):
-            w = self.dequantize_into(_scratch(self.local_out, self.local_in, flat.dtype))
-            y = torch.mm(flat, w.t())
-        else:
-            y = self.product(flat)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.view(*x.shape[:-1], self.local_out)
-
-    def product(self, flat: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
-        """The weight [N, K] in the layer's (group-sorted) column order, written into `out`."""
-        raise NotImplementedError
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.local_in}, out_features={self.local_out}, bits={self.bits}"
-
-
-class Int4Linear(_QuantLinear):
-    dense_from = INT4_DENSE_FROM
-
-    def __init__(self, qw: QuantWeight, dense_from_rows: int | None = None):
-        super().__init__(qw, dense_from_rows)
-        _, qw = _group_order(qw)
-        kgroup = next((g for g in INT4_GROUPS if qw.group_size % g == 0), None)
-        if qw.bits != 4 or kgroup is None or self.in_features % 2:
-            raise ValueError(f"no int4 kernel for bits={qw.bits}, group size {qw.group_size}")
-        reps = qw.group_size // kgroup  # a larger group is several kernel groups with the same scale and zero
-        scales = qw.scales.repeat_interleave(reps, 1)
-        zeros = qw.zeros.repeat_interleave(reps, 1)
-        self.kgroup = kgroup
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.levels.to(torch.int32), 1)
-        # the kernel computes (u − 8)·s + m per group; (u − z)·s = (u − 8)·s + (8 − z)·s
-        self.scales_zeros = torch.stack([scales, (8 - zeros) * scales], -1).transpose(0, 1).contiguous()
-        # [N, K/kgroup] views of the same floats for the scratch dequantization (no second copy resident)
-        self._group_scales, self._group_offsets = self.scales_zeros.transpose(0, 1).unbind(-1)
-        self.plain = None if _reads_int4pack(self.packed, qw.levels) else _nibbles(qw.levels)
-
-    def product(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            flat, self.packed, self.kgroup, self.scales_zeros.to(flat.dtype)
-        )
-
-    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
-        levels = _unpack_int4pack(self.packed) if self.plain is None else _unnibble(self.plain)
-        n, k = out.shape
-        grouped = out.view(n, k // self.kgroup, self.kgroup)
-        grouped.copy_(levels.view(n, k // self.kgroup, self.kgroup))
-        grouped.sub_(8).mul_(self._group_scales.unsqueeze(-1).to(out.dtype))
-        grouped.add_(self._group_offsets.unsqueeze(-1).to(out.dtype))
-        return out
-
-
-def _unpack_int4pack(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 levels [N, K] from the CPU int4 packing: per block of 64 output channels, byte (k % 2)·32 + n % 32 of
-    pair row k // 2, low nibble for n % 64 < 32. Checked against torch's packing at every layer build."""
-    n, half = packed.shape
-    k = half * 2
-    nib = torch.stack([packed & 15, packed >> 4], 0).view(2, n // 64, half, 2, 32)
-    return nib.permute(1, 0, 4, 2, 3).reshape(n, k)
-
-
-def _reads_int4pack(packed: torch.Tensor, levels: torch.Tensor) -> bool:
-    """Whether this torch's int4 packing is the one _unpack_int4pack reads (else the layer keeps its own copy)."""
-    if packed.shape[0] % 64 or packed.shape != (levels.shape[0], levels.shape[1] // 2):
-        return False
-    return torch.equal(_unpack_int4pack(packed), levels)
-
-
-def _nibbles(levels: torch.Tensor) -> torch.Tensor:
-    return (levels[:, ::2] | (levels[:, 1::2] << 4)).contiguous()
-
-
-def _unnibble(plain: torch.Tensor) -> torch.Tensor:
-    return torch.stack([plain & 15, plain >> 4], -1).view(plain.shape[0], -1)
-
-
-class Int8Linear(_QuantLinear):
-    dense_from = INT8_DENSE_FROM
-
-    def __init__(self, qw: QuantWeight, dense_from_rows: int | None = None):
-        super().__init__(qw, dense_from_rows)
-        _, qw = _group_order(qw)
-        if qw.bits != 8 or qw.scales.shape[1] != 1 or not qw.symmetric():
-            raise ValueError("the int8 weight-only kernel takes symmetric per-channel weights")
-        self.weight_int8 = (qw.levels.to(torch.int16) - 128).to(torch.int8)
-        self.channel_scales = qw.scales[:, 0].contiguous()
-
-    def product(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.channel_scales.to(flat.dtype))
-
-    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
-        out.copy_(self.weight_int8)
-        return out.mul_(self.channel_scales.unsqueeze(1).to(out.dtype))
-
-
-class W8A8Linear(_QuantLinear):
-    """y = (s_x · s_w) ⊙ (q_x · q_wᵀ), q_x = round(x / s_x) per row with s_x = max|x_row| / 127."""
-
-    def __init__(self, qw: QuantWeight):
-        super().__init__(qw)  # no dense_from: activations are quantized at every size, the numerics stay one thing
-        _, qw = _group_order(qw)
-        if qw.bits != 8 or qw.scales.shape[1] != 1 or not qw.symmetric():
-            raise ValueError("W8A8 takes symmetric per-channel int8 weights")
-        self.weight_t = (qw.levels.to(torch.int16) - 128).to(torch.int8).t().contiguous()  # [K, N] for _int_mm
-        self.channel_scales = qw.scales[:, 0].contiguous()
-
-    def product(self, flat: torch.Tensor) -> torch.Tensor:
-        x = flat.float()
-        row_scales = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-12)
-        q = (x / row_scales).round_().clamp_(-127, 127).to(torch.int8)
-        acc = torch._int_mm(q, self.weight_t)
-        return (acc.float() * row_scales * self.channel_scales).to(flat.dtype)
-
-    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
-        out.copy_(self.weight_t.t())
-        return out.mul_(self.channel_scales.unsqueeze(1).to(out.dtype))
-
-
-class DequantLinear(_QuantLinear):
-    """Any layout: the levels stay resident (one byte each) and the weight is rebuilt for every call."""
-
-    def __init__(self, qw: QuantWeight):
-        super().__init__(qw, dense_from_rows=0)
-        _, qw = _group_order(qw)
-        self.levels, self.scales, self.zeros, self.group_size = qw.levels, qw.scales, qw.zeros, qw.group_size
-
-    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
-        n, k = out.shape
-        grouped = out.view(n, k // self.group_size, self.group_size)
-        grouped.copy_(self.levels.view(n, -1, self.group_size))
-        grouped.sub_(self.zeros.unsqueeze(-1).to(out.dtype)).mul_(self.scales.unsqueeze(-1).to(out.dtype))
-        return out
-
-
-def build(qw: QuantWeight, dense_from_rows: int | None = None) -> _QuantLinear:
-    """The fastest module that computes exactly this layout."""
-    per_channel_sym = qw.bits == 8 and qw.scales.shape[1] == 1 and qw.symmetric()
-    if qw.act_int8:
-        if not per_channel_sym:
-            raise ValueError("W8A8 needs symmetric per-channel int8 weights")
-        return W8A8Linear(qw)
-    try:
-        if qw.bits == 4:
-            return Int4Linear(qw, dense_from_rows)
-        if per_channel_sym:
-            return Int8Linear(qw, dense_from_rows)
-    except (ValueError, RuntimeError):
-        pass  # a shape the kernel refuses: the generic path below computes the same weights
-    return DequantLinear(qw)
+from services.shard.quant_layers import (  # noqa: F401  (re-exported)
+    INT4_DENSE_FROM,
+    INT4_GROUPS,
+    INT8_DENSE_FROM,
+    DequantLinear,
+    Int4Linear,
+    Int8Linear,
+    W8A8Linear,
+    _QuantLinear,
+    _reads_int4pack,
+    build,
+)
 
 
 def replace_linears(model: torch.nn.Module, weights: dict[str, QuantWeight], **kw) -> int:
