@@ -70,6 +70,7 @@ class _QuantLinear(torch.nn.Linear):
         self.register_parameter("bias", bias)  # a parameter: transformers' row-parallel forward hides it
 
     weight_dtype = torch.float32  # the dtype of the dense layer it replaced (replace_linears sets it)
+    tensor_parallel = False  # this rank's share of a layer split over ranks (its forward is transformers')
 
     @property
     def weight(self) -> torch.Tensor:
@@ -191,15 +192,77 @@ class W8A8Linear(_QuantLinear):
         self.channel_scales = qw.scales[:, 0].contiguous()
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
-        x = flat.float()
-        row_scales = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-12)
-        q = (x / row_scales).round_().clamp_(-127, 127).to(torch.int8)
-        acc = torch._int_mm(q, self.weight_t)
-        return (acc.float() * row_scales * self.channel_scales).to(flat.dtype)
+        return w8a8_product(flat, self.weight_t, self.channel_scales)
 
     def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
         out.copy_(self.weight_t.t())
         return out.mul_(self.channel_scales.unsqueeze(1).to(out.dtype))
+
+
+def w8a8_product(flat: torch.Tensor, weight_t: torch.Tensor, channel_scales: torch.Tensor) -> torch.Tensor:
+    """[M, K] activations quantized per row, one int8 product with [K, N] weights, scaled back in place."""
+    x = flat.float()  # `flat` itself when it is float32: not written to
+    row_scales = x.abs().amax(-1, keepdim=True).div_(127).clamp_min_(1e-12)
+    q = (x / row_scales).round_().clamp_(-127, 127).to(torch.int8)
+    acc = torch._int_mm(q, weight_t).float()
+    return acc.mul_(row_scales).mul_(channel_scales).to(flat.dtype)
+
+
+class FusedW8A8:
+    """Sibling W8A8 layers that read the same input (q/k/v, gate/up) as one product: the activations quantized once,
+    one `_int_mm` over the weights side by side. Every output element is the same int32 dot product scaled by the
+    same two scales, so each member's columns equal its own product bit for bit (tested). The members keep
+    nn.Linear's call: the first call for an input computes the whole product, the others take their columns, as
+    services/shard/cpu_linear.py's fused oneDNN products do."""
+
+    def __init__(self, members: list[W8A8Linear]):
+        self.weight_t = torch.cat([m.weight_t for m in members], dim=1).contiguous()
+        self.channel_scales = torch.cat([m.channel_scales for m in members])
+        self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+        bounds = [0]
+        for m in members:
+            bounds.append(bounds[-1] + m.local_out)
+        self.columns = list(zip(bounds[:-1], bounds[1:]))
+        for m, (start, end) in zip(members, self.columns):
+            m.weight_t = self.weight_t[:, start:end]  # a view: the members' own copies go
+            m.channel_scales = self.channel_scales[start:end]
+        self.input: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
+        self.unserved: set[int] = set()
+
+    def columns_for(self, member: int, x: torch.Tensor) -> torch.Tensor:
+        if x is not self.input or member not in self.unserved:
+            flat = x.reshape(-1, x.shape[-1])
+            y = w8a8_product(flat, self.weight_t, self.channel_scales)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+            self.input, self.output = x, y.view(*x.shape[:-1], -1)
+            self.unserved = set(range(len(self.columns)))
+        start, end = self.columns[member]
+        out = self.output[..., start:end]
+        self.unserved.discard(member)
+        if not self.unserved:  # every member has its part: let the activations go
+            self.input = self.output = None
+        return out
+
+
+def fuse_w8a8(model: torch.nn.Module, groups: tuple[tuple[str, ...], ...]) -> int:
+    """Fuse each group of sibling W8A8 layers (same input width, no input permutation, biases alike, not split by
+    tensor parallelism); returns how many layers now share a product."""
+    fused = 0
+    for parent in model.modules():
+        for names in groups:
+            members = [getattr(parent, name, None) for name in names]
+            if not all(type(m) is W8A8Linear and m.perm is None and not m.tensor_parallel for m in members):
+                continue
+            if len({(m.local_in, m.bias is None) for m in members}) != 1:
+                continue
+            product = FusedW8A8(members)
+            for i, m in enumerate(members):
+                m.forward = lambda x, i=i, product=product: product.columns_for(i, x)
+                m.fused_product = product  # for tests: which group it belongs to
+            fused += len(members)
+    return fused
 
 
 class DequantLinear(_QuantLinear):

@@ -23,7 +23,11 @@ from services.shard.quant_layers import (  # noqa: F401  (re-exported)
     _QuantLinear,
     _reads_int4pack,
     build,
+    fuse_w8a8,
 )
+
+# Sibling projections that read the same input (as services/shard/cpu_linear.py fuses the dense ones)
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def replace_linears(model: torch.nn.Module, weights: dict[str, QuantWeight], **kw) -> int:
@@ -66,6 +70,7 @@ def _tensor_parallel(model: torch.nn.Module, name: str, layer: _QuantLinear, old
     if style not in ("colwise", "rowwise"):
         raise ValueError(f"{name}: tensor-parallel style {style!r} has no quantized layer")
     layer.out_features, layer.in_features = old.out_features, old.in_features  # the whole layer's, as for dense
+    layer.tensor_parallel = True
     if style == "rowwise" and layer.bias is not None:  # added by transformers to the summed output, in its dtype
         layer.bias.data = layer.bias.data.to(layer.weight_dtype)
     ALL_PARALLEL_STYLES[style].install_forward(layer, model._device_mesh)
@@ -91,7 +96,14 @@ def release_freed_memory() -> None:
 def resident_bytes(module: torch.nn.Module) -> int:
     """Bytes of the tensors a quantized layer keeps (for the benchmark's memory column)."""
     tensors = [t for t in [*vars(module).values(), *module._parameters.values()] if isinstance(t, torch.Tensor)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())  # views once
+    # a storage once however many attributes view it, and no more of it than the module views (the members of a
+    # fused W8A8 product each view their own columns of one shared storage)
+    by_storage: dict[int, tuple[int, dict]] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        views = by_storage.setdefault(storage.data_ptr(), (storage.nbytes(), {}))[1]
+        views[(t.data_ptr(), tuple(t.shape))] = t.numel() * t.element_size()
+    return sum(min(whole, sum(views.values())) for whole, views in by_storage.values())
 
 
 def quantize_model(model: torch.nn.Module, method: str, nf4_group: int = 64) -> int:
@@ -123,6 +135,7 @@ def quantize_model(model: torch.nn.Module, method: str, nf4_group: int = 64) -> 
         del w, module
         _replace(model, name, qw)
         replaced += 1
+    fuse_w8a8(model, FUSED_GROUPS)
     release_freed_memory()
     return replaced
 
@@ -157,6 +170,7 @@ def from_pretrained(model_dir: str, method: str, **kwargs) -> torch.nn.Module:
     finally:
         hf_logging.set_verbosity(verbosity)
     replace_linears(model, weights)
+    fuse_w8a8(model, FUSED_GROUPS)  # compressed-tensors' int-quantized (W8A8) checkpoints
     del weights
     _off_the_file(model)
     _check_no_linear_left_random(model, model_dir)

@@ -295,3 +295,22 @@ def test_a_layer_missing_from_the_checkpoint_is_an_error(tiny_dirs, tmp_path):
     save_file(tensors, str(path))
     with pytest.raises(ValueError, match="`model.layers.1.mlp.up_proj` is neither quantized nor stored"):
         ql.from_pretrained(str(out / "quant"), "awq", dtype=torch.float32)
+
+
+def test_w8a8_siblings_share_one_product_with_the_same_columns(tiny_dirs):
+    """q/k/v and gate/up quantized at load run as one activation quantization and one int8 product per group; each
+    member's columns equal its own product bit for bit, and the model's logits are unchanged by the fusion."""
+    model = ql.from_pretrained(str(tiny_dirs["llama"]), "eetq", dtype=torch.float32)
+    layer = model.model.layers[0]
+    members = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+    assert all(m.fused_product is members[0].fused_product for m in members)
+    assert layer.mlp.gate_proj.fused_product is layer.mlp.up_proj.fused_product
+    assert not hasattr(layer.self_attn.o_proj, "fused_product")
+    x = torch.randn(5, members[0].in_features)
+    for m in members:
+        alone = ql.W8A8Linear.forward(m, x)  # the class's own per-layer product
+        assert torch.equal(m(x), alone)
+    fused_bytes = sum(ql.resident_bytes(m) for m in members)
+    assert (
+        fused_bytes == members[0].fused_product.weight_t.numel() + 4 * members[0].fused_product.channel_scales.numel()
+    )
