@@ -7,8 +7,10 @@ request with only `temperature=0.7` samples), and the reported logprob is the lo
 and warped scores at the chosen token; the alternatives come from that same distribution.
 
 The warpers run on all rows at once (a neutral row is a no-op); only the draw is per row, because every request
-owns its generator (same seed → same tokens, whatever else shares the batch). A batch where no row asks for
-anything (all greedy, no penalties, no alternatives) skips the processors and warpers altogether.
+owns its generator (same seed → same tokens, whatever else shares the batch). A batch where no row changes its
+scores (no penalties, grammar or warpers) skips the processors and warpers altogether and reads the logits as they
+come (bf16 too: no float32 copy of them all). The argmax and every logprob come from one chunked pass over the
+scores (`_reduce`); no [rows, vocab] log-softmax is written (`python -m launcher.bench.sampling` times it).
 """
 
 from __future__ import annotations
@@ -91,15 +93,19 @@ class Choice:
     top_logprobs: torch.Tensor | None = None
 
 
-def _top_n(logprobs: torch.Tensor, want: list[int]) -> tuple[torch.Tensor, ...]:
-    """The best `want[i]` tokens of each row (plain top-n: TGI's reference names no tie rule), best first.
+def _top_n(
+    scores: torch.Tensor, maxes: torch.Tensor, spreads: torch.Tensor, want: list[int]
+) -> tuple[torch.Tensor, ...]:
+    """The best `want[i]` tokens of each row (plain top-n: TGI's reference names no tie rule), best first, with
+    their logprobs computed as the choice's are (so a chosen token among them has the very same number).
 
     Tokens a warper removed (-inf) are never alternatives: they cannot be drawn, and JSON has no -inf.
     """
-    k = min(max(want), logprobs.shape[-1])
-    values, ids = torch.topk(logprobs, k, dim=-1, sorted=True)
-    n = torch.tensor(want, dtype=torch.long, device=logprobs.device)[:, None]
-    valid = (torch.arange(k, device=logprobs.device)[None] < n) & torch.isfinite(values)
+    k = min(max(want), scores.shape[-1])
+    values, ids = torch.topk(scores, k, dim=-1, sorted=True)
+    values = (values.float() - maxes[:, None]) - spreads[:, None]
+    n = torch.tensor(want, dtype=torch.long, device=scores.device)[:, None]
+    valid = (torch.arange(k, device=scores.device)[None] < n) & torch.isfinite(values)
     return valid.sum(dim=1), ids[valid], values[valid]
 
 
@@ -130,52 +136,71 @@ def final_scores(
     return scores
 
 
-# Rows whose scores are reduced together in `_greedy`: about 4 MB of float32, so a chunk read once from memory stays
+# Rows whose scores are reduced together in `_reduce`: about 4 MB of float32, so a chunk read once from memory stays
 # in cache for the passes that follow.
 GREEDY_CHUNK_ELEMENTS = 1 << 20
 
 
-def _greedy(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row's argmax and its logprob (max − logsumexp) without a [rows, vocab] log-softmax.
+def _reduce(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: the first argmax, the max (float32) and logsumexp − max (float32), without a [rows, vocab]
+    log-softmax; any row's logprob at token t is then (scores[t] − max) − that spread.
 
-    The log-softmax writes as much as it reads, and at a large vocabulary and batch (Gemma: 64 × 262k floats,
-    64 MB) every pass over it goes to memory: this does max, subtract, exp and sum a few rows at a time, in
-    cache (docs/benchmarks.md has the gain). `scores` may be bf16 logits: each chunk turns float32 in the buffer,
-    so no float32 copy of them all is made. The argmax is `_first_argmax` (torch's CPU argmax and max(dim) run
-    ~20x slower than amax). The logprobs are closer to float64's than float32's log-softmax is (~1e-7 against
-    ~7e-5 at 262k tokens).
+    The log-softmax writes as much as it reads, and at a large vocabulary and batch (Gemma: 64 × 262k floats, 64 MB)
+    every pass over it goes to memory: this works a few rows at a time, in cache. bf16 scores turn float32 one chunk
+    at a time in a buffer (no float32 copy of them all). Per chunk: the blockwise argmax (`_block_argmax`; torch's
+    CPU argmax runs ~20x slower than amax), then torch's softmax kernel, written over the buffer, whose fused
+    exp-and-sum costs about half of an `exp_` and a `sum` apart. Its own sum is a plain float32 running sum (~1e-5
+    off at 262k tokens), so the spread is taken as −log p(argmax) + log Σp with Σp summed again by torch.sum's
+    cascade: p(argmax) is exactly 1/(the kernel's sum), and the result is within ~3e-7 of float64.
     """
     rows, vocab = scores.shape
     chunk = max(1, GREEDY_CHUNK_ELEMENTS // vocab)
     token_ids = torch.empty(rows, dtype=torch.long, device=scores.device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=scores.device)
+    maxes = torch.empty(rows, dtype=torch.float32, device=scores.device)
+    spreads = torch.empty(rows, dtype=torch.float32, device=scores.device)
     buffer = torch.empty(min(chunk, rows), vocab, dtype=torch.float32, device=scores.device)
     for start in range(0, rows, chunk):
-        part = buffer[: min(chunk, rows - start)]
-        part.copy_(scores[start : start + chunk])
-        token_ids[start : start + chunk] = _first_argmax(part)
-        part.sub_(part.amax(dim=-1, keepdim=True)).exp_()
-        logprobs[start : start + chunk] = -torch.log(part.sum(dim=-1))
-    return token_ids, logprobs
+        src = scores[start : start + chunk]
+        part = buffer[: src.shape[0]]
+        if src.dtype != torch.float32 or not src.is_contiguous():
+            src = part.copy_(src)
+        ids, top = _block_argmax(src)
+        token_ids[start : start + chunk], maxes[start : start + chunk] = ids, top
+        probs = torch.softmax(src, dim=-1, out=part)  # in place where src is the buffer: row by row, read first
+        spreads[start : start + chunk] = probs.sum(dim=-1).log_() - probs.gather(1, ids[:, None])[:, 0].log_()
+    return token_ids, maxes, spreads
 
 
-# Width of the blocks `_first_argmax` reduces first.
+# Width of the blocks `_block_argmax` reduces first.
 ARGMAX_BLOCK = 128
 
 
-def _first_argmax(x: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(x, -1) of a [rows, vocab] tensor — the first maximal index, NaN counting as the maximum — as
-    the amax of blocks of ARGMAX_BLOCK, then the argmax within each row's first block that holds its maximum."""
+def _block_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(torch.argmax(x, -1), x.amax(-1)) of a [rows, vocab] tensor — the first maximal index, NaN counting as the
+    maximum — as the amax of blocks of ARGMAX_BLOCK, then the argmax within each row's first block that holds its
+    maximum."""
     rows, vocab = x.shape
     full = vocab // ARGMAX_BLOCK * ARGMAX_BLOCK
     if full == 0:
-        return x.argmax(dim=-1)
+        return x.argmax(dim=-1), x.amax(dim=-1).float()
     block_max = x[:, :full].view(rows, -1, ARGMAX_BLOCK).amax(dim=-1)
     if full < vocab:
         block_max = torch.cat([block_max, x[:, full:].amax(dim=-1, keepdim=True)], dim=1)
     where = block_max.argmax(dim=-1, keepdim=True) * ARGMAX_BLOCK + torch.arange(ARGMAX_BLOCK, device=x.device)
     where.clamp_(max=vocab - 1)  # the short last block repeats its last index: a later place, never chosen first
-    return where.gather(1, x.gather(1, where).argmax(dim=-1, keepdim=True))[:, 0]
+    ids = where.gather(1, x.gather(1, where).argmax(dim=-1, keepdim=True))[:, 0]
+    return ids, block_max.amax(dim=-1).float()
+
+
+def _first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) of a [rows, vocab] tensor, by blocks (see `_block_argmax`)."""
+    return _block_argmax(x)[0]
+
+
+def _needs_float(params: list[SamplingParams], constrain: Callable | None) -> bool:
+    """Whether any row's scores are changed before the choice (processors, a grammar, warpers): those run on a
+    float32 copy; otherwise the choice reads the logits as they are (bf16 too)."""
+    return constrain is not None or any(p.keeps_history() or _has_warpers(p) for p in params)
 
 
 def choose(
@@ -188,33 +213,36 @@ def choose(
     watermark_delta: float = 2.0,
     constrain: Callable[[torch.Tensor], None] | None = None,  # the grammar mask, see final_scores
 ) -> Choice:
-    """Pick one token per row and report its logprob (and the alternatives asked for)."""
+    """Pick one token per row and report its logprob (and the alternatives asked for).
+
+    Greedy rows take the argmax of their final scores; sampled rows a seeded multinomial draw from the softmax of
+    theirs, one row at a time (each owns its generator). Every logprob, the alternatives' too, is the score minus
+    the row's logsumexp from `_reduce`: no [n, vocab] log-softmax is written."""
     n = logits.shape[0]
     device = logits.device
     if n == 0:
         return Choice(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, device=device))
-    sampled = [samples(p) for p in params]
-    want = [p.top_n_tokens for p in params]
-    if not any(sampled) and max(want) == 0 and constrain is None and not any(p.keeps_history() for p in params):
-        return Choice(*_greedy(logits))  # nothing changes the logits: straight from them (bf16 too), no copy first
-    scores = final_scores(
-        logits,
-        params,
-        histories,
-        watermark_gamma=watermark_gamma,
-        watermark_delta=watermark_delta,
-        constrain=constrain,
-    )
-    if not any(sampled) and max(want) == 0:
-        return Choice(*_greedy(scores))
-    token_ids = torch.argmax(scores, dim=-1)  # greedy rows: argmax of the processed scores (TGI)
+    scores = logits
+    if _needs_float(params, constrain):
+        scores = final_scores(
+            logits,
+            params,
+            histories,
+            watermark_gamma=watermark_gamma,
+            watermark_delta=watermark_delta,
+            constrain=constrain,
+        )
+    token_ids, maxes, spreads = _reduce(scores)
     for i, gen in enumerate(generators):
-        if sampled[i]:
-            token_ids[i] = torch.multinomial(torch.softmax(scores[i], dim=-1), num_samples=1, generator=gen)[0]
-    logprobs = torch.log_softmax(scores, dim=-1)  # one tensor for the choice and its alternatives
-    choice = Choice(token_ids, logprobs.gather(-1, token_ids[:, None])[:, 0])
+        if samples(params[i]):  # float32 per row, as the whole batch's float copy used to give it
+            probs = torch.softmax(scores[i].float(), dim=-1)
+            token_ids[i] = torch.multinomial(probs, num_samples=1, generator=gen)[0]
+    # greedy rows: the chosen score is the max, so the logprob is exactly −spread
+    picked = scores.gather(1, token_ids[:, None])[:, 0].float()
+    choice = Choice(token_ids, (picked - maxes) - spreads)
+    want = [p.top_n_tokens for p in params]
     if max(want) > 0:
-        choice.top_counts, choice.top_ids, choice.top_logprobs = _top_n(logprobs, want)
+        choice.top_counts, choice.top_ids, choice.top_logprobs = _top_n(scores, maxes, spreads, want)
     return choice
 
 
