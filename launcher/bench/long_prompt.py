@@ -5,11 +5,11 @@ On `--model` (smollm2 | gemma | tiny | a folder), in `--dtype`, for Switchyard a
   one request at a time (median of `--long-repeats`) and `--long-concurrency` at once (p50 and the slowest);
 - the inter-token gap of `--long-streams` running streams while one `--long-itl-prompt`-token prompt is prefilled,
   against the same streams alone (p50 / p99 / max of the gaps that overlap the long prompt's wait).
-And in process (the real Batcher driving the real ModelRunner, no bus), the sweep that chose the CPU default of
-`--max-prefill-tokens-while-decoding`: for each of `--long-chunks` (0: no cap), the step time of the 16 streams
-while the long prompt is fed in chunks, and how long the long prompt then takes. With `--long-memory-prompt`,
-one prompt that long fed `--long-memory-chunk` tokens a step: each chunk's time and the process's peak memory above
-the loaded model and KV cache.
+And in process (the real Batcher driving the real ModelRunner, no bus), the sweep that chose the CPU default of the
+prefill cap while decoding: for each of `--long-chunks` (tokens, 0: no cap; or a time, "300ms"), the step time of
+the 16 streams while the long prompt is fed in chunks, and how long the long prompt then takes. With
+`--long-memory-prompt`, one prompt that long fed `--long-memory-chunk` tokens a step: each chunk's time and the
+process's peak memory above the loaded model and KV cache.
 
 Prints a table with the CPU's flags; writes results.json and results.md under `out`.
 """
@@ -41,8 +41,8 @@ def add_arguments(p) -> None:
                    "running stream (enough to outlast the long prefill)")  # fmt: skip
     p.add_argument("--long-itl-prompt", type=int, default=4096, help="long-prompt workload: prompt tokens of the "
                    "prefill that arrives among the streams")  # fmt: skip
-    p.add_argument("--long-chunks", default="0,2048,1024,512,256", help="long-prompt workload: in-process sweep "
-                   "of the prefill cap while decoding (0: none); '' skips it")  # fmt: skip
+    p.add_argument("--long-chunks", default="0,512,256,128,150ms,300ms", help="long-prompt workload: in-process "
+                   "sweep of the prefill cap while decoding: tokens (0: none) or time ('300ms'); '' skips")  # fmt: skip
     p.add_argument("--long-memory-prompt", type=int, default=0, help="long-prompt workload: prompt tokens of the "
                    "in-process memory probe (e.g. 32000 on gemma: its limit is 32768); 0 skips it")  # fmt: skip
     p.add_argument("--long-memory-chunk", type=int, default=4096, help="long-prompt workload: prefill tokens per "
@@ -60,8 +60,10 @@ def _ms(values: list[float], q: float) -> float | None:
 
 
 # ---- in process: the chunk sweep ------------------------------------------------------------------------------
-def chunk_sweep(model_dir: Path, dtype: str, caps: list[int], streams: int, long_tokens: int) -> list[dict]:
-    """Per cap: the step times of `streams` decoding streams just before and while a `long_tokens` prompt is fed."""
+def chunk_sweep(model_dir: Path, dtype: str, caps: list[str], streams: int, long_tokens: int) -> list[dict]:
+    """Per cap: the step times of `streams` decoding streams just before and while a `long_tokens` prompt is fed.
+    A cap is a token count (--max-prefill-tokens-while-decoding; 0: none) or a time ("200ms":
+    --max-prefill-ms-while-decoding, the token cap off)."""
     import numpy as np
     import torch
 
@@ -87,13 +89,16 @@ def chunk_sweep(model_dir: Path, dtype: str, caps: list[int], streams: int, long
         return TokenizedRequest(request_id=rid, ingress=0, input_ids=ids, sampling=SamplingParams(),
                                 max_new_tokens=max_new)  # fmt: skip
 
+    cpu_times: list[float] = []  # the process's CPU seconds per step: steadier than wall time on a shared machine
+
     def one_step() -> tuple[float, dict[str, int], list]:
         nonlocal step
         step += 1
         plan = b.plan(step)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = runner.execute(plan)
         took = time.perf_counter() - t0
+        cpu_times.append(time.process_time() - c0)
         fed = {b.running[s].req.request_id: n for s, n in zip(plan.seqs.tolist(), plan.num_tokens.tolist())
                if s in b.running}  # fmt: skip
         return took, fed, b.apply(result)
@@ -104,23 +109,32 @@ def chunk_sweep(model_dir: Path, dtype: str, caps: list[int], streams: int, long
         one_step()
     rows = []
     for k, cap in enumerate(caps):
-        b.max_prefill_tokens_while_decoding = cap
+        timed = cap.endswith("ms")
+        b.pacing.max_tokens, b.pacing.max_ms = (0, float(cap[:-2])) if timed else (int(cap), 0.0)
         before = [one_step()[0] for _ in range(base)]
+        cpu_before = cpu_times[-base:]
         b.add(request(f"long{k}", long_tokens, 1))
-        during, chunks, done = [], [], False
+        during, chunks, done, first = [], [], False, len(cpu_times)
         while not done:
             took, fed, emitted = one_step()
             during.append(took)
             chunks.append(fed.get(f"long{k}", 0))
             done = any(e.seq.req.request_id == f"long{k}" for e in emitted)
-        rows.append({"cap": cap, "streams": streams, "long_tokens": long_tokens, "steps": len(during),
+        rows.append({"cap": cap if timed else int(cap), "streams": streams, "long_tokens": long_tokens,
+                     "steps": len(during),
                      "chunks": chunks, "itl_alone_p50_ms": statistics.median(before) * 1000,
                      "itl_during_p50_ms": statistics.median(during) * 1000, "itl_during_max_ms": max(during) * 1000,
-                     "long_prefill_s": sum(during)})  # fmt: skip
+                     "long_prefill_s": sum(during), "cpu_alone_p50_ms": statistics.median(cpu_before) * 1000,
+                     "cpu_during_p50_ms": statistics.median(cpu_times[first:]) * 1000,
+                     "cpu_during_max_ms": max(cpu_times[first:]) * 1000,
+                     "long_prefill_cpu_s": sum(cpu_times[first:])})  # fmt: skip
         r = rows[-1]
-        _say(f"  in process: cap {cap or 'none':>5}: {r['steps']:3d} steps, ITL alone {r['itl_alone_p50_ms']:6.1f} ms, "
+        _say(f"  in process: cap {r['cap'] or 'none':>5}: {r['steps']:3d} steps, "
+             f"ITL alone {r['itl_alone_p50_ms']:6.1f} ms, "
              f"during p50 {r['itl_during_p50_ms']:6.1f} / max {r['itl_during_max_ms']:7.1f} ms, "
-             f"long prompt {r['long_prefill_s']:.2f} s")  # fmt: skip
+             f"long prompt {r['long_prefill_s']:.2f} s; CPU time: alone {r['cpu_alone_p50_ms']:6.1f} ms, during p50 "
+             f"{r['cpu_during_p50_ms']:6.1f} / max {r['cpu_during_max_ms']:7.1f} ms, long prompt "
+             f"{r['long_prefill_cpu_s']:.2f} s")  # fmt: skip
     return rows
 
 
@@ -264,7 +278,7 @@ def _limits(args, lengths: list[int], view: Path) -> tuple[int, int]:
             raise SystemExit(f"error: --long-prompts up to {max(lengths)} tokens do not fit the model's {limit}")
         total = limit
     conc = max(int(c) for c in args.long_concurrency.split(","))
-    kv = max(65536, conc * (max(lengths) + 16), args.long_streams * (80 + args.long_stream_tokens) + total)
+    kv = max(65536, conc * (max(lengths, default=0) + 16), args.long_streams * (80 + args.long_stream_tokens) + total)
     return total, kv
 
 
@@ -275,7 +289,7 @@ def run(args, out: Path) -> int:
     dtype = cpu.choose_dtype(None).dtype if args.dtype == "auto" else args.dtype
     lengths = [int(x) for x in args.long_prompts.split(",") if x.strip()]
     conc = [int(x) for x in args.long_concurrency.split(",") if x.strip()]
-    caps = [int(x) for x in args.long_chunks.split(",") if x.strip()]
+    caps = [x.strip() for x in args.long_chunks.split(",") if x.strip()]
     engines = [e.strip() for e in args.long_engines.split(",") if e.strip()]
     total, kv = _limits(args, lengths, view)
     results = {"title": f"{label}: long prompts ({dtype})", "model": label, "dtype": dtype, "cpu": cpu.describe(),
@@ -336,12 +350,16 @@ def table(results: dict) -> str:
         first = results["sweep"][0]
         lines += [f"In process, {first['streams']} decoding streams while one {first['long_tokens']}-token prompt is "
                   "prefilled, per prefill cap while decoding (--max-prefill-tokens-while-decoding):",
-                  "", "| cap | steps | ITL alone p50 ms | ITL during p50 ms | ITL during max ms | long prompt s |",
-                  "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "(wall time; CPU time, steadier on a shared machine, in the last four columns)",
+                  "", "| cap | steps | ITL alone p50 ms | ITL during p50 ms | ITL during max ms | long prompt s "
+                  "| CPU alone p50 ms | CPU during p50 ms | CPU during max ms | long prompt CPU s |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in results["sweep"]:
             lines.append(f"| {r['cap'] or 'none'} | {r['steps']} | {_f(r['itl_alone_p50_ms'], 1)} "
                          f"| {_f(r['itl_during_p50_ms'], 1)} | {_f(r['itl_during_max_ms'], 1)} "
-                         f"| {_f(r['long_prefill_s'], 2)} |")  # fmt: skip
+                         f"| {_f(r['long_prefill_s'], 2)} | {_f(r.get('cpu_alone_p50_ms'), 1)} "
+                         f"| {_f(r.get('cpu_during_p50_ms'), 1)} | {_f(r.get('cpu_during_max_ms'), 1)} "
+                         f"| {_f(r.get('long_prefill_cpu_s'), 2)} |")  # fmt: skip
         lines.append("")
     mem = results.get("memory")
     if mem:

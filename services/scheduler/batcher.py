@@ -6,8 +6,7 @@ chunking path, plus what TGI lacks):
   its next chunk are free (plus a small watermark), not for its whole length: KV is allocated as it grows.
 - Chunked prefill: one step feeds at most `max_batch_prefill_tokens` tokens (decodes count one each); a prompt
   that does not fit is fed in chunks over several steps, in the same forward as the running decodes. While any
-  sequence decodes, a step prefills at most `max_prefill_tokens_while_decoding` (0: no such cap; TGI has none):
-  on CPU a step's time grows with its tokens, so a long prompt in small chunks keeps the streams' gaps short.
+  sequence decodes, a step's prefill is capped in tokens and/or step time (prefill_pacing.py; TGI has no cap).
 - Prefix caching: full blocks are indexed by chain hashes of their tokens once computed; a new prompt takes the
   blocks of its longest cached prefix (shared, reference counted) and is fed only from there. Unheld cached
   blocks are reused LRU when blocks run out. No lookup for requests that want prompt logprobs (TGI), since the
@@ -41,6 +40,7 @@ from libs.protocol.messages import (
 from libs.protocol.prefix_hash import extend_hashes
 from libs.runtime.settings import BLOCK_SIZE
 from services.scheduler.block_allocator import BlockAllocator, blocks_for
+from services.scheduler.prefill_pacing import PrefillPacing
 from services.scheduler.sequence import Emitted, Sequence
 from services.scheduler.speculative import Drafter
 
@@ -58,14 +58,13 @@ class Batcher:
         prefix_caching: bool = True,
         block_size: int = BLOCK_SIZE,
         max_prefill_tokens_while_decoding: int = 0,
+        max_prefill_ms_while_decoding: float = 0.0,
         speculate: int = 0,
     ):
         self.allocator = BlockAllocator(num_blocks)
         self.max_batch_size = max_batch_size
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
-        # prompt tokens a step may feed while decodes run (0: no cap beyond max_batch_prefill_tokens): on CPU a step's
-        # time grows with its tokens, so a long prompt in chunks keeps the running streams' inter-token gap short
-        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        self.pacing = PrefillPacing(max_prefill_tokens_while_decoding, max_prefill_ms_while_decoding)
         self.eos_ids = eos_ids
         self.max_waiting_tokens = max_waiting_tokens
         self.waiting_served_ratio = waiting_served_ratio
@@ -123,8 +122,9 @@ class Batcher:
         running = list(self.running.values())
         decoding = sum(1 for s in running if s.total - s.computed == 1)
         budget = self.max_batch_prefill_tokens - decoding
-        if decoding and self.max_prefill_tokens_while_decoding:
-            budget = min(budget, self.max_prefill_tokens_while_decoding)
+        cap = self.pacing.cap(decoding)
+        if cap is not None:
+            budget = min(budget, cap)
         for s in running:  # oldest first; preemption takes the newest
             if s.seq not in self.running:
                 continue  # preempted below for an older sequence
@@ -168,6 +168,7 @@ class Batcher:
         c["decode_rows"] += decodes
         c["joined_steps"] += bool(new and decodes)
         c["constrained_rows"] += constrained
+        self.pacing.planned(step, sum(n for _, n in rows if n > 1), decodes)
         self.step_constrained = constrained
         finished, self._to_drop = self._to_drop, []
         trim, self._trim = self._trim, {}
@@ -283,6 +284,7 @@ class Batcher:
         """Append each row's tokens (a drafted row's accepted ones too), finishing by length (first, as TGI) or EOS
         at the first token that ends it; index the newly full blocks; free the blocks past accepted drafts."""
         inflight = self._inflight.pop(result.step, [])
+        self.pacing.observed(result.step, result.forward_s)
         drafted = {handle: k for _, handle, _, k in inflight if k}
         self._gather_prompt_logprobs(result)
         counts = result.token_counts.tolist() or [1] * len(result.seqs)
@@ -379,6 +381,7 @@ class Batcher:
     def forget_plans(self) -> None:
         """The plans in flight will not be applied (their step failed or the shard lost its KV)."""
         self._inflight = {}
+        self.pacing.forget()
 
     def requeue_running(self) -> None:
         """The shard lost its KV (it restarted): every running sequence is fed again later, by the preemption path
