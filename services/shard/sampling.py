@@ -50,8 +50,27 @@ def _typical(scores: torch.Tensor, mass: torch.Tensor, active: torch.Tensor) -> 
 
 
 def warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Each row's temperature, top-k, top-p, typical-p (HF/TGI warper semantics); removed tokens become -inf."""
+    """Each row's temperature, top-k, top-p, typical-p (HF/TGI warper semantics); removed tokens become -inf.
+    `logits` itself is left as it is."""
     scores = logits.float()
+    return _warp_rows(scores, params, in_place=scores is not logits)
+
+
+def _warp_rows(scores: torch.Tensor, params: list[SamplingParams], *, in_place: bool) -> torch.Tensor:
+    """`warp` of float32 scores, run on the rows that have a warper only (each warper is per row, so a row's result
+    is the same whatever shares the batch): neutral rows in a mixed batch cost no division, top-k or sort.
+    `in_place`: the scores are the caller's own copy and may take the warped rows."""
+    active = [i for i, p in enumerate(params) if _has_warpers(p)]
+    if len(active) == len(params):
+        return _warp_all(scores, params)
+    if not active:
+        return scores
+    rows = torch.tensor(active, device=scores.device)
+    warped = _warp_all(scores.index_select(0, rows), [params[i] for i in active])
+    return (scores if in_place else scores.clone()).index_copy_(0, rows, warped)
+
+
+def _warp_all(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     device = scores.device
     temperature = [p.temperature for p in params]
     if any(t != 1.0 for t in temperature):
@@ -97,16 +116,24 @@ def _top_n(
     scores: torch.Tensor, maxes: torch.Tensor, spreads: torch.Tensor, want: list[int]
 ) -> tuple[torch.Tensor, ...]:
     """The best `want[i]` tokens of each row (plain top-n: TGI's reference names no tie rule), best first, with
-    their logprobs computed as the choice's are (so a chosen token among them has the very same number).
+    their logprobs computed as the choice's are (so a chosen token among them has the very same number); only the
+    rows that ask for some are searched.
 
     Tokens a warper removed (-inf) are never alternatives: they cannot be drawn, and JSON has no -inf.
     """
+    device = scores.device
+    asked = [i for i, w in enumerate(want) if w > 0]
+    if len(asked) < len(want):
+        rows = torch.tensor(asked, device=device)
+        scores, maxes, spreads = scores.index_select(0, rows), maxes[rows], spreads[rows]
     k = min(max(want), scores.shape[-1])
     values, ids = torch.topk(scores, k, dim=-1, sorted=True)
     values = (values.float() - maxes[:, None]) - spreads[:, None]
-    n = torch.tensor(want, dtype=torch.long, device=scores.device)[:, None]
-    valid = (torch.arange(k, device=scores.device)[None] < n) & torch.isfinite(values)
-    return valid.sum(dim=1), ids[valid], values[valid]
+    n = torch.tensor([want[i] for i in asked], dtype=torch.long, device=device)[:, None]
+    valid = (torch.arange(k, device=device)[None] < n) & torch.isfinite(values)
+    counts = torch.zeros(len(want), dtype=torch.long, device=device)
+    counts[asked] = valid.sum(dim=1)
+    return counts, ids[valid], values[valid]
 
 
 def final_scores(
@@ -132,7 +159,7 @@ def final_scores(
     if constrain is not None:
         constrain(scores)
     if any(_has_warpers(p) for p in params):
-        scores = warp(scores, params)
+        scores = _warp_rows(scores, params, in_place=scores is not logits)
     return scores
 
 

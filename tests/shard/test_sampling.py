@@ -307,3 +307,29 @@ def test_no_full_float32_copy_or_log_softmax_of_bf16_logits(monkeypatch):
     assert (rows, vocab) not in made and (1, vocab) not in made
     assert made.count((vocab,)) == 5  # the sampled rows' softmax, one row at a time
     assert buffers == [(sampling.GREEDY_CHUNK_ELEMENTS // vocab, vocab)]
+
+
+def test_warpers_and_alternatives_run_on_the_rows_that_ask(monkeypatch):
+    """In a mixed batch the warpers see only the rows with a warper and the top-n search only the rows asking for
+    alternatives; the neutral rows stay bit for bit, the caller's float32 logits untouched."""
+    from services.shard import sampling
+
+    warped_rows, searched = [], []
+    real_warp_all, real_topk = sampling._warp_all, torch.topk
+    monkeypatch.setattr(sampling, "_warp_all", lambda s, p: warped_rows.append(len(p)) or real_warp_all(s, p))
+    monkeypatch.setattr(torch, "topk", lambda x, k, **kw: searched.append(x.shape[0]) or real_topk(x, k, **kw))
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.5, top_k=7, seed=1),
+        SamplingParams(top_n_tokens=2),
+        SamplingParams(do_sample=True, seed=2),
+    ]
+    logits = _logits(4, seed=8)
+    before = logits.clone()
+    scores = sampling.final_scores(logits, params)
+    assert warped_rows == [1] and torch.equal(logits, before)
+    assert torch.equal(scores[[0, 2, 3]], logits[[0, 2, 3]])
+    torch.testing.assert_close(scores[1], _hf_warp(logits[1], params[1]), rtol=0, atol=1e-6)
+    c = sampling.choose(logits, params, [torch.Generator().manual_seed(i) for i in range(4)])
+    assert c.top_counts.tolist() == [0, 0, 2, 0] and 1 in searched and 4 not in searched
+    assert c.top_ids.tolist() == logits[2].topk(2).indices.tolist()
