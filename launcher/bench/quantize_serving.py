@@ -90,6 +90,19 @@ def memory_mib(pid: int) -> dict[str, float]:
     return out
 
 
+def runtime_mib() -> float:
+    """VmRSS of a process that imported what a shard imports and ran one product, with no model: the part of a
+    shard's RSS that no quantization shrinks (interpreter, torch, oneDNN, transformers, the bus)."""
+    import subprocess
+
+    code = ("import torch, services.shard.__main__, services.shard.model_runner;"
+            "torch.ones(64, 64) @ torch.ones(64, 64);"
+            "print(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1])")  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    return int(subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.split()[-1]) / 1024  # fmt: skip
+
+
 def _generate(url: str, prompt: str, max_new: int) -> dict:
     body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new, "details": True,
                                              "decoder_input_details": True}}  # fmt: skip
@@ -183,9 +196,11 @@ def table(results: dict) -> str:
     base = rows[0] if rows else None
     head = ["method", "dtype", *[f"tok/s c={c}" for c in levels], *[f"ITL p50 ms c={c}" for c in levels],
             f"TTFT {results['long_prompt']}-tok ms", "shard load peak MiB", "shard RSS MiB", "KV MiB",
-            "RSS − KV MiB", "RSS − KV vs first",
+            "RSS − KV MiB", "RSS − KV vs first", "model MiB (RSS − KV − runtime)", "model vs first",
             "greedy agree", "abs Δ logprob mean / max"]  # fmt: skip
-    lines = [f"{results['title']}", f"CPU: {results['cpu']}", "", "| " + " | ".join(head) + " |",
+    lines = [f"{results['title']}", f"CPU: {results['cpu']}",
+             f"runtime (a shard's imports, no model): {_f(results.get('runtime_mib'))} MiB", "",
+             "| " + " | ".join(head) + " |",
              "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]  # fmt: skip
     for r in rows:
         by_c = {lv["concurrency"]: lv for lv in r["levels"]}
@@ -197,6 +212,10 @@ def table(results: dict) -> str:
         cells += [_f(r.get("kv_mib")), _f(r.get("rss_less_kv_mib"))]
         share = r["rss_less_kv_mib"] / base["rss_less_kv_mib"] if base and r.get("rss_less_kv_mib") else None
         cells.append("–" if share is None else f"{100 * share:.0f}%")
+        runtime = results.get("runtime_mib")
+        model = r["rss_less_kv_mib"] - runtime if runtime and r.get("rss_less_kv_mib") else None
+        base_model = base["rss_less_kv_mib"] - runtime if runtime and base and base.get("rss_less_kv_mib") else None
+        cells += [_f(model), "–" if not (model and base_model) else f"{100 * model / base_model:.0f}%"]
         agree = q.get("greedy_agreement")
         cells.append("–" if agree is None else f"{100 * agree:.0f}% ({q['greedy_exact']}/{q['greedy_prompts']})")
         cells.append(f"{_f(q.get('logprob_delta_mean'), 4)} / {_f(q.get('logprob_delta_max'), 3)}")
@@ -225,7 +244,7 @@ def run(args, out: Path) -> int:
     results = {"title": f"{label}: quantized serving, prompt {args.prompt_tokens}, output {args.output_tokens} "
                f"tokens, default dtype {dtype}", "model": label, "cpu": cpu.describe(), "command": " ".join(sys.argv),
                "long_prompt": args.quant_long_prompt, "load_avg_start": os.getloadavg(), "rows": [],
-               "failed": {}}  # fmt: skip
+               "failed": {}, "runtime_mib": runtime_mib()}  # fmt: skip
     _say(f"switchyard bench --workload quantize: {results['title']}; CPU {results['cpu']}; results in {out}")
     reference = None
     for method, mdtype in entries:

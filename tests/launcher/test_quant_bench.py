@@ -40,10 +40,17 @@ def test_the_table_names_the_cpu_and_every_level():
              "long_prompt_ttft_ms": 100.0, "load_peak_mib": 900.0, "serving_rss_mib": rss, "kv_mib": 100.0,
              "rss_less_kv_mib": rss - 100,
              "quality": qs.quality([], [])} for m, rss in (("none", 800.0), ("eetq", 400.0))]  # fmt: skip
-    text = qs.table({"title": "t", "cpu": "CPU [avx2]", "long_prompt": 512, "rows": rows, "failed": {"x": "why"}})
+    results = {"title": "t", "cpu": "CPU [avx2]", "long_prompt": 512, "rows": rows, "failed": {"x": "why"},
+               "runtime_mib": 200.0}  # fmt: skip
+    text = qs.table(results)
     assert "CPU: CPU [avx2]" in text and "tok/s c=16" in text and "TTFT 512-tok ms" in text
-    assert "| eetq | bfloat16 | 10.0 | 10.0 | 5.0 | 5.0 | 100 | 900 | 400 | 100 | 300 | 43% |" in text
+    # RSS − KV 300 of 700 (43 %); less the 200 MiB runtime the model takes 100 of 500 (20 %)
+    assert "| eetq | bfloat16 | 10.0 | 10.0 | 5.0 | 5.0 | 100 | 900 | 400 | 100 | 300 | 43% | 100 | 20% |" in text
     assert "x: why" in text
+
+
+def test_the_runtime_baseline_is_a_shards_imports_without_a_model():
+    assert 100 < qs.runtime_mib() < 2000  # torch and transformers alone take a few hundred MiB
 
 
 def test_the_kv_cache_is_sized_from_the_config(tmp_path):
