@@ -1,7 +1,9 @@
 """`switchyard bench --workload structured`: grammar-constrained vs unconstrained output tokens per second.
 
-The same prompts go to one server twice per concurrency level: first with a grammar (a JSON schema, or a regex),
-then without one, each request asked for exactly as many new tokens as its constrained answer took. A constrained
+Requests go to one server twice per concurrency level: first with a grammar (a JSON schema, or a regex), then
+without one, each unconstrained twin asked for exactly as many new tokens as its constrained answer took, with a
+prompt of the same length but its own (the same prompts again would hit the prefix cache and skip their prefills:
+the table shows both sides' prefix-cache hits, steps, tokens per step and the shard's step time). A constrained
 answer ends when its grammar is complete (EOS is then the only choice), so without that pairing the unconstrained
 side would generate different lengths and pay for its prefills at another rate: the ratio would measure request
 length, not the masks. The model is served from its own folder (with its EOS ids: a grammar ends on them), not the
@@ -106,42 +108,80 @@ def check(kind: str, text: str | None) -> str | None:
     return None
 
 
-def _constrained_rows(url: str, at_least: float | None = None, settle_s: float = 3.0, limit_s: float = 60.0) -> float:
-    """The server's total of constrained rows over all steps (the sum of its histogram). The services report
-    their metrics with their heartbeats, seconds late on a loaded machine: wait until the total reaches
-    `at_least`, or (None) until it has not moved for `settle_s`; at most `limit_s`."""
+ROWS = "switchyard_constrained_rows_sum"  # the masked rows of every step, summed
+STEPS = "tgi_batch_inference_count"  # steps planned (prefill and decode)
+FORWARD_S, FORWARD_N = "tgi_batch_forward_duration_sum", "tgi_batch_forward_duration_count"  # the shard's steps
+PREFIX_HITS = "switchyard_prefix_cache_hit_tokens_total"  # prompt tokens taken from the prefix cache
+
+
+def _metrics(url: str) -> dict[str, float]:
     import urllib.request
 
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return loadgen.parse_metrics(r.read().decode())
+
+
+def _settled(url: str, name: str, at_least: float | None = None, settle_s: float = 3.0, limit_s: float = 60.0):
+    """The server's metrics once `name` has reached `at_least` (if given) and not moved for `settle_s`; at most
+    `limit_s`. The services report their metrics with their heartbeats, seconds late on a loaded machine."""
     last, since, deadline = None, time.monotonic(), time.monotonic() + limit_s
     while True:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            value = loadgen.parse_metrics(r.read().decode()).get("switchyard_constrained_rows_sum", 0.0)
-        now = time.monotonic()
+        m = _metrics(url)
+        value, now = m.get(name, 0.0), time.monotonic()
         if value != last:
             last, since = value, now
-        if now >= deadline or (value >= at_least if at_least is not None else now - since >= settle_s):
-            return value
+        if now >= deadline or ((at_least is None or value >= at_least) and now - since >= settle_s):
+            return m
         time.sleep(0.5)
 
 
-def _level(url: str, kind: str, jobs: list[loadgen.Job], streams: int) -> dict:
-    """One (kind, streams) pair: the constrained run, then the paired unconstrained one."""
-    rows_before = _constrained_rows(url)
+def _server_side(before: dict, after: dict, output_tokens: int) -> dict:
+    """What the server did for one run: steps, sampled tokens per step, the shard's mean step time, prefix hits
+    (those must be alike on both sides: a prompt already cached skips its prefill)."""
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in (STEPS, FORWARD_S, FORWARD_N, PREFIX_HITS, ROWS)}
+    steps = delta[STEPS]
+    return {
+        "steps": steps,
+        "tokens_per_step": output_tokens / steps if steps else None,
+        "forward_ms": 1000 * delta[FORWARD_S] / delta[FORWARD_N] if delta[FORWARD_N] else None,
+        "prefix_hit_tokens": delta[PREFIX_HITS],
+        "constrained_rows": delta[ROWS],
+    }
+
+
+def paired(jobs: list[loadgen.Job], samples: list[loadgen.Sample], prompts) -> list[loadgen.Job]:
+    """The unconstrained twins of `jobs`: each asks for as many new tokens as its constrained answer took, with a
+    fresh prompt of the same token count. Reusing the constrained prompts would let the prefix cache skip their
+    prefills, and the unconstrained side would win by what it did not compute (at 16 streams the regex answers
+    are ~22 tokens against 64-token prompts: the quiet run's 0.65 was mostly that)."""
+    out = []
+    for job, sample in zip(jobs, samples):
+        prompt, tokens = prompts.make(job.prompt_tokens)
+        out.append(loadgen.Job(prompt, tokens, max(1, sample.tokens)))
+    return out
+
+
+def _level(url: str, kind: str, jobs: list[loadgen.Job], twins, streams: int) -> dict:
+    """One (kind, streams) pair: the constrained run, then the paired unconstrained one (`twins`: the Prompts that
+    give the unconstrained side its own prompts)."""
+    m0 = _settled(url, ROWS)
     con, c0, c1 = asyncio.run(loadgen.drive(url, _GrammarDialect(KINDS[kind]), jobs, streams))
     # every token of a constrained answer was sampled from a masked row, the first one in its prefill step
     expected = sum(s.tokens for s in con if s.error is None)
-    rows_constrained = _constrained_rows(url, at_least=rows_before + expected) - rows_before
+    m1 = _settled(url, ROWS, at_least=m0.get(ROWS, 0.0) + expected)
     # an answer cut by max_new_tokens is a prefix, not a violation (a random-weight model may fill a schema's free
     # whitespace until the limit): those are counted apart; every answer the grammar ended must validate
     cut = [s for s in con if s.error is None and getattr(s, "finish", None) == "length"]
     ended = [s for s in con if s.error is None and getattr(s, "finish", None) != "length"]
     invalid = [why for s in ended for why in [check(kind, getattr(s, "text", None))] if why]
-    paired = [loadgen.Job(j.prompt, j.prompt_tokens, max(1, s.tokens)) for j, s in zip(jobs, con)]
-    rows_before = _constrained_rows(url)
-    free, u0, u1 = asyncio.run(loadgen.drive(url, _GrammarDialect(None), paired, streams))
-    rows_free = _constrained_rows(url) - rows_before
+    free, u0, u1 = asyncio.run(loadgen.drive(url, _GrammarDialect(None), paired(jobs, con, twins), streams))
+    m2 = _settled(url, STEPS, at_least=m1.get(STEPS, 0.0) + max(s.tokens for s in free))  # a step per token at least
     c, u = loadgen.summarize(con, c0, c1), loadgen.summarize(free, u0, u1)
     done = [s for s in con if s.error is None]
+    server = {
+        "constrained": _server_side(m0, m1, c["output_tokens"]),
+        "unconstrained": _server_side(m1, m2, u["output_tokens"]),
+    }
     return {
         "kind": kind,
         "streams": streams,
@@ -151,13 +191,15 @@ def _level(url: str, kind: str, jobs: list[loadgen.Job], streams: int) -> dict:
         "ratio": c["output_tok_s"] / u["output_tok_s"] if u["output_tok_s"] else None,
         "tokens_per_request": c["output_tokens"] / max(1, len(done)),
         "unconstrained_tokens": u["output_tokens"],
+        "prompt_tokens": [sum(s.prompt_tokens for s in con), sum(s.prompt_tokens for s in free)],
         "valid": len(done) - len(cut) - len(invalid),
         "cut_by_length": len(cut),
         "invalid": invalid[:5],
         "errors": c["errors"] + u["errors"],
         "first_error": c["first_error"] or u["first_error"],
-        "constrained_rows": rows_constrained,  # > 0: the masks were applied
-        "constrained_rows_unconstrained_run": rows_free,  # 0: no mask on the plain requests
+        "server": server,
+        "constrained_rows": server["constrained"]["constrained_rows"],  # > 0: the masks were applied
+        "constrained_rows_unconstrained_run": server["unconstrained"]["constrained_rows"],  # 0: no mask on plain ones
     }
 
 
@@ -243,6 +285,17 @@ def table(results: dict) -> str:
             f"| {r['valid']}/{r['requests']} (+{r['cut_by_length']}) "
             f"| {_f(u['itl_p50_ms'])} / {_f(c['itl_p50_ms'])} | {r['constrained_rows']:.0f} | {r['errors']} |"
         )
+    lines += ["", "Server side per run (from /metrics; prefix-cache hits must be alike, or one side skipped prefills):",
+              "", "| grammar | streams | steps free / constrained | tokens per step | shard step ms "
+              "| prefix-cache hit tokens |", "|---|---:|---|---|---|---|"]  # fmt: skip
+    for r in results["levels"]:
+        u, c = r["server"]["unconstrained"], r["server"]["constrained"]
+        lines.append(
+            f"| {r['kind']} | {r['streams']} | {u['steps']:.0f} / {c['steps']:.0f} "
+            f"| {_f(u['tokens_per_step'])} / {_f(c['tokens_per_step'])} "
+            f"| {_f(u['forward_ms'])} / {_f(c['forward_ms'])} "
+            f"| {u['prefix_hit_tokens']:.0f} / {c['prefix_hit_tokens']:.0f} |"
+        )
     for r in results["levels"]:
         for why in r["invalid"]:
             lines.append(f"\n{r['kind']} streams={r['streams']} invalid: {why}")
@@ -286,7 +339,7 @@ def run(args, out: Path) -> int:
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
         raise SystemExit(f"--structured-kinds: unknown {unknown} (known: {', '.join(KINDS)})")
-    prompts = Prompts(folder)
+    prompts, twins = Prompts(folder), Prompts(folder, seed=1)  # twins: the unconstrained side's own prompts
     results = {
         "title": f"structured output, {label} ({dtype}): prompt {args.structured_prompt_tokens} tokens, "
         f"constrained answers up to {args.structured_max_new_tokens}",
@@ -314,7 +367,7 @@ def run(args, out: Path) -> int:
                 jobs = prompts.fixed(args.structured_waves * c, args.structured_prompt_tokens,
                                      args.structured_max_new_tokens)  # fmt: skip
                 t0 = time.perf_counter()
-                r = _level(srv.url, kind, jobs, c)
+                r = _level(srv.url, kind, jobs, twins, c)
                 r["seconds"] = time.perf_counter() - t0
                 results["levels"].append(r)
                 print(f"  {kind:<5} streams {c:<3} unconstrained {r['unconstrained']['output_tok_s']:7.1f} tok/s  "
