@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
@@ -63,6 +64,11 @@ class Constraints:
         self._fresh: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar text → a compiled, unused matcher
         self._cache_size = cache_size
         self._ahead: concurrent.futures.Future | None = None  # (masks, {key: (row, version)}) for the next step
+        # what the grammar work cost and whether its shortcuts fired: matchers compiled vs copied from the cache,
+        # masks filled ahead (off the step's path) vs on it, and wall seconds per phase (fill_ahead runs on the
+        # worker, beside the forward pass; the rest is on the step's path)
+        self.stats = {"compiled": 0, "reused": 0, "ahead_rows": 0, "inline_rows": 0}
+        self.seconds = {"open": 0.0, "apply": 0.0, "advance": 0.0, "fill_ahead": 0.0}
 
     @classmethod
     def from_file(cls, tokenizer_json: str, eos_ids: Sequence[int], **kwargs) -> Constraints:
@@ -83,24 +89,28 @@ class Constraints:
         fresh = self._fresh.get(grammar)
         if fresh is None:
             fresh = LLMatcher(self.tokenizer, grammar, log_level=0)
+            self.stats["compiled"] += 1
             if fresh.is_error():
                 return fresh  # not cached: the error is reported for this sequence
             self._fresh[grammar] = fresh
             if len(self._fresh) > self._cache_size:
                 self._fresh.popitem(last=False)
         else:
+            self.stats["reused"] += 1
             self._fresh.move_to_end(grammar)
         return fresh.deep_copy()
 
     def open(self, key: Key, grammar: str, replay: Sequence[int] = ()) -> str | None:
         """Start constraining `key`; replay the tokens it generated already. Returns the error, if any (it is
         reported again by apply(), where the scheduler learns of it)."""
+        t0 = time.perf_counter()
         self._settle()
         matcher = self._matcher(grammar)
         state = _State(grammar, matcher, matcher.get_error() or None)
         self._states[key] = state
         if replay and state.error is None:
             self._consume(state, [int(t) for t in replay])
+        self.seconds["open"] += time.perf_counter() - t0
         return state.error
 
     def rebuild(self, key: Key, tokens: Sequence[int]) -> str | None:
@@ -140,6 +150,7 @@ class Constraints:
     # ---- steps -------------------------------------------------------------------------------------------
     def advance(self, keys: Sequence[Key | None], tokens: Sequence[int]) -> list[RowError]:
         """Feed each constrained row's sampled token to its matcher, then start filling the next step's masks."""
+        t0 = time.perf_counter()
         self._settle()
         errors, moved = [], []
         for row, (key, token) in enumerate(zip(keys, tokens)):
@@ -153,6 +164,7 @@ class Constraints:
             moved.append(key)
         if moved:  # the states are taken here: the worker never reads the dict, which the caller changes
             self._ahead = self._worker.submit(self._fill_ahead, moved, [self._states[k] for k in moved])
+        self.seconds["advance"] += time.perf_counter() - t0
         return errors
 
     def _settle(self) -> None:
@@ -170,7 +182,10 @@ class Constraints:
     def _fill_ahead(
         self, keys: list[Key], states: list[_State]
     ) -> tuple[np.ndarray, dict[Key, tuple[int, int, _State]]]:
-        return self._fill(states), {k: (i, s.version, s) for i, (k, s) in enumerate(zip(keys, states))}
+        t0 = time.perf_counter()
+        masks = self._fill(states)
+        self.seconds["fill_ahead"] += time.perf_counter() - t0
+        return masks, {k: (i, s.version, s) for i, (k, s) in enumerate(zip(keys, states))}
 
     def masks(self, keys: Sequence[Key]) -> np.ndarray:
         """[len(keys), words] int32 bitmasks (bit t of the row = token t allowed); the ones filled ahead are
@@ -188,6 +203,8 @@ class Constraints:
                 missing.append(i)
         if missing:
             out[missing] = self._fill([states[i] for i in missing])
+        self.stats["ahead_rows"] += len(keys) - len(missing)
+        self.stats["inline_rows"] += len(missing)
         return out
 
     def apply(self, logits: torch.Tensor, keys: Sequence[Key | None]) -> list[RowError]:
@@ -197,6 +214,13 @@ class Constraints:
         rows = [i for i, k in enumerate(keys) if k is not None and k in self._states]
         if not rows:
             return []
+        t0 = time.perf_counter()
+        try:
+            return self._apply(logits, keys, rows)
+        finally:
+            self.seconds["apply"] += time.perf_counter() - t0
+
+    def _apply(self, logits: torch.Tensor, keys: Sequence[Key | None], rows: list[int]) -> list[RowError]:
         self._settle()
         bits = self.masks([keys[i] for i in rows]).view(np.uint32)
         errors = []

@@ -228,6 +228,26 @@ def test_masks_filled_ahead_equal_masks_filled_now(cons):
     cons.discard("x")
 
 
+def test_requests_sharing_a_grammar_compile_it_once_and_steps_use_the_masks_filled_ahead(tok_path):
+    """The shard compiles a grammar text once (later requests copy the cached matcher), and after the first step
+    every row's mask was filled on the worker while the next forward would run, none on the step's path."""
+    c = Constraints.from_file(tok_path, [EOS])
+    try:
+        text = grammar({"type": "json", "value": SCHEMAS["nested"]})
+        for k in range(4):
+            assert c.open(("same", k), text) is None
+        assert c.open("other", grammar({"type": "regex", "value": "[a-c]{2,4}"})) is None
+        assert (c.stats["compiled"], c.stats["reused"]) == (2, 3)
+        keys = [("same", k) for k in range(4)] + ["other"]
+        out = generate(c, keys, seed=3)
+        steps = max(len(tokens) for tokens in out.values())
+        assert c.stats["inline_rows"] == len(keys)  # the first step only: nothing had been filled ahead
+        assert c.stats["ahead_rows"] == sum(len(tokens) for tokens in out.values()) - len(keys)
+        assert steps > 1 and all(c.seconds[phase] > 0 for phase in ("open", "apply", "advance", "fill_ahead"))
+    finally:
+        c.close()
+
+
 def test_a_row_with_no_allowed_token_fails_alone(cons):
     g = grammar({"type": "regex", "value": "[0-9]+"})
     cons.open("bad", g)
