@@ -5,6 +5,7 @@ its keys from the paged cache as the shard does:
 - `eager-whole`: the grouped path (one matmul over the whole [heads, n, n] score matrix, transformers' eager math)
 - `eager-tiles`: the tiled path with the eager math per query tile (what soft-capped models run)
 - `sdpa-tiles`: the tiled path with PyTorch's SDPA per tile (boolean mask, GQA in the kernel)
+- `half-tiles` (bf16/fp16): the tiled path with two half-precision GEMMs per 128-query tile (the shard's CPU choice)
 - `sdpa-row`: one SDPA call for the whole row (is_causal for full attention: what the shard runs for a full-attention
   row from position 0; an [n, n] mask for a window)
 - `flex`: torch.compile'd FlexAttention over the whole row with a block mask (`--flex`: each shape compiles)
@@ -12,13 +13,14 @@ Candidates run interleaved, round after round, so that load on the machine hits 
 one's median and its time relative to `sdpa-tiles`.
 
     python -m launcher.bench.attention [--n 512,2048,8192] [--dtype float32,bfloat16] [--flex] [--rounds 3]
-    python -m launcher.bench.attention --model DIR --n 2048   # real prefill: tiled vs grouped, eager vs SDPA tiles
+    python -m launcher.bench.attention --model DIR --n 2048   # real prefill: tiled vs grouped, eager/SDPA/half tiles
     python -m launcher.bench.attention --model DIR --n 8192 --chunk 2048 --dtype float32   # chunks, peak RSS
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -30,6 +32,8 @@ SHAPES = {
     "gemma3-270m": (4, 1, 256, 512, 256**-0.5),
     "llama-64": (9, 3, 64, 0, 64**-0.5),  # SmolLM2-135M-like: a small-body model, no sliding window
 }
+# the clock of every timing (--cpu-time: the process's CPU seconds)
+CLOCK = time.perf_counter
 EAGER_WHOLE_MAX_BYTES = 2**28  # fp32 scores; skip the whole score matrix beyond this (the reason the tiled path exists)
 
 
@@ -89,7 +93,10 @@ def candidates(n: int, shape: str, dtype, window: int, flex: bool, sweep: bool) 
         def eager_whole():
             attention_tiled.TILE_MIN_QUERIES = n + 1
             groups, _ = batch().plan(window, query.device)
-            return attention._attend(query, k_cache, v_cache, groups, scaling, None)
+            # the grouped path takes [T, heads, D] since the lean forward (its first parameter: `tokens`)
+            token_major = next(iter(inspect.signature(attention._attend).parameters)) == "tokens"
+            q = query.transpose(0, 1) if token_major else query
+            return attention._attend(q, k_cache, v_cache, groups, scaling, None)
 
         ways["eager-whole"] = eager_whole
 
@@ -107,6 +114,8 @@ def candidates(n: int, shape: str, dtype, window: int, flex: bool, sweep: bool) 
 
     ways["eager-tiles"] = tiles("eager", 256)
     ways["sdpa-tiles"] = tiles("sdpa", 256)
+    if dtype in (torch.bfloat16, torch.float16):  # what the shard runs on CPU in half precision
+        ways["half-tiles"] = tiles("half", 128)
     if sweep:  # the tile size
         ways["sdpa-tiles-128"], ways["sdpa-tiles-512"] = tiles("sdpa", 128), tiles("sdpa", 512)
 
@@ -170,9 +179,9 @@ def measure(ns, shapes, dtypes, rounds: int, flex: bool, sweep_at=(2048,), progr
                                     fn()
                             for _ in range(rounds if n <= 2048 else 1):
                                 for name, fn in ways.items():
-                                    t = time.perf_counter()
+                                    t = CLOCK()
                                     fn()
-                                    times[name].append(time.perf_counter() - t)
+                                    times[name].append(CLOCK() - t)
                         med = {name: statistics.median(v) * 1000 for name, v in times.items()}
                         rows.append(
                             dict(shape=shape, layer=kind, dtype=dtype_name, n=n, ms=med, flex_compile_s=compile_s)
@@ -216,7 +225,9 @@ def prefill(model_dir: str, n: int, dtype_name: str, rounds: int) -> dict[str, f
             token_ids=ids,
             sample=np.array([1], np.uint8),
         )
-        took = runner.execute(plan).forward_s
+        t = CLOCK()
+        runner.execute(plan)
+        took = CLOCK() - t
         empty = np.zeros(0, np.int32)
         rows = dict(seqs=empty, num_tokens=empty, context_lens=empty, token_ids=empty, sample=empty.astype(np.uint8))
         runner.execute(StepPlan(step=step + 1, finished=[0], **rows))
@@ -224,12 +235,14 @@ def prefill(model_dir: str, n: int, dtype_name: str, rounds: int) -> dict[str, f
 
     saved = attention_tiled.TILE_MIN_QUERIES
     softcaps = getattr(runner.model.config.get_text_config(), "attn_logit_softcapping", None)
-    times = {"grouped": [], "tiled": [], "tiled-eager": [], **({} if softcaps else {"tiled-sdpa": []})}
+    half = dtype_name in ("bfloat16", "float16")
+    times = {"grouped": [], "tiled": [], "tiled-eager": [], **({} if softcaps else {"tiled-sdpa": []}),
+             **({"tiled-half": []} if half and not softcaps else {})}  # fmt: skip
     try:
         for r in range(rounds + 1):  # the first round warms up
             for name in times:
                 attention_tiled.TILE_MIN_QUERIES = n + 1 if name == "grouped" else saved
-                attention_tiled.KERNEL = {"tiled-eager": "eager", "tiled-sdpa": "sdpa"}.get(name)
+                attention_tiled.KERNEL = {"tiled-eager": "eager", "tiled-sdpa": "sdpa", "tiled-half": "half"}.get(name)
                 took = once()
                 if r:
                     times[name].append(took)
@@ -298,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--flex", action="store_true", help="also FlexAttention (compiles once per shape: minutes)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, as the shard)")
+    ap.add_argument("--cpu-time", action="store_true", help="time by the process's CPU seconds, not the wall clock "
+                    "(steadier on a shared machine; with N threads it counts all of them)")  # fmt: skip
     ap.add_argument("--model", help="instead: a real model's prefill forward of each --n tokens, tiled vs grouped")
     ap.add_argument("--chunk", type=int, help="with --model: only the default path, the prompt in chunks; peak RSS")
     ap.add_argument("--grouped", action="store_true", help="with --chunk: the grouped path for every row")
@@ -305,8 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    global CLOCK
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        CLOCK = time.process_time
     if args.model and args.chunk:
         for dtype_name in args.dtype.split(","):
             for n in (int(x) for x in args.n.split(",")):
@@ -330,7 +348,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {dtype_name} | {n} | {cells} | {speed:.2f}x |", flush=True)
         return 0
     ns = [int(x) for x in args.n.split(",")]
-    names = ["eager-whole", "eager-tiles", "sdpa-tiles", "sdpa-tiles-128", "sdpa-tiles-512", "sdpa-row", "flex"]
+    names = [
+        "eager-whole",
+        "eager-tiles",
+        "sdpa-tiles",
+        "sdpa-tiles-128",
+        "sdpa-tiles-512",
+        "sdpa-row",
+        "half-tiles",
+        "flex",
+    ]
 
     def line(r: dict) -> None:
         base = r["ms"]["sdpa-tiles"]

@@ -7,13 +7,19 @@ the pages once per layer; every tile's keys are then a view of that gather, and 
 keys] bool) is built as the tile runs, so the memory a row needs beyond its own K/V is one tile's mask (and, on
 the eager path, one tile's scores).
 
-Two kernels run a tile (`choose_kernel`):
+Three kernels run a tile (`choose_kernel`):
 - PyTorch's SDPA (`scaled_dot_product_attention`): on CPU it takes the flash kernel even with a boolean mask and
   GQA (`enable_gqa`), so scores never leave its blocks. It cannot soft-cap. A full-attention row that starts at
   position 0 is one causal square: a single call with `is_causal` (the kernel skips the masked blocks itself).
+  Float32 rows take it (the exact mode: transformers' sdpa attention is the reference).
+- `half`, on CPU in bfloat16/float16 without a soft-cap: two plain half-precision GEMMs with the softmax between
+  them reading and writing half (accumulating in float32), the mask applied only to the key columns that some
+  query of the tile cannot see. The scores are rounded to half before the softmax, as transformers' eager
+  attention does in half precision (SDPA keeps them in float32). On this project's CPUs (AVX512-BF16, no AMX)
+  SDPA's flash kernel ran at a third of the bf16 GEMM rate, and this measured 1.5x (64-dim heads) to 2x
+  (Gemma's 256) faster per layer in CPU time at 2k tokens.
 - the eager math (matmul, scale, soft-cap, mask, float32 softmax, matmul), as transformers' eager attention and
-  the grouped path do: the exact path for soft-capped models (Gemma-2), and on CPU the faster one in half
-  precision with 256-dim heads (Gemma).
+  the grouped path do: the exact path for soft-capped models (Gemma-2).
 The choice between them, and the tile sizes, were measured (`python -m launcher.bench.attention`).
 """
 
@@ -29,9 +35,10 @@ import torch.nn.functional as F
 # Rows with at least this many queries in a step take the tiled path; shorter rows (decodes, short chunks) keep
 # the grouped path, where batching many small rows into one matmul pays more than a kernel per row.
 TILE_MIN_QUERIES = 128
-# Queries per tile: large enough that the flash kernel has blocks to spread over threads, small enough that one
-# tile's mask (and eager scores) stays small next to the row's K/V.
-TILE_QUERIES = 256
+# Queries per tile: large enough that the kernels have blocks to spread over threads, small enough that one
+# tile's mask and scores stay small next to the row's K/V (the `half` kernel: 128 measured 1.25x faster than 256
+# with 64-dim heads, level with 256-dim heads; SDPA tiles within noise of 256).
+TILE_QUERIES = 128
 # Queries x keys (per head) one tile may hold on a full-attention layer: a row over a context longer than
 # TILE_SCORES // TILE_QUERIES keys gets fewer queries a tile (never under TILE_FLOOR), so a chunk's eager scores
 # stay flat as the context grows (measured on Gemma-3 at 24k-32k: the 256-query tiles' scores dominated the peak);
@@ -39,14 +46,10 @@ TILE_QUERIES = 256
 TILE_SCORES = 256 * 8192
 TILE_FLOOR = 32
 
-# On CPU in half precision with heads this wide (Gemma's 256), the eager math per tile measured faster than SDPA's
-# flash kernel (docs/benchmarks.md): a bfloat16 matmul over a whole tile beats the kernel's small blocks there.
-EAGER_HALF_MIN_HEAD_DIM = 256
-
-# Forces one kernel ("sdpa" / "eager") on every tiled row: for benchmarks; None lets each layer choose.
+# Forces one kernel ("sdpa" / "half" / "eager") on every tiled row: for benchmarks; None lets each layer choose.
 KERNEL: str | None = None
 
-# Kernel calls, by kernel ("sdpa" / "sdpa-causal" / "eager"): lets tests see that the tiled path really ran.
+# Kernel calls, by kernel ("sdpa" / "sdpa-causal" / "half" / "eager"): lets tests see that the tiled path ran.
 STATS: Counter = Counter()
 
 
@@ -110,11 +113,11 @@ def attend_tiled(
     scaling: float,
     softcap: float | None,
     window: int,
-    kernel: str | None = None,  # "sdpa" / "eager"; None: sdpa unless the layer soft-caps (benchmarks force one)
+    kernel: str | None = None,  # "sdpa" / "half" / "eager"; None: choose_kernel (benchmarks force one)
 ) -> None:
     kernel = kernel or KERNEL or choose_kernel(query, softcap)
-    if kernel == "sdpa" and softcap is not None:
-        raise ValueError("SDPA cannot soft-cap attention scores")
+    if kernel in ("sdpa", "half") and softcap is not None:
+        raise ValueError(f"the {kernel} kernel cannot soft-cap attention scores")
     heads, _, head_dim = query.shape
     kv_heads = k_cache.shape[0]
     for row in rows:
@@ -136,10 +139,14 @@ def attend_tiled(
             continue
         for t0, tq, k0, nk in row.tiles:
             q = query[:, row.q_start + t0 : row.q_start + t0 + tq]  # [heads, tq, D]
-            mask = _tile_mask(row.q_pos + t0, tq, row.k_pos + k0, nk, window, query.device)
+            mask = (
+                None if kernel == "half" else _tile_mask(row.q_pos + t0, tq, row.k_pos + k0, nk, window, query.device)
+            )
             kt, vt = k[:, k0 : k0 + nk], v[:, k0 : k0 + nk]
             if kernel == "sdpa":
                 o = _sdpa_tile(q, kt, vt, mask, scaling)
+            elif kernel == "half":
+                o = half_tile(q, kt, vt, row.q_pos + t0, row.k_pos + k0, window, scaling)
             else:
                 o = eager_tile(q, kt, vt, mask, scaling, softcap)
             STATS[kernel] += 1
@@ -147,12 +154,12 @@ def attend_tiled(
 
 
 def choose_kernel(query: torch.Tensor, softcap: float | None) -> str:
-    """The kernel for tiles of this layer: eager where SDPA cannot soft-cap or measured slower, else SDPA."""
+    """The kernel for tiles of this layer: eager where a soft-cap is needed, half-precision GEMMs on CPU in half
+    precision (measured faster there), else SDPA."""
     if softcap is not None:
         return "eager"
-    half = query.dtype in (torch.bfloat16, torch.float16)
-    if query.device.type == "cpu" and half and query.shape[-1] >= EAGER_HALF_MIN_HEAD_DIM:
-        return "eager"
+    if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
+        return "half"
     return "sdpa"
 
 
@@ -162,6 +169,27 @@ def _sdpa_tile(q, k, v, mask, scaling) -> torch.Tensor:
         q[None], k[None], v[None], attn_mask=mask, scale=scaling, enable_gqa=q.shape[0] != k.shape[0]
     )
     return o[0]
+
+
+def half_tile(q, k, v, q_pos: int, k_pos: int, window: int, scaling: float) -> torch.Tensor:
+    """[heads, tq, D] with q·kᵀ straight into half-precision scores; the query heads sharing a KV head are folded
+    into the queries. Only the key columns some query cannot see are masked: those past the first query (causal)
+    and, on a sliding layer, those the last query's window has left behind."""
+    heads, tq, head_dim = q.shape
+    kv_heads, keys = k.shape[0], k.shape[1]
+    # scaled after the product, in place, as transformers' eager attention rounds it (not q before: other roundings)
+    scores = torch.bmm(q.reshape(kv_heads, -1, head_dim), k.transpose(1, 2)).mul_(scaling)
+    grid = scores.view(kv_heads, heads // kv_heads, tq, keys)
+    right = max(0, q_pos + 1 - k_pos)  # first column with a key later than the first query
+    left = max(0, q_pos + tq - window - k_pos) if window else 0  # columns before the last query's window
+    edges = [(0, keys)] if left > right else [(0, left), (right, keys)]
+    for c0, c1 in edges:
+        if c1 > c0:
+            visible = _tile_mask(q_pos, tq, k_pos + c0, c1 - c0, window, q.device)
+            if visible is not None:
+                grid[..., c0:c1].masked_fill_(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # float32 inside, half in and out
+    return torch.bmm(probs, v).view(heads, tq, head_dim)
 
 
 def eager_tile(q, k, v, mask, scaling, softcap) -> torch.Tensor:
