@@ -36,35 +36,49 @@ def _variants(base, x, weights, a_stack, b_stack) -> dict:
     """The four ways to compute one step's product for these rows (closures over one shape's tensors)."""
     import torch
 
-    from services.shard.lora import STACKED_MAX_TOKENS, Stack, apply_lora, apply_stacked, group_rows
+    from services.shard.lora import STACKED_MAX_TOKENS, Stack, expand, expand_stacked, group_rows, shrink
 
     m = x.shape[0]
     sorted_slots = [i * ADAPTERS // m for i in range(m)]
     mixed_slots = [i % ADAPTERS for i in range(m)]
     by_token = torch.tensor(mixed_slots)
+    a_by_slot = {s: a for s, (a, _) in weights.items()}
+    b_by_slot = {s: (0, a.shape[0], b.T.contiguous()) for s, (a, b) in weights.items()}
 
     def grouped(slots):
         groups = group_rows(slots)  # once per step in the shard; counted here once per product, an upper bound
-        return apply_lora(x, base(x), groups, weights)
+        groups.token_slots = None  # the grouped form whatever the size
+        return expand(base(x), groups, shrink(x, groups, a_by_slot), b_by_slot)
 
-    stack = Stack.of(weights)
+    slots = sorted(weights)
+    ranks = [weights[s][0].shape[0] for s in slots]
+    column_slots = [s for s, r in zip(slots, ranks) for _ in range(r)]
+    stack = Stack(tuple(column_slots), torch.cat([weights[s][0] for s in slots]), torch.tensor(column_slots))
+    stack_b = (0, sum(ranks), torch.cat([weights[s][1] for s in slots], dim=1).T.contiguous())
 
     def stacked():
         groups = group_rows(mixed_slots)  # once per step in the shard, the mask once per layout: upper bounds
-        return apply_stacked(x, base(x), groups, stack)
-
-    def gathered():
-        y = base(x)
-        shrink = torch.bmm(a_stack[by_token], x[:, :, None])  # per token: its adapter's A
-        return y + torch.bmm(b_stack[by_token], shrink)[:, :, 0]
+        return expand_stacked(base(x), stack.shrink(x, groups), stack_b)
 
     return {
         "base": lambda: base(x),
         "sorted": lambda: grouped(sorted_slots),
         "interleaved": lambda: grouped(mixed_slots),
         **({"stacked": stacked} if m <= STACKED_MAX_TOKENS else {}),
-        "gather": gathered,
+        "gather": gathered_fn(base, x, a_stack, b_stack, by_token),
     }
+
+
+def gathered_fn(base, x, a_stack, b_stack, by_token):
+    """A per-token gather of the weights (vLLM's punica path): each token's adapter's A and B looked up."""
+    import torch
+
+    def gathered():
+        y = base(x)
+        shrunk = torch.bmm(a_stack[by_token], x[:, :, None])  # per token: its adapter's A
+        return y + torch.bmm(b_stack[by_token], shrunk)[:, :, 0]
+
+    return gathered
 
 
 def measure(rows_list: list[int], ranks: list[int], rounds: int = 5, reps: int = 5, dtype: str = "float32"):

@@ -1,24 +1,30 @@
 """Many LoRA adapters over one base model, mixed in one packed forward.
 
 The registry holds up to `max_loras` adapters, each in a slot. Once per step the runner says which adapter each
-row (or packed token) runs with; `group_rows` turns that into, per slot present, the packed token positions of its
-rows — a slice when they are contiguous (the common case when rows are ordered by adapter), else an index tensor.
-Every targeted linear then computes its base output as before and, for each adapter present, adds
-`(x[rows] @ A.T) @ B.T` to those rows only: a shrink to rank r and an expand, two small matmuls per adapter,
-with no per-token gather of weights. Base-model rows are never touched.
+row (or packed token) runs with; `group_rows` turns that into the adapter tokens' packed positions ordered by slot
+(a slice when that is one contiguous run, else an index tensor) and each slot's run of them. Every targeted
+linear then computes its base output as before and, for each adapter present, adds `(x[rows] @ A.T) @ B.T` to its
+rows only: a shrink to rank r and an expand, with no per-token gather of weights. Base-model rows are never
+touched (their outputs are the base product bit for bit).
 
-Small steps (decode, short prefills: at most STACKED_MAX_TOKENS packed tokens) take the stacked form instead:
-every adapter of the layer side by side in one [C, in] A and one [C, out] B (C = the sum of their ranks), one
-shrink for all tokens, a 0/1 mask that keeps each token's own adapter's columns (base tokens: none), one expand.
-Three products per layer whatever the number of adapters present, against four per adapter grouped: in a small
-step the products are tiny and their count is the cost (per-call overhead), while the masked-out columns cost
-C/in + C/out of the base product's arithmetic. Large steps, where that arithmetic counts, stay grouped.
+Sibling projections that read the same input (q/k/v, gate/up: cpu_linear's fused groups) share the shrink: their
+A side by side, one product for all of them (`SharedShrink`), computed at the first sibling's call and handed to
+the others while they are called with that same tensor. In large steps the adapter tokens are gathered once per
+input (not once per adapter) and every adapter's delta goes into one buffer, added back in one scatter per layer.
+
+Small steps (at most STACKED_MAX_TOKENS packed tokens: decode, short prefills) take the stacked form instead:
+every adapter of the family side by side in one A, one shrink for all tokens, a 0/1 mask that keeps each token's
+own adapter's columns (base tokens: none, so they add exact zeros), and one expand per layer. A decode step of
+SmolLM2's shape (30 layers x 7 thin projections, products of a few rows) is decided by the number of products
+and the bytes of adapter weights read, not by their arithmetic: per layer 4 shrinks, 4 masks and 7 expands,
+against 7 x 3 without sharing and ~80 small products and index ops grouped (`python -m launcher.bench.lora_step`).
+Large steps, where the masked-out columns' arithmetic counts, stay grouped.
 
 Hooking: each targeted linear's `forward` is wrapped around whatever forward is installed at that time — torch's,
 services/shard/cpu_linear.py's prepacked oneDNN product or its fused q/k/v / gate/up member (which returns this
-member's column slice of the fused output: the delta is added in place to those columns only), or transformers'
-tensor-parallel forward. So `use_onednn` must run before adapters are loaded (it replaces `forward` itself);
-`LoraRegistry.check_hooks` says when something replaced ours afterwards.
+member's column slice of the fused output: the delta is added in place to those columns only), a quantized
+layer's, or transformers' tensor-parallel forward. So `use_onednn` must run before adapters are loaded (it
+replaces `forward` itself); `LoraRegistry.check_hooks` says when something replaced ours afterwards.
 
 Tensor parallel (the wrapper sits outside transformers' TP forward, which does the collectives):
 - column-parallel layers (q/k/v/gate/up): x is whole and y is this rank's columns, so the rank holds the rows of B
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from services.shard.cpu_linear import FUSED_GROUPS
 from services.shard.lora_adapter import AdapterError, LoraAdapter, load_adapter
 
 BASE = -1  # the slot of base-model rows
@@ -44,13 +51,41 @@ STACKED_MAX_TOKENS = 128  # steps up to this many packed tokens use the stacked 
 
 @dataclass
 class RowGroups:
-    """One step's rows by adapter slot: (slot, packed token positions) for every slot present, base excluded;
-    and each packed token's slot, with the stacked masks built from it (one per column layout and dtype)."""
+    """One step's adapter tokens: their packed positions ordered by slot (`order`: a slice when they are one
+    contiguous run in that order, else an index tensor), each slot's run of them (slot, start, end); and, in
+    small steps, each packed token's slot, with the stacked masks built from it (one per column layout)."""
 
     num_tokens: int
-    groups: list[tuple[int, slice | torch.Tensor]]
+    order: slice | torch.Tensor
+    segments: list[tuple[int, int, int]]
+    count: int
     token_slots: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)
+
+    @property
+    def groups(self) -> list[tuple[int, slice | torch.Tensor]]:
+        """(slot, packed positions) per slot present (for tests and tools)."""
+        if isinstance(self.order, slice):
+            return [(s, slice(self.order.start + a, self.order.start + b)) for s, a, b in self.segments]
+        return [(s, self.order[a:b]) for s, a, b in self.segments]
+
+    def check(self, x: torch.Tensor) -> None:
+        if x.shape[0] != self.num_tokens:
+            raise ValueError(f"LoRA: the step's rows cover {self.num_tokens} tokens, the layer got {x.shape[0]}")
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter tokens' rows of x [num_tokens, in], in `order`."""
+        self.check(x)
+        return x[self.order] if isinstance(self.order, slice) else x.index_select(0, self.order)
+
+    def add_to(self, y: torch.Tensor, delta: torch.Tensor) -> None:
+        """y[order] += delta ([count, out], in `order`), in place."""
+        if isinstance(self.order, slice):
+            y[self.order].add_(delta)
+        else:  # index_add_ into a fused product's column slice (strided rows) runs ~10x slower than these three
+            rows = y.index_select(0, self.order)
+            rows.add_(delta)
+            y.index_put_((self.order,), rows)
 
     def mask(self, layout: tuple, column_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[tokens, C]: 1 where the column belongs to the token's adapter (layers of one layout share it)."""
@@ -66,99 +101,148 @@ def group_rows(slots: Sequence[int] | np.ndarray, num_tokens: Sequence[int] | np
     slots = np.asarray(slots, dtype=np.int64)
     counts = np.ones(len(slots), dtype=np.int64) if num_tokens is None else np.asarray(num_tokens, dtype=np.int64)
     per_token = np.repeat(slots, counts)
-    groups: list[tuple[int, slice | torch.Tensor]] = []
-    for slot in np.unique(slots).tolist():
-        if slot == BASE:
-            continue
-        idx = np.flatnonzero(per_token == slot)
-        if len(idx) == 0:
-            continue
-        first, last = int(idx[0]), int(idx[-1])
-        if last - first + 1 == len(idx):  # contiguous: a view, no gather / scatter
-            groups.append((slot, slice(first, last + 1)))
-        else:
-            groups.append((slot, torch.from_numpy(idx).to(device or "cpu")))
-    token_slots = torch.from_numpy(per_token).to(device or "cpu") if len(per_token) <= STACKED_MAX_TOKENS else None
-    return RowGroups(int(counts.sum()), groups, token_slots)
+    positions = np.flatnonzero(per_token != BASE)
+    order = positions[np.argsort(per_token[positions], kind="stable")]
+    by_slot = per_token[order]
+    starts = np.flatnonzero(np.diff(by_slot, prepend=BASE - 1))
+    ends = np.append(starts[1:], len(order))
+    segments = [(int(by_slot[s]), int(s), int(e)) for s, e in zip(starts, ends)]
+    if len(order) and int(order[-1]) - int(order[0]) + 1 == len(order) and bool(np.all(np.diff(order) == 1)):
+        rows: slice | torch.Tensor = slice(int(order[0]), int(order[-1]) + 1)  # a view: no gather, no scatter
+    else:
+        rows = torch.from_numpy(order).to(device or "cpu")
+    small = len(per_token) <= STACKED_MAX_TOKENS
+    token_slots = torch.from_numpy(per_token).to(device or "cpu") if small else None
+    return RowGroups(int(counts.sum()), rows, segments, len(order), token_slots)
 
 
-def apply_lora(
+def shrink(
     x: torch.Tensor,
-    y: torch.Tensor,
     groups: RowGroups,
-    weights: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    a_by_slot: dict[int, torch.Tensor],
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """y[rows] += (x[rows] @ A.T) @ B.T for each group whose slot has weights (in place where y allows);
-    `reduce` (row-parallel layers) sums the shrink outputs over the ranks before the expand."""
-    present = [(rows, weights[slot]) for slot, rows in groups.groups if slot in weights]
+) -> dict[int, torch.Tensor]:
+    """slot → x[its rows] @ A.T ([rows, r]) for every slot of the step with an A here; `reduce` (row-parallel
+    layers) sums them over the ranks, all in one call."""
+    present = [(slot, start, end) for slot, start, end in groups.segments if slot in a_by_slot]
     if not present:
-        return y
-    xf = x.reshape(-1, x.shape[-1])
-    if xf.shape[0] != groups.num_tokens:
-        raise ValueError(f"LoRA: the step's rows cover {groups.num_tokens} tokens, the layer got {xf.shape[0]}")
-    try:
-        yf = y.view(-1, y.shape[-1])
-    except RuntimeError:  # a layout a view cannot flatten: work on a copy
-        y = y.contiguous()
-        yf = y.view(-1, y.shape[-1])
-    shrunk = [(xf[rows] if isinstance(rows, slice) else xf.index_select(0, rows)) @ a.T for rows, (a, _) in present]
+        return {}
+    xg = groups.gather(x.reshape(-1, x.shape[-1]))
+    out = {slot: xg[start:end] @ a_by_slot[slot].T for slot, start, end in present}
     if reduce is not None:
-        sizes = [s.numel() for s in shrunk]
-        flat = reduce(torch.cat([s.reshape(-1) for s in shrunk]))
-        shrunk = [part.view_as(s) for part, s in zip(torch.split(flat, sizes), shrunk)]
-    for (rows, (_, b)), s in zip(present, shrunk):
-        if isinstance(rows, slice):
-            yf[rows].addmm_(s, b.T)
-        else:
-            yf.index_add_(0, rows, s @ b.T)
-    return y
+        parts = list(out.values())
+        flat = reduce(torch.cat([p.reshape(-1) for p in parts]))
+        out = {slot: t.view_as(p) for slot, t, p in zip(out, torch.split(flat, [p.numel() for p in parts]), parts)}
+    return out
 
 
-def apply_stacked(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    groups: RowGroups,
-    stack: Stack,
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """y += ((x @ A_all.T) * mask) @ B_all.T: every adapter of the layer in one shrink and one expand, the mask
-    keeping each token's own adapter's columns (`apply_lora`'s result, in three products)."""
-    xf = x.reshape(-1, x.shape[-1])
-    if xf.shape[0] != groups.num_tokens:
-        raise ValueError(f"LoRA: the step's rows cover {groups.num_tokens} tokens, the layer got {xf.shape[0]}")
+def _flat(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, y as [tokens, out]) sharing memory; a layout a view cannot flatten is copied first."""
     try:
-        yf = y.view(-1, y.shape[-1])
+        return y, y.view(-1, y.shape[-1])
     except RuntimeError:
         y = y.contiguous()
-        yf = y.view(-1, y.shape[-1])
-    shrunk = xf @ stack.a.T
-    if reduce is not None:  # row-parallel: the partial shrinks of every rank summed
-        shrunk = reduce(shrunk)
-    shrunk.mul_(groups.mask(stack.layout, stack.column_slots, shrunk.dtype))
-    yf.addmm_(shrunk, stack.b_t)
+        return y, y.view(-1, y.shape[-1])
+
+
+def expand(
+    y: torch.Tensor,
+    groups: RowGroups,
+    shrunk: dict[int, torch.Tensor],
+    b_by_slot: dict[int, tuple[int, int, torch.Tensor]],
+) -> torch.Tensor:
+    """y[rows of slot] += shrunk[slot][:, c0:c1] @ B.T for each slot with (c0, c1, B.T) here: every delta into one
+    buffer (a slot without a B here leaves its rows zero), added to y in one go (in place where y allows)."""
+    present = [(slot, start, end) for slot, start, end in groups.segments if slot in b_by_slot and slot in shrunk]
+    if not present:
+        return y
+    y, yf = _flat(y)
+    make = torch.empty if len(present) == len(groups.segments) else torch.zeros
+    delta = make(groups.count, yf.shape[1], dtype=y.dtype, device=y.device)
+    for slot, start, end in present:
+        c0, c1, b_t = b_by_slot[slot]
+        torch.mm(shrunk[slot][:, c0:c1], b_t, out=delta[start:end])
+    groups.add_to(yf, delta)
     return y
 
 
 @dataclass
 class Stack:
-    """One layer's adapters side by side: A [C, in], B transposed [C, out], and each column's slot."""
+    """Adapters side by side for the stacked form: A [C, in] (a family's members one after the other, each with
+    every slot's rows), each column's slot, and the layout (which layers' masks are the same)."""
 
-    layout: tuple  # ((slot, rank), ...): layers with the same layout share a step's mask
+    layout: tuple
     a: torch.Tensor
-    b_t: torch.Tensor
     column_slots: torch.Tensor
 
-    @classmethod
-    def of(cls, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Stack | None:
-        if not weights:
-            return None
-        slots = sorted(weights)
-        a = torch.cat([weights[s][0] for s in slots])
-        b_t = torch.cat([weights[s][1] for s in slots], dim=1).T.contiguous()
-        ranks = [weights[s][0].shape[0] for s in slots]
-        column_slots = torch.tensor([s for s, r in zip(slots, ranks) for _ in range(r)], device=a.device)
-        return cls(tuple(zip(slots, ranks)), a, b_t, column_slots)
+    def shrink(self, x: torch.Tensor, groups: RowGroups, reduce=None) -> torch.Tensor:
+        """((x @ A.T) summed over the ranks by `reduce`) * mask: [tokens, C], each token's own adapter's columns."""
+        xf = x.reshape(-1, x.shape[-1])
+        groups.check(xf)
+        shrunk = xf @ self.a.T
+        if reduce is not None:  # row-parallel: the partial shrinks of every rank summed
+            shrunk = reduce(shrunk)
+        return shrunk.mul_(groups.mask(self.layout, self.column_slots, shrunk.dtype))
+
+
+def expand_stacked(y: torch.Tensor, shrunk: torch.Tensor, columns: tuple[int, int, torch.Tensor]) -> torch.Tensor:
+    """y += shrunk[:, c0:c1] @ B.T: this layer's columns of the masked shrink (base tokens add exact zeros)."""
+    c0, c1, b_t = columns
+    y, yf = _flat(y)
+    yf.addmm_(shrunk[:, c0:c1], b_t)
+    return y
+
+
+class SharedShrink:
+    """The shrink of projections that read the same input (q/k/v, gate/up of one module; any other layer alone):
+    their A side by side, one product for all of them — per adapter present in large steps (`a`: slot → the
+    members' A of that slot), one for every adapter in small ones (`stack`). Computed at the first member's call
+    for an input and handed to the others while they are called with that same tensor in that step (as
+    cpu_linear's fused product); a member called again, or with another input, computes it anew."""
+
+    def __init__(self, members: list[LoraLayer]) -> None:
+        self.members = members
+        self.reduce = _all_reduce if members[0].split == "row" else None
+        self.a: dict[int, torch.Tensor] = {}
+        for slot in sorted(set().union(*(m.weights for m in members))):
+            parts, col = [], 0
+            for m in members:
+                if slot in m.weights:
+                    a, b = m.weights[slot]
+                    m.expand_weights[slot] = (col, col + a.shape[0], b.T.contiguous())
+                    parts.append(a)
+                    col += a.shape[0]
+            self.a[slot] = torch.cat(parts) if len(parts) > 1 else parts[0]
+        parts, column_slots, col = [], [], 0
+        for m in members:
+            slots = sorted(m.weights)
+            a = torch.cat([m.weights[s][0] for s in slots])
+            b_t = torch.cat([m.weights[s][1] for s in slots], dim=1).T.contiguous()
+            m.stacked_columns = (col, col + a.shape[0], b_t)
+            parts.append(a)
+            column_slots += [s for s in slots for _ in range(m.weights[s][0].shape[0])]
+            col += a.shape[0]
+        device = parts[0].device
+        self.stack = Stack(tuple(column_slots), torch.cat(parts), torch.tensor(column_slots, device=device))
+        self._key: tuple | None = None  # (input, step grouping) the held shrink was computed for
+        self._shrunk = None
+        self._unserved: set[int] = set()
+
+    def shrunk_for(self, member: int, x: torch.Tensor, groups: RowGroups):
+        """The family's shrink of x: a masked [tokens, C] tensor in small steps, else slot → [rows, r]."""
+        key = self._key
+        if key is None or key[0] is not x or key[1] is not groups or member not in self._unserved:
+            if groups.token_slots is not None:
+                shrunk = self.stack.shrink(x, groups, self.reduce)
+            else:
+                shrunk = shrink(x, groups, self.a, self.reduce)
+            self._key, self._shrunk = (x, groups), shrunk
+            self._unserved = set(range(len(self.members)))
+        shrunk = self._shrunk
+        self._unserved.discard(member)
+        if not self._unserved:  # every member has it: let the activations go
+            self._key, self._shrunk = None, None
+        return shrunk
 
 
 def _all_reduce(t: torch.Tensor) -> torch.Tensor:
@@ -183,14 +267,18 @@ def tp_split(module: torch.nn.Linear) -> tuple[str | None, int, int]:
 
 
 class LoraLayer:
-    """One targeted linear: the installed adapters' (A, B) by slot, and the wrapper around its forward."""
+    """One targeted linear: the installed adapters' (A, B) by slot (this rank's part), the shrink it shares with
+    its siblings, and the wrapper around its forward."""
 
     def __init__(self, module: torch.nn.Linear, registry: LoraRegistry) -> None:
         self.module, self.registry = module, registry
-        self.inner = module.forward  # whatever is installed now (torch, oneDNN, fused member, TP)
+        self.inner = module.forward  # whatever is installed now (torch, oneDNN, fused member, quantized, TP)
         self.split, self.offset, self.size = tp_split(module)
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.stack: Stack | None = None  # the same weights side by side, for small steps
+        self.expand_weights: dict[int, tuple[int, int, torch.Tensor]] = {}  # slot → its shrink columns, B.T
+        self.stacked_columns: tuple[int, int, torch.Tensor] | None = None  # its columns of the stack, B.T
+        self.shared: SharedShrink | None = None
+        self.member = 0  # this layer's index in `shared`
         module.forward = self.forward
 
     def install(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -199,21 +287,29 @@ class LoraLayer:
         elif self.split == "row":
             a = a[:, self.offset : self.offset + self.size]
         self.weights[slot] = (a.contiguous(), b.contiguous())
-        self.stack = Stack.of(self.weights)
 
     def remove(self, slot: int) -> None:
-        if self.weights.pop(slot, None) is not None:
-            self.stack = Stack.of(self.weights)
+        self.weights.pop(slot, None)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.inner(x, *args, **kwargs)
         groups = self.registry.step_groups
-        if groups is None or not self.weights:
+        if groups is None or self.shared is None:
             return y
-        reduce = _all_reduce if self.split == "row" else None
+        shrunk = self.shared.shrunk_for(self.member, x, groups)
         if groups.token_slots is not None:
-            return apply_stacked(x, y, groups, self.stack, reduce)
-        return apply_lora(x, y, groups, self.weights, reduce)
+            return expand_stacked(y, shrunk, self.stacked_columns)
+        return expand(y, groups, shrunk, self.expand_weights)
+
+
+def _siblings_key(key: str, layer: LoraLayer) -> tuple:
+    """Layers with the same key share their shrink: q/k/v (gate/up) of one module, split alike (row-parallel
+    siblings would need the same input slice); any other layer is alone."""
+    parent, _, name = key.rpartition(".")
+    family = next((names for names in FUSED_GROUPS if name in names), None)
+    if family is None:
+        return (key,)
+    return (parent, family, layer.split, layer.offset if layer.split == "row" else 0, layer.module.in_features)
 
 
 class LoraRegistry:
@@ -259,6 +355,7 @@ class LoraRegistry:
         self.slots[slot] = name
         self.adapters[name] = adapter
         self.sources[name] = (str(folder), 0)
+        self._share()
         return adapter
 
     def unload(self, name: str) -> None:
@@ -268,6 +365,19 @@ class LoraRegistry:
         self.slots[slot] = None
         del self.adapters[name]
         self.sources.pop(name, None)
+        self._share()
+
+    def _share(self) -> None:
+        """Regroup the layers that hold weights by the shrink they share (after every load and unload)."""
+        families: dict[tuple, list[LoraLayer]] = {}
+        for key, layer in self.layers.items():
+            layer.shared, layer.expand_weights, layer.stacked_columns = None, {}, None
+            if layer.weights:
+                families.setdefault(_siblings_key(key, layer), []).append(layer)
+        for members in families.values():
+            shared = SharedShrink(members)
+            for i, layer in enumerate(members):
+                layer.shared, layer.member = shared, i
 
     def sync(self, wanted: dict[str, str], generations: dict[str, int] | None = None) -> dict[str, str]:
         """Hold exactly `wanted` (name → folder): drop the others and those whose folder or generation changed

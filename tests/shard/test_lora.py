@@ -16,16 +16,9 @@ from transformers import AutoModelForCausalLM
 
 from libs.protocol.messages import NewSequence, StepPlan
 from libs.protocol.params import SamplingParams
+from services.shard import lora
 from services.shard.cpu_linear import use_onednn
-from services.shard.lora import (
-    BASE,
-    STACKED_MAX_TOKENS,
-    LoraRegistry,
-    Stack,
-    apply_lora,
-    apply_stacked,
-    group_rows,
-)
+from services.shard.lora import BASE, STACKED_MAX_TOKENS, LoraRegistry, expand, group_rows, shrink
 from services.shard.lora_adapter import AdapterError, load_adapter
 from services.shard.model_runner import ModelRunner
 
@@ -120,11 +113,15 @@ ROWS = [None, "all", "qv_rs", "all", "mlp", None, "patterns", "patterns", "regex
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("onednn", [False, True])
-def test_mixed_batch_equals_peft(tiny_dirs, adapters, reference, arch, onednn):
+@pytest.mark.parametrize("form", ["stacked", "grouped"])
+def test_mixed_batch_equals_peft(tiny_dirs, adapters, reference, arch, onednn, form, monkeypatch):
     registry = _registry(tiny_dirs[arch], adapters, arch, onednn)
     gen = torch.Generator().manual_seed(7)
     input_ids = torch.randint(3, 500, (len(ROWS), 12), generator=gen)
-    registry.set_step(ROWS, [12] * len(ROWS))
+    if form == "grouped":  # these 108 tokens would be a small step: make every step large
+        monkeypatch.setattr(lora, "STACKED_MAX_TOKENS", 0)
+    groups = registry.set_step(ROWS, [12] * len(ROWS))
+    assert (groups.token_slots is not None) == (form == "stacked")
     with torch.no_grad():
         ours = registry.model(input_ids=input_ids).logits
     worst = 0.0
@@ -135,7 +132,7 @@ def test_mixed_batch_equals_peft(tiny_dirs, adapters, reference, arch, onednn):
         worst = max(worst, (ours[rows] - want).abs().max().item())
         if name is not None:  # the adapter really changes the output (so the comparison can fail)
             assert (want - _peft_logits(reference[arch], None, input_ids[rows])).abs().max() > 1e-1
-    print(f"{arch} onednn={onednn}: max |ours - peft| = {worst:.2e}")
+    print(f"{arch} onednn={onednn} {form}: max |ours - peft| = {worst:.2e}")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -217,13 +214,63 @@ def test_unload_frees_the_slot_and_leaves_the_others(tiny_dirs, adapters, refere
     torch.testing.assert_close(base, _peft_logits(reference["llama"], None, input_ids), atol=ATOL, rtol=0)
 
 
-def test_group_rows_slices_and_gathers():
+def test_group_rows_orders_adapter_tokens_by_slot():
     g = group_rows([BASE, 0, 0, 1, BASE, 1], [2, 3, 1, 2, 4, 1])
-    assert g.num_tokens == 13
-    (s0, r0), (s1, r1) = g.groups
-    assert (s0, r0) == (0, slice(2, 6))
-    assert s1 == 1 and r1.tolist() == [6, 7, 12]
-    assert group_rows([BASE, BASE]).groups == []
+    assert g.num_tokens == 13 and g.count == 7
+    assert g.order.tolist() == [2, 3, 4, 5, 6, 7, 12] and g.segments == [(0, 0, 4), (1, 4, 7)]
+    assert [(s, r if isinstance(r, slice) else r.tolist()) for s, r in g.groups] == [(0, [2, 3, 4, 5]), (1, [6, 7, 12])]
+    interleaved = group_rows([1, 0, BASE, 1, 0])
+    assert interleaved.order.tolist() == [1, 4, 0, 3] and interleaved.segments == [(0, 0, 2), (1, 2, 4)]
+    # adapter tokens in one run already ordered by slot: a slice, no gather or scatter
+    run = group_rows([BASE, 2, 2, 3, BASE], [1, 2, 1, 3, 2])
+    assert run.order == slice(1, 7) and run.segments == [(2, 0, 3), (3, 3, 6)]
+    assert group_rows([BASE, BASE]).segments == [] and group_rows([BASE, BASE]).count == 0
+
+
+def _reference_delta(x, slots_per_token, weights):
+    """Row by row: x[t] @ A.T @ B.T of the token's own adapter (none for base tokens and absent slots)."""
+    out = torch.zeros(x.shape[0], next(iter(weights.values()))[1].shape[0])
+    for t, slot in enumerate(slots_per_token):
+        if slot in weights:
+            a, b = weights[slot]
+            out[t] = (x[t] @ a.T) @ b.T
+    return out
+
+
+def _apply(x, y, groups, weights, reduce=None):
+    """One layer alone: its shrink (every slot's A) and its expand (the whole shrink's columns, B.T)."""
+    shrunk = shrink(x, groups, {s: a for s, (a, _) in weights.items()}, reduce)
+    return expand(y, groups, shrunk, {s: (0, a.shape[0], b.T.contiguous()) for s, (a, b) in weights.items()})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_products_equal_each_tokens_own_adapter(dtype):
+    """Interleaved rows (a gather and a scatter), one run (a slice), base rows untouched bit for bit, adapters of
+    different ranks, one loaded but absent from the step, one whose B is absent here (its rows keep the base);
+    in float32 and in bfloat16."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(9, 12, generator=gen), torch.randn(10, 12, generator=gen)
+    weights = {s: (torch.randn(r, 12, generator=gen), torch.randn(10, r, generator=gen)) for s, r in
+               ((0, 4), (2, 3), (5, 6))}  # fmt: skip
+    for slots, counts in (([2, BASE, 0, 2, 0], [2, 2, 1, 3, 1]), ([BASE, 0, 0, 2], [2, 3, 1, 3])):
+        groups = group_rows(slots, counts)
+        per_token = np.repeat(slots, counts).tolist()
+        base = (x @ w.T).to(dtype)
+        got = _apply(
+            x.to(dtype), base.clone(), groups, {s: (a.to(dtype), b.to(dtype)) for s, (a, b) in weights.items()}
+        )
+        want = base.float() + _reference_delta(x.float(), per_token, weights)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+        on_base = [t for t, s in enumerate(per_token) if s == BASE]
+        assert torch.equal(got[on_base], base[on_base]) and not torch.equal(got, base)
+    # slot 2 has an A (the shared shrink of a sibling) but no B in this layer: its rows keep the base output
+    groups = group_rows([2, 0], [2, 2])
+    shrunk = shrink(x[:4], groups, {s: a for s, (a, _) in weights.items()})
+    a0, b0 = weights[0]
+    got = expand(x[:4] @ w.T, groups, shrunk, {0: (0, a0.shape[0], b0.T.contiguous())})
+    torch.testing.assert_close(got[:2], x[:2] @ w.T, atol=0, rtol=0)
+    torch.testing.assert_close(got[2:], x[2:4] @ w.T + (x[2:4] @ a0.T) @ b0.T)
 
 
 def test_tensor_parallel_slices_sum_to_the_whole():
@@ -232,40 +279,48 @@ def test_tensor_parallel_slices_sum_to_the_whole():
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(7, 12, generator=gen), torch.randn(10, 12, generator=gen)
     a, b = torch.randn(4, 12, generator=gen), torch.randn(10, 4, generator=gen)
-    groups = group_rows([0, BASE, 0, 0], [2, 2, 1, 2])
-    whole = apply_lora(x, x @ w.T, groups, {0: (a, b)})
-    cols = [apply_lora(x, x @ w[o : o + 5].T, groups, {0: (a, b[o : o + 5])}) for o in (0, 5)]
+    a2, b2 = torch.randn(3, 12, generator=gen), torch.randn(10, 3, generator=gen)
+    groups = group_rows([0, BASE, 1, 0], [2, 2, 1, 2])
+    weights = {0: (a, b), 1: (a2, b2)}
+    whole = _apply(x, x @ w.T, groups, weights)
+    cols = [_apply(x, x @ w[o : o + 5].T, groups, {s: (aa, bb[o : o + 5]) for s, (aa, bb) in weights.items()})
+            for o in (0, 5)]  # fmt: skip
     torch.testing.assert_close(torch.cat(cols, dim=1), whole)
-    # rank 0 holds inputs 0..5, rank 1 inputs 6..11; the all-reduce adds rank 1's shrink to rank 0's
-    ((_, rows),) = groups.groups
-    rank1 = (x[rows, 6:] @ a[:, 6:].T).reshape(-1)
-    rank0 = apply_lora(x[:, :6], x @ w.T, groups, {0: (a[:, :6], b)}, reduce=lambda t: t + rank1)
+    # rank 0 holds inputs 0..5, rank 1 inputs 6..11; the all-reduce adds rank 1's shrinks to rank 0's
+    rank1 = shrink(x[:, 6:], groups, {s: aa[:, 6:] for s, (aa, _) in weights.items()})
+    flat1 = torch.cat([t.reshape(-1) for t in rank1.values()])
+    rank0 = _apply(x[:, :6], x @ w.T, groups, {s: (aa[:, :6], bb) for s, (aa, bb) in weights.items()},
+                   reduce=lambda t: t + flat1)  # fmt: skip
     torch.testing.assert_close(rank0, whole)
 
 
-def test_stacked_products_equal_the_grouped_ones():
-    """Small steps take the stacked form (one shrink, a mask, one expand for every adapter of the layer): the same
-    delta as the grouped products, interleaved rows, base rows, adapters of different ranks and one absent from the
-    step; and on tensor-parallel slices (column: B rows; row: A columns, the masked shrinks summed)."""
-    gen = torch.Generator().manual_seed(1)
-    x, w = torch.randn(9, 12, generator=gen), torch.randn(10, 12, generator=gen)
-    weights = {s: (torch.randn(r, 12, generator=gen), torch.randn(10, r, generator=gen)) for s, r in
-               ((0, 4), (2, 3), (5, 6))}  # fmt: skip
-    groups = group_rows([2, BASE, 0, 2, 0], [2, 2, 1, 3, 1])  # slot 5 loaded, absent from the step
-    assert groups.token_slots.tolist() == [2, 2, -1, -1, 0, 2, 2, 2, 0]
-    whole = apply_lora(x, x @ w.T, groups, weights)
-    assert not torch.equal(whole, x @ w.T)
-    stack = Stack.of(weights)
-    torch.testing.assert_close(apply_stacked(x, x @ w.T, groups, stack), whole)
-    assert list(groups.masks) == [(stack.layout, torch.float32)]  # built once, shared by layers of its layout
-    cols = [apply_stacked(x, x @ w[o : o + 5].T, groups, Stack.of({s: (a, b[o : o + 5]) for s, (a, b) in
-            weights.items()})) for o in (0, 5)]  # fmt: skip
-    torch.testing.assert_close(torch.cat(cols, dim=1), whole)
-    rank1 = x[:, 6:] @ Stack.of(weights).a[:, 6:].T
-    rank0_stack = Stack.of({s: (a[:, :6], b) for s, (a, b) in weights.items()})
-    torch.testing.assert_close(apply_stacked(x[:, :6], x @ w.T, groups, rank0_stack, reduce=lambda t: t + rank1), whole)
-    # a large step stays grouped (no per-token slots)
-    assert group_rows([0] * (STACKED_MAX_TOKENS + 1)).token_slots is None
+@pytest.mark.parametrize("tokens", [1, STACKED_MAX_TOKENS])  # a small step (stacked) and a large one (grouped)
+def test_siblings_share_one_shrink(tiny_dirs, adapters, tokens):
+    """q/k/v (gate/up) of a layer read the same input: one shrink serves all of them (counted) and gives what each
+    layer alone gives; a sibling called with another tensor computes its own."""
+    registry = _registry(tiny_dirs["llama"], adapters, "llama", onednn=True)
+    attn = registry.model.model.layers[0].self_attn
+    q, k, v = (registry.layers[f"model.layers.0.self_attn.{n}"] for n in ("q_proj", "k_proj", "v_proj"))
+    assert q.shared is k.shared is v.shared and q.shared is not registry.layers["model.layers.0.mlp.up_proj"].shared
+    # "all" targets q, k and v (rank 8 each): its A in the shared shrink holds the three side by side
+    assert q.shared.a[registry.slot_of("all")].shape[0] == 24
+    rows = ["all", None, "qv_rs", "all"]
+    registry.set_step(rows, [tokens] * len(rows))
+    assert (registry.step_groups.token_slots is not None) == (tokens * len(rows) <= STACKED_MAX_TOKENS)
+    calls = []
+    q.shared.reduce = lambda t: calls.append(t.shape) or t  # counts each shrink computed (a no-op sum)
+    x = torch.randn(tokens * len(rows), attn.q_proj.in_features, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        together = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+        assert len(calls) == 1
+        alone = [attn.q_proj(x.clone()), attn.k_proj(x.clone()), attn.v_proj(x.clone())]
+        assert len(calls) == 4
+        base = [layer.inner(x) for layer in (q, k, v)]
+    registry.clear_step()
+    slots = np.repeat([registry.slot_of(r) for r in rows], tokens).tolist()
+    for got, got_alone, layer, b in zip(together, alone, (q, k, v), base):
+        torch.testing.assert_close(got, got_alone, atol=0, rtol=0)
+        torch.testing.assert_close(got, b + _reference_delta(x, slots, layer.weights), atol=1e-5, rtol=1e-5)
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------

@@ -1,0 +1,129 @@
+"""One model step with LoRA rows against the same step on the base model alone, in process.
+
+The bench model (`smollm2`: SmolLM2-135M's shape, random weights) in the serving dtype, its linears switched to
+oneDNN as the shard does (`use_onednn`: fused q/k/v and gate/up), and the `lora` workload's adapters (4, every
+projection, r 16, built with peft) loaded into a `LoraRegistry`. A step is one forward over `rows` one-token
+rows (a decode step's linear work: every projection and the LM head over `rows` tokens; no KV cache, so
+attention is trivial). The mixed step spreads the rows round robin over the base model and the adapters, as the
+serving bench does (`--base-share` of them on the base model). Both steps are timed interleaved, `rounds`
+times, and the medians compared: the ratio is what the LoRA rows cost a step, without the servers around it.
+
+    python -m launcher.bench.lora_step [--rows 16,64] [--threads N] [--dtype bfloat16] [--rounds 7] [--cpu-clock]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from launcher.bench.timing import median_ms
+
+
+def median_cpu_ms(fn, reps: int) -> float:
+    """Median CPU time of this process over `reps` calls: on a shared machine the time others' processes take
+    the cores is not counted (with --threads 1, the wall time of a quiet machine)."""
+    times = []
+    for _ in range(reps):
+        t = time.process_time()
+        fn()
+        times.append(time.process_time() - t)
+    return statistics.median(times) * 1000
+
+
+def _rotation(names: list[str], base_share: float, rows: int) -> list[str | None]:
+    """Each row's adapter: every 1/base_share-th row on the base model, the others round robin over `names`."""
+    every = round(1 / base_share) if base_share > 0 else 0
+    out, k = [], 0
+    for i in range(rows):
+        if every and i % every == every - 1:
+            out.append(None)
+        else:
+            out.append(names[k % len(names)])
+            k += 1
+    return out
+
+
+def measure(rows_list: list[int], dtype: str, rounds: int, reps: int, base_share: float, cpu_clock: bool = False):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from launcher.bench import lora_serving, models
+    from services.shard.cpu_linear import use_onednn
+    from services.shard.lora import LoraRegistry
+
+    model_dir = models.build_llama("smollm2")
+    adapters = lora_serving.build_adapters(model_dir, "smollm2", 4, [16])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="eager")
+    model.eval()
+    use_onednn(model)
+    registry = LoraRegistry(model, max_loras=len(adapters), max_rank=16)
+    for name, folder in adapters.items():
+        registry.load(name, folder)
+    registry.check_hooks()
+    names = list(adapters)
+    results = []
+    gen = torch.Generator().manual_seed(0)
+    for rows in rows_list:
+        ids = torch.randint(3, model.config.vocab_size, (rows, 1), generator=gen)
+        mix = _rotation(names, base_share, rows)
+
+        def base_step(ids=ids):
+            registry.clear_step()
+            return model(input_ids=ids, use_cache=False).logits
+
+        def mixed_step(ids=ids, mix=mix):
+            registry.set_step(mix)  # once per step, as the runner does: counted in the step's time
+            try:
+                return model(input_ids=ids, use_cache=False).logits
+            finally:
+                registry.clear_step()
+
+        times: dict[str, list[float]] = {"base": [], "mixed": []}
+        with torch.inference_mode():
+            base_logits, mixed_logits = base_step(), mixed_step()  # warm up; the adapters change the output
+            on_base = [i for i, a in enumerate(mix) if a is None]
+            torch.testing.assert_close(mixed_logits[on_base], base_logits[on_base], atol=0, rtol=0)
+            assert not torch.equal(mixed_logits, base_logits)
+            clock = median_cpu_ms if cpu_clock else median_ms
+            for _ in range(rounds):
+                times["base"].append(clock(base_step, reps))
+                times["mixed"].append(clock(mixed_step, reps))
+        base, mixed = statistics.median(times["base"]), statistics.median(times["mixed"])
+        results.append({"rows": rows, "base_ms": base, "mixed_ms": mixed, "ratio": base / mixed})
+    return results
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| rows | base step ms | LoRA-mix step ms | base / mix (throughput ratio) |", "|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['rows']} | {r['base_ms']:.2f} | {r['mixed_ms']:.2f} | {100 * r['ratio']:.1f} % |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.bench.lora_step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="16,64", help="rows per step (comma list)")
+    parser.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 (what the shard serves in)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=3, help="steps per timing (median of rounds)")
+    parser.add_argument("--base-share", type=float, default=0.2, help="fraction of rows on the base model")
+    parser.add_argument("--cpu-clock", action="store_true", help="time by this process's CPU time (busy machine)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [int(v) for v in args.rows.split(",")]
+    results = measure(rows, args.dtype, args.rounds, args.reps, args.base_share, args.cpu_clock)
+    clock = "CPU time" if args.cpu_clock else "wall time"
+    print(
+        f"smollm2 shape, 4 adapters r 16 on every projection, {args.dtype}, {torch.get_num_threads()} threads, {clock}"
+    )
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
