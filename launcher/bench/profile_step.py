@@ -13,11 +13,12 @@ The parts of one decode step of the whole batch, each the median over the steps:
 - publish: encoding the result's frames (what the shard sends).
 
     python -m launcher.bench.profile_step --model llama-128k,smollm2,gemma --batch 1,16,64 [--dtype auto]
-        [--torch-linears]
+        [--torch-linears] [--no-lean]
 
 With --compare, instead: the whole step of three runners side by side — bf16 with the oneDNN linears (the
 default on a CPU with native bf16), bf16 with torch's linears, float32 with the oneDNN linears — one step of each
-in turn, so that load on the machine hits all three alike.
+in turn, so that load on the machine hits all three alike. With --compare-lean, the same for the lean decoder walk
+(services/shard/lean_forward.py) against transformers' forward at the chosen dtype, with their ratio.
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ class StepTimers:
         ):
             setattr(runner, name, self._timed(getattr(runner, name), part))
         model = runner.model
-        self._hook(model.model, "layers")
+        if runner.lean is not None:  # the lean walk does not call model.model: time its body instead
+            runner.lean.body = self._timed(runner.lean.body, "layers")
+        else:
+            self._hook(model.model, "layers")
         self._hook(model.get_output_embeddings(), "LM head")
 
     def _timed(self, fn, part):
@@ -83,12 +87,18 @@ class StepTimers:
 
 
 def profile(
-    model_dir: str, batch: int, prompt_tokens: int, output_tokens: int, dtype: str, onednn: bool = True
+    model_dir: str,
+    batch: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    dtype: str,
+    onednn: bool = True,
+    lean: bool = True,
 ) -> dict:
     from launcher.bench.limit import Driver
     from libs.protocol import codec
 
-    driver = Driver(model_dir, batch, prompt_tokens, output_tokens, dtype=dtype, onednn_linear=onednn)
+    driver = Driver(model_dir, batch, prompt_tokens, output_tokens, dtype=dtype, onednn_linear=onednn, lean=lean)
     driver.warm()
     driver.prefill()
     timers = StepTimers(driver.runner)
@@ -108,6 +118,7 @@ def profile(
     return {
         "batch": batch,
         "dtype": dtype,
+        "forward": "lean" if driver.runner.lean is not None else "transformers",
         "step_ms": 1000 * statistics.median(totals),
         "parts_ms": timers.medians_ms(),
     }
@@ -120,11 +131,18 @@ COMPARED = {
 }
 
 
-def compare(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) -> dict[str, float]:
-    """Median decode step ms of each COMPARED runner, their steps interleaved."""
+def lean_compared(dtype: str) -> dict[str, dict]:
+    """--compare-lean: the lean decoder walk against transformers' forward, at one dtype."""
+    return {"lean walk": dict(dtype=dtype), "transformers' forward": dict(dtype=dtype, lean=False)}
+
+
+def compare(
+    model_dir: str, batch: int, prompt_tokens: int, output_tokens: int, runners: dict[str, dict] = COMPARED
+) -> dict[str, float]:
+    """Median decode step ms of each of `runners` (name -> Driver arguments), their steps interleaved."""
     from launcher.bench.limit import Driver
 
-    drivers = {name: Driver(model_dir, batch, prompt_tokens, output_tokens, **kw) for name, kw in COMPARED.items()}
+    drivers = {name: Driver(model_dir, batch, prompt_tokens, output_tokens, **kw) for name, kw in runners.items()}
     for driver in drivers.values():
         driver.warm()
         driver.prefill()
@@ -138,7 +156,8 @@ def compare(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) 
 
 
 def table(label: str, rows: list[dict]) -> list[str]:
-    lines = [f"{label} ({rows[0]['dtype']}): median ms per decode step, share of the step in brackets", ""]
+    head = f"{label} ({rows[0]['dtype']}, {rows[0]['forward']} forward)"
+    lines = [f"{head}: median ms per decode step, share of the step in brackets", ""]
     lines.append("| part | " + " | ".join(f"batch {r['batch']}" for r in rows) + " |")
     lines.append("|---|" + "---:|" * len(rows))
     for part in PARTS:
@@ -160,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="auto (the server's default on this CPU) | float32 | bfloat16")
     ap.add_argument("--torch-linears", action="store_true", help="torch's own linears (the shard's oneDNN switch off)")
     ap.add_argument("--compare", action="store_true", help="bf16 oneDNN / bf16 torch / fp32 oneDNN steps, interleaved")
+    ap.add_argument("--compare-lean", action="store_true", help="lean walk / transformers' forward, interleaved")
+    ap.add_argument("--no-lean", action="store_true", help="profile transformers' forward (the lean walk off)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import torch
@@ -172,15 +193,28 @@ def main(argv: list[str] | None = None) -> int:
     out = {}
     for name in args.model.split(","):
         label, folder = models.resolve(name)
-        if args.compare:
+        if args.compare or args.compare_lean:
+            runners = lean_compared(str(dtype).removeprefix("torch.")) if args.compare_lean else COMPARED
             for b in args.batch.split(","):
-                got = compare(str(folder), int(b), args.prompt_tokens, args.output_tokens)
+                got = compare(str(folder), int(b), args.prompt_tokens, args.output_tokens, runners)
+                if args.compare_lean:
+                    got["ratio"] = got["transformers' forward"] / got["lean walk"]
                 out.setdefault(label, []).append({"batch": int(b), "step_ms": got})
                 if not args.json:
-                    print(f"{label} batch {b}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in got.items()), flush=True)
+                    cells = [f"{k} {v:.2f}x" if k == "ratio" else f"{k} {v:.2f} ms" for k, v in got.items()]
+                    print(f"{label} batch {b}: " + ", ".join(cells), flush=True)
             continue
         rows = [
-            profile(str(folder), int(b), args.prompt_tokens, args.output_tokens, dtype) for b in args.batch.split(",")
+            profile(
+                str(folder),
+                int(b),
+                args.prompt_tokens,
+                args.output_tokens,
+                dtype,
+                not args.torch_linears,
+                not args.no_lean,
+            )
+            for b in args.batch.split(",")
         ]
         out[label] = rows
         if not args.json:

@@ -51,6 +51,7 @@ class _Group:
     rows: int = 0  # R
     queries: int = 0  # Q: queries of the longest row
     whole: bool = False  # the group is every row, one query each, in packed order: its output is the output
+    hidden_rows: torch.Tensor | None = None  # one-query groups: `hidden` as [kv_heads * R, 1, keys] (`_attend_one`)
 
 
 @dataclass
@@ -70,6 +71,8 @@ class PagedBatch:
     host_cu: np.ndarray = None  # [rows + 1] int64
     host_context: np.ndarray = None  # [rows] int64
     host_tables: np.ndarray = None  # [rows, max_blocks] int64, padded with -1
+    # per layer (K, V) as [kv_heads, slots, D] views (None: formed per call); the runner forms them once at load
+    kv_flat: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     _groups: dict = field(default_factory=dict)  # sliding window (0 = none) -> (groups, tiled rows)
 
     def plan(self, window: int, device: torch.device) -> tuple[list[_Group], list[TiledRow]]:
@@ -83,6 +86,17 @@ class PagedBatch:
             groups = _build_groups(self, short, window, device) if len(short) else []
             got = self._groups[window] = (groups, build_tiled(self, tiled, window, device))
         return got
+
+
+def allocate_pages(
+    layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The paged KV cache: per layer (K, V), zeroed, each `shape` = [kv_heads, blocks, block_size, D] (head-major:
+    gathering a row's blocks gives each head's keys as one contiguous matrix), and the same as [kv_heads, slots, D]
+    views (where a step's new K/V go in), formed once."""
+    pages = [tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv") for _ in range(layers)]
+    flat = [tuple(t.view(shape[0], -1, shape[3]) for t in kv) for kv in pages]
+    return pages, flat
 
 
 def _bucket(q_lens: np.ndarray, k_lens: np.ndarray) -> list[np.ndarray]:
@@ -163,41 +177,68 @@ def paged_attention(
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the `paged` model kwarg (see ModelRunner)")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    k_cache, v_cache = paged.kv_cache[module.layer_idx]
-    # [1, kv_heads, T, D] into the flat slots of [kv_heads, blocks * block_size, D]
-    kv_heads, _, block_size, head_dim = k_cache.shape
-    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, paged.slot_mapping, key[0].to(k_cache.dtype))
-    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, paged.slot_mapping, value[0].to(v_cache.dtype))
-    window = int(sliding_window or 0)
-    groups, tiled = paged.plan(window, query.device)
-    out = None
-    if groups:
-        out = _attend(query[0], k_cache, v_cache, groups, scaling, softcap)
-    if tiled:
-        if out is None:
-            out = query.new_empty(query.shape[2], query.shape[1], head_dim)
-        attend_tiled(query[0], k_cache, v_cache, tiled, out, scaling, softcap, window)
+    # [1, heads, T, D] as token-major views [T, heads, D]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out = attend_layer(module.layer_idx, q, k, v, paged, scaling, softcap, int(sliding_window or 0))
     return out.unsqueeze(0), None  # [1, T, heads, D], like eager's transposed output
 
 
+def attend_layer(
+    layer: int,
+    query: torch.Tensor,  # [T, heads, D]
+    key: torch.Tensor,  # [T, kv_heads, D]
+    value: torch.Tensor,  # [T, kv_heads, D]
+    paged: PagedBatch,
+    scaling: float,
+    softcap: float | None,
+    window: int,  # 0: full attention
+) -> torch.Tensor:
+    """One layer's attention over the packed batch, [T, heads, D]: the new K/V into the pages, then every row
+    over its context (the lean forward calls this directly; transformers' models through `paged_attention`)."""
+    k_cache, v_cache = paged.kv_cache[layer]
+    if paged.kv_flat is not None:
+        k_flat, v_flat = paged.kv_flat[layer]
+    else:
+        k_flat, v_flat = (c.view(c.shape[0], -1, c.shape[3]) for c in (k_cache, v_cache))
+    if key.dtype != k_cache.dtype:
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    # [kv_heads, T, D] into the flat slots
+    k_flat.index_copy_(1, paged.slot_mapping, key.transpose(0, 1))
+    v_flat.index_copy_(1, paged.slot_mapping, value.transpose(0, 1))
+    groups, tiled = paged.plan(window, query.device)
+    out = None
+    if groups:
+        out = _attend(query, k_cache, v_cache, groups, scaling, softcap)
+    if tiled:
+        if out is None:
+            out = query.new_empty(query.shape)
+        attend_tiled(query.transpose(0, 1), k_cache, v_cache, tiled, out, scaling, softcap, window)
+    return out
+
+
 def _attend(
-    query: torch.Tensor,  # [heads, T, D]
+    tokens: torch.Tensor,  # [T, heads, D]
     k_cache: torch.Tensor,  # [kv_heads, blocks, block_size, D]
     v_cache: torch.Tensor,
     groups: list[_Group],
     scaling: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    heads, total, head_dim = query.shape
+    total, heads, head_dim = tokens.shape
     kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
     n_rep = heads // kv_heads
+    if groups[0].whole:  # every row decodes: one batched product, its output is the output
+        return _attend_one(tokens, k_cache, v_cache, groups[0], scaling, softcap)
     # transformers' repeat_kv order: kv head j serves query heads j*n_rep .. j*n_rep+n_rep-1
-    by_kv_head = query.view(kv_heads, n_rep, total, head_dim)
-    out = None if groups[0].whole else query.new_empty(total, heads, head_dim)
+    by_kv_head = tokens.transpose(0, 1).view(kv_heads, n_rep, total, head_dim)
+    out = tokens.new_empty(total, heads, head_dim)
     for g in groups:
         rows, q_len = g.rows, g.queries
+        if q_len == 1:
+            out[g.out_rows] = _attend_one(tokens.index_select(0, g.q_index), k_cache, v_cache, g, scaling, softcap)
+            continue
         keys = g.kv_blocks.shape[0] // rows * block_size
-        q = by_kv_head if g.whole else by_kv_head.index_select(2, g.q_index)
+        q = by_kv_head.index_select(2, g.q_index)
         # [kv_heads, n_rep, R * Q, D] -> [kv_heads, R, n_rep * Q, D]: the heads sharing a KV head are extra queries
         q = q.view(kv_heads, n_rep, rows, q_len, head_dim).transpose(1, 2).reshape(kv_heads, rows, -1, head_dim)
         # whole pages, one copy: [kv_heads, R * NB, bs, D] is [kv_heads, R, keys, D] as it stands
@@ -210,11 +251,41 @@ def _attend(
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.matmul(probs.view(kv_heads, rows, n_rep * q_len, keys), v)  # [kv_heads, R, n_rep * Q, D]
         o = o.view(kv_heads, rows, n_rep, q_len, head_dim).permute(1, 3, 0, 2, 4)  # [R, Q, kv_heads, n_rep, D]
-        if out is None:
-            return o.reshape(total, heads, head_dim)
         o = o.reshape(rows, q_len, heads, head_dim)
         out[g.out_rows] = o[g.q_valid] if g.q_valid is not None else o.reshape(-1, heads, head_dim)
     return out
+
+
+def _attend_one(
+    q: torch.Tensor,  # [R, heads, D]: one query per row
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: _Group,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """[R, heads, D] for a group of one-query rows (decodes): the same products as the general path (its matmul
+    runs as this bmm over [kv_heads * R] matrices), with as few ops as the math allows and the elementwise steps
+    in place."""
+    rows, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[0]
+    n_rep = heads // kv_heads
+    keys = g.kv_blocks.shape[0] // rows * k_cache.shape[2]
+    # [R, heads, D] -> [kv_heads * R, n_rep, D]: the query heads of KV head j (repeat_kv's order) per row
+    q = q.view(rows, kv_heads, n_rep, head_dim).transpose(0, 1).reshape(kv_heads * rows, n_rep, head_dim)
+    k = k_cache.index_select(1, g.kv_blocks).view(kv_heads * rows, keys, head_dim)
+    v = v_cache.index_select(1, g.kv_blocks).view(kv_heads * rows, keys, head_dim)
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scaling)
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    if g.hidden_rows is None:  # [1, R, 1, 1, keys] -> per (KV head, row) matrix, formed once per step and window
+        g.hidden_rows = g.hidden.view(1, rows, 1, keys).expand(kv_heads, -1, -1, -1).reshape(-1, 1, keys)
+    scores.masked_fill_(g.hidden_rows, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if probs.dtype != q.dtype:
+        probs = probs.to(q.dtype)
+    o = torch.bmm(probs, v)  # [kv_heads * R, n_rep, D]
+    return o.view(kv_heads, rows, n_rep, head_dim).transpose(0, 1).reshape(rows, heads, head_dim)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

@@ -3,8 +3,9 @@
 The scheduler decides everything (which rows, which blocks); the runner only keeps what it was told: each
 sequence's sampling parameters, its seeded generator, its block table and, for the sequences that need them, the
 token ids it was fed (penalties, watermark) and the last prompt chunk's log-softmax (prompt logprobs). A step is
-ONE forward over all rows packed into [1, T] — prefills and decodes mixed — with position ids restarting per row,
-and the batch layout (slots, row bounds) handed to `paged_attention` as the `paged` model kwarg.
+ONE forward over all rows packed into [1, T] — prefills and decodes mixed — with position ids restarting per row
+and the batch layout (slots, row bounds) in a PagedBatch: the lean walk's (services/shard/lean_forward.py) where
+the architecture has one, else transformers' forward with it as the `paged` kwarg of `paged_attention`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from transformers.distributed import DistributedConfig
 from libs.protocol.messages import StepPlan, StepResult
 from libs.protocol.params import SamplingParams
 from libs.runtime import model_store
-from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch
+from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch, allocate_pages
 from services.shard.constraints import ShardGrammars
 from services.shard.cpu_linear import use_onednn
+from services.shard.lean_forward import build as build_lean
 from services.shard.lora import LoraRegistry
 from services.shard.prompt_logprobs import chunk_logprobs
 from services.shard.quant_linear import from_pretrained as quantized_from_pretrained
@@ -107,6 +109,7 @@ class ModelRunner:
         max_lora_rank: int = 64,
         quantize: str = "",
         grammar: bool = True,  # structured output (off with --disable-grammar-support: no matcher is ever built)
+        lean: bool = True,  # the lean decoder walk where the architecture has one (services/shard/lean_forward.py)
     ) -> None:
         self.device = torch.device(device)
         self.block_size = block_size
@@ -132,6 +135,7 @@ class ModelRunner:
         for name, folder in (lora_adapters or {}).items():
             self.lora.load(name, folder)
         self.lora.check_hooks()
+        self.lean, self.lean_reason = build_lean(self.model, tp, lean)  # None: transformers' forward, and why
         cfg = self.model.config.get_text_config()
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -143,10 +147,7 @@ class ModelRunner:
         self.num_kv_heads //= tp  # this rank's share: the attention function sees only its heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (self.num_kv_heads, num_blocks, block_size, self.head_dim)
-        # Per layer K and V, head-major (services.shard.attention): gathering a row's blocks gives each head's keys
-        # as one contiguous matrix for the matmul.
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        self.kv_cache, self.kv_flat = allocate_pages(self.num_layers, shape, dtype, self.device)
         self.seqs: dict[int, _Sequence] = {}
         self._pick_pool = PickGenerators(self.device)
         self.grammars = ShardGrammars(model_dir, model_store.model_info(model_dir)["eos_token_ids"], grammar)
@@ -253,7 +254,8 @@ class ModelRunner:
 
         dev = self.device
         paged = PagedBatch(
-            kv_cache=list(zip(self.k_cache, self.v_cache)),
+            kv_cache=self.kv_cache,
+            kv_flat=self.kv_flat,
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev),
             context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(dev),
@@ -291,14 +293,12 @@ class ModelRunner:
 
     def _forward(self, batch: _Batch) -> torch.Tensor:
         """One forward over every row; the logits of the kept positions only, [kept, vocab]."""
-        out = self.model(
-            input_ids=batch.input_ids[None],
-            position_ids=batch.position_ids[None],
-            use_cache=False,
-            logits_to_keep=batch.keep,
-            paged=batch.paged,
-        )
-        return out.logits[0]
+        if self.lean is not None:
+            return self.lean.forward(batch.input_ids, batch.position_ids, batch.keep, batch.paged)
+        ids, pos, keep = batch.input_ids[None], batch.position_ids[None], batch.keep
+        return self.model(
+            input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, paged=batch.paged
+        ).logits[0]
 
     def _sample(self, batch: _Batch, logits: torch.Tensor, result: StepResult) -> Choice:
         """Prompt logprobs of the prompt rows (into `result`), then one token per sampled row."""
