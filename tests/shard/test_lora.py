@@ -14,13 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from libs.protocol.messages import NewSequence, StepPlan
-from libs.protocol.params import SamplingParams
 from services.shard import lora
 from services.shard.cpu_linear import use_onednn
 from services.shard.lora import BASE, STACKED_MAX_TOKENS, LoraRegistry, expand, group_rows, shrink
 from services.shard.lora_adapter import AdapterError, load_adapter
-from services.shard.model_runner import ModelRunner
 
 peft = pytest.importorskip("peft")
 
@@ -63,9 +60,8 @@ def _build_adapter(model_dir, out, seed: int, **kwargs):
     return out
 
 
-@pytest.fixture(scope="module")
-def adapters(tiny_dirs, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
+def build_adapters(tiny_dirs, root) -> dict:
+    """(arch, name) → folder of every ADAPTERS entry on the tiny llama and qwen2."""
     return {
         (arch, name): _build_adapter(tiny_dirs[arch], root / arch / name, seed=i, **cfg)
         for arch in ("llama", "qwen2")
@@ -73,8 +69,7 @@ def adapters(tiny_dirs, tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_dirs, adapters):
+def build_reference(tiny_dirs, adapters) -> dict:
     """arch → PeftModel holding every adapter of that arch."""
     refs = {}
     for arch in ("llama", "qwen2"):
@@ -84,6 +79,16 @@ def reference(tiny_dirs, adapters):
             ref.load_adapter(adapters[arch, name], adapter_name=name)
         refs[arch] = ref.eval()
     return refs
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_dirs, tmp_path_factory):
+    return build_adapters(tiny_dirs, tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs, adapters):
+    return build_reference(tiny_dirs, adapters)
 
 
 def _peft_logits(ref, name: str | None, input_ids: torch.Tensor) -> torch.Tensor:
@@ -133,62 +138,6 @@ def test_mixed_batch_equals_peft(tiny_dirs, adapters, reference, arch, onednn, f
         if name is not None:  # the adapter really changes the output (so the comparison can fail)
             assert (want - _peft_logits(reference[arch], None, input_ids[rows])).abs().max() > 1e-1
     print(f"{arch} onednn={onednn} {form}: max |ours - peft| = {worst:.2e}")
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_packed_prefill_through_the_runner(tiny_dirs, adapters, reference, arch):
-    """A plan's new sequences name their adapters; the runner (paged attention, fused oneDNN linears, its own
-    registry loaded at start) groups the packed rows in prepare and clears the grouping after the forward."""
-    folders = {name: str(adapters[arch, name]) for name in ADAPTERS}
-    runner = ModelRunner(str(tiny_dirs[arch]), num_blocks=32, block_size=4, lora_adapters=folders)
-    assert runner.lora.loaded() == list(ADAPTERS)
-    rows = ["mlp", None, "all", "qv_rs", "all", "regex"]
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 9, 3, 11, 7, 6)]
-    need = [-(-len(p) // 4) for p in prompts]
-    starts = np.cumsum([0] + need)
-    plan = StepPlan(
-        step=1,
-        new=[NewSequence(i, SamplingParams(), [], rows[i]) for i in range(len(rows))],
-        blocks={i: list(range(starts[i], starts[i + 1])) for i in range(len(rows))},
-        seqs=np.arange(len(rows), dtype=np.int32),
-        num_tokens=np.array([len(p) for p in prompts], np.int32),
-        context_lens=np.zeros(len(rows), np.int32),
-        token_ids=np.array([t for p in prompts for t in p], np.int32),
-        sample=np.ones(len(rows), np.uint8),
-    )
-    seen = []  # the logits of the runner's own forward, and the grouping it ran with
-    forward = runner._forward
-    runner._forward = lambda batch: seen.append((forward(batch), runner.lora.step_groups)) or seen[-1][0]
-    result = runner.execute(plan)
-    last, groups = seen[0]
-    assert sorted(slot for slot, _ in groups.groups) == sorted({runner.lora.slot_of(r) for r in rows if r})
-    assert runner.lora.step_groups is None  # cleared after the forward
-    for i, (name, prompt) in enumerate(zip(rows, prompts)):
-        want = _peft_logits(reference[arch], name, torch.tensor([prompt]))[0, -1]
-        torch.testing.assert_close(last[i], want, atol=ATOL, rtol=0)
-        assert result.token_ids[i] == int(want.argmax())
-    # a base-only step sets no grouping at all
-    base = StepPlan(
-        step=2,
-        new=[NewSequence(9, SamplingParams())],
-        blocks={9: [starts[-1]]},
-        seqs=np.array([9], np.int32),
-        num_tokens=np.array([3], np.int32),
-        context_lens=np.zeros(1, np.int32),
-        token_ids=np.array([5, 6, 7], np.int32),
-        sample=np.ones(1, np.uint8),
-    )
-    runner.execute(base)
-    assert seen[-1][1] is None
-    unknown = StepPlan(step=3, new=[NewSequence(10, SamplingParams(), [], "nope")], **_no_rows())
-    with pytest.raises(ValueError, match="LoRA adapter 'nope', which this shard has not loaded"):
-        runner.execute(unknown)
-
-
-def _no_rows() -> dict:
-    empty = np.zeros(0, np.int32)
-    return dict(seqs=empty, num_tokens=empty, context_lens=empty, token_ids=empty, sample=np.zeros(0, np.uint8))
 
 
 def test_unload_frees_the_slot_and_leaves_the_others(tiny_dirs, adapters, reference):
