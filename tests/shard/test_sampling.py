@@ -333,3 +333,38 @@ def test_warpers_and_alternatives_run_on_the_rows_that_ask(monkeypatch):
     c = sampling.choose(logits, params, [torch.Generator().manual_seed(i) for i in range(4)])
     assert c.top_counts.tolist() == [0, 0, 2, 0] and 1 in searched and 4 not in searched
     assert c.top_ids.tolist() == logits[2].topk(2).indices.tolist()
+
+
+def test_seeded_rows_drawn_side_by_side_draw_what_one_thread_draws(monkeypatch):
+    """Sampled rows are drawn on a pool of threads (torch.multinomial's exponential numbers are made on one core):
+    the tokens equal those of drawing the rows one by one, in order; rows sharing a generator stay serial."""
+    import threading
+
+    from services.shard import sampling
+
+    threads_used, real_draw = [], sampling._draw
+    monkeypatch.setattr(
+        sampling, "_draw", lambda row, gen: threads_used.append(threading.current_thread().name) or real_draw(row, gen)
+    )
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    rows, vocab = 9, 50_000
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)).bfloat16()
+    params = [
+        SamplingParams(do_sample=True, temperature=0.9, seed=i) if i != 4 else SamplingParams() for i in range(rows)
+    ]
+    c = sampling.choose(logits, params, [torch.Generator().manual_seed(10 + i) for i in range(rows)])
+    assert len(threads_used) == rows - 1 and all(name.startswith("sampling-draw") for name in threads_used)
+    want, _ = _old_choose_tokens(logits, params, [10 + i for i in range(rows)])
+    assert c.token_ids.tolist() == want.tolist()
+    assert len(set(c.token_ids.tolist())) > 2  # really drawn
+
+    threads_used.clear()
+    shared = torch.Generator().manual_seed(7)
+    c = sampling.choose(logits, params, [shared] * rows)
+    assert threads_used == [threading.current_thread().name] * (rows - 1)
+    shared.manual_seed(7)
+    scores = sampling.final_scores(logits, params)
+    serial = [
+        int(torch.multinomial(torch.softmax(scores[i], -1), 1, generator=shared)[0]) for i in range(rows) if i != 4
+    ]
+    assert [t for i, t in enumerate(c.token_ids.tolist()) if i != 4] == serial
