@@ -307,6 +307,14 @@ def test_no_full_float32_copy_or_log_softmax_of_bf16_logits(monkeypatch):
     assert (rows, vocab) not in made and (1, vocab) not in made
     assert made.count((vocab,)) == 5  # the sampled rows' softmax, one row at a time
     assert buffers == [(sampling.GREEDY_CHUNK_ELEMENTS // vocab, vocab)]
+    monkeypatch.undo()
+    want_ids, final = _old_choose_tokens(logits, params, [1] * rows)
+    assert c.token_ids.tolist() == want_ids.tolist()
+    torch.testing.assert_close(c.logprobs.double(), final.gather(-1, c.token_ids[:, None])[:, 0], rtol=0, atol=1e-6)
+    top = final[1].topk(4)
+    assert c.top_counts.tolist() == [4 if i % 3 == 1 else 0 for i in range(rows)]
+    assert c.top_ids[:4].tolist() == top.indices.tolist()
+    torch.testing.assert_close(c.top_logprobs[:4].double(), top.values, rtol=0, atol=1e-6)
 
 
 def test_warpers_and_alternatives_run_on_the_rows_that_ask(monkeypatch):
