@@ -140,7 +140,7 @@ class Batcher:
         new, blocks = self._admit(rows, budget)
         if not rows:
             return None
-        drafts = self.drafter.draft(self, rows) if self.drafter else {}
+        drafts = self.drafter.draft(self, rows, step) if self.drafter else {}
         for s, _ in rows:
             if s.seq not in blocks and len(s.blocks) > s.planned_blocks:
                 blocks[s.seq] = s.blocks[s.planned_blocks :]
@@ -284,6 +284,8 @@ class Batcher:
         """Append each row's tokens (a drafted row's accepted ones too), finishing by length (first, as TGI) or EOS
         at the first token that ends it; index the newly full blocks; free the blocks past accepted drafts."""
         inflight = self._inflight.pop(result.step, [])
+        if self.drafter is not None:  # the step's time teaches the drafter what a position costs
+            self.drafter.timed(result.step, result.forward_s)
         self.pacing.observed(result.step, result.forward_s)
         drafted = {handle: k for _, handle, _, k in inflight if k}
         self._gather_prompt_logprobs(result)

@@ -216,7 +216,6 @@ class AnswerDrafter(Drafter):
                 drafts = answer[len(done) : len(done) + k]
                 if drafts and self.calls % 3 == 0:
                     drafts[-1] = (drafts[-1] + 7) % 900 + 3
-                stats.since_draft = 0
                 return drafts
         raise AssertionError("a sequence that is no request's prompt and answer")
 
