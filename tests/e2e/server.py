@@ -84,7 +84,7 @@ class Server:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # a short poll: every test module waits here for its server
         raise TimeoutError(f"server not healthy after {timeout}s:\n{self.tail()}")
 
     def tail(self, n: int = 60) -> str:
