@@ -143,6 +143,9 @@ def compare(
     from launcher.bench.limit import Driver
 
     drivers = {name: Driver(model_dir, batch, prompt_tokens, output_tokens, **kw) for name, kw in runners.items()}
+    for name, driver in drivers.items():
+        if runners[name].get("lean", True) and driver.runner.lean is None:
+            print(f"{name}: transformers' forward ({driver.runner.lean_reason})", file=sys.stderr)
     for driver in drivers.values():
         driver.warm()
         driver.prefill()

@@ -272,7 +272,10 @@ def _attend_one(
     n_rep = heads // kv_heads
     keys = g.kv_blocks.shape[0] // rows * k_cache.shape[2]
     # [R, heads, D] -> [kv_heads * R, n_rep, D]: the query heads of KV head j (repeat_kv's order) per row
-    q = q.view(rows, kv_heads, n_rep, head_dim).transpose(0, 1).reshape(kv_heads * rows, n_rep, head_dim)
+    if rows == 1:
+        q = q.view(kv_heads, n_rep, head_dim)
+    else:
+        q = q.view(rows, kv_heads, n_rep, head_dim).transpose(0, 1).reshape(kv_heads * rows, n_rep, head_dim)
     k = k_cache.index_select(1, g.kv_blocks).view(kv_heads * rows, keys, head_dim)
     v = v_cache.index_select(1, g.kv_blocks).view(kv_heads * rows, keys, head_dim)
     scores = torch.bmm(q, k.transpose(1, 2)).mul_(scaling)
@@ -285,6 +288,8 @@ def _attend_one(
     if probs.dtype != q.dtype:
         probs = probs.to(q.dtype)
     o = torch.bmm(probs, v)  # [kv_heads * R, n_rep, D]
+    if rows == 1:
+        return o.view(1, heads, head_dim)
     return o.view(kv_heads, rows, n_rep, head_dim).transpose(0, 1).reshape(rows, heads, head_dim)
 
 

@@ -24,6 +24,7 @@ Anything else keeps transformers' forward; the reason is logged and kept on the 
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,8 @@ import torch
 from services.shard.attention import PagedBatch, attend_layer
 
 log = logging.getLogger(__name__)
+# a half input with Gemma's float32 (1 + weight) takes rms_norm's composite path, which is the one we want (`_norm`)
+warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
 
 # model class -> (module class prefix, norm kind, layout): "llama" layers are pre-norm; "gemma" layers add the
 # sandwich norms (post-attention, pre/post feed-forward); "gemma3" adds per-head q/k norms and per-type rotary.
@@ -168,11 +171,9 @@ def _norm_spec(module: torch.nn.Module, gemma: bool) -> tuple:
 def _norm(x: torch.Tensor, spec: tuple) -> torch.Tensor:
     """transformers' RMSNorm of the model (module docstring), over the last dimension."""
     weight, eps, gemma = spec
-    if gemma:  # normalized and weighted in float32, then cast
-        if x.dtype == torch.float32:
-            return torch.rms_norm(x, weight.shape, weight, eps)
-        return torch.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
-    if x.dtype == torch.float32:
+    if gemma or x.dtype == torch.float32:
+        # Gemma: normalized and weighted in float32, then cast: what rms_norm does with a half input and a float32
+        # weight (it upcasts, multiplies, then casts back; tested bit-equal against transformers' forward)
         return torch.rms_norm(x, weight.shape, weight, eps)
     return torch.rms_norm(x, weight.shape, None, eps) * weight  # normalized in float32, cast, then the weight
 
