@@ -336,15 +336,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.model:
         print(f"CPU: {cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.model}")
-        print("| dtype | n | grouped ms | tiled ms | tiled, eager tiles ms | tiled, SDPA tiles ms | speed-up (tiled) |",
-              flush=True)  # fmt: skip
-        print("|---|---:|---:|---:|---:|---:|---:|", flush=True)
+        print("| dtype | n | grouped ms | tiled ms | tiled, eager tiles ms | tiled, SDPA tiles ms "
+              "| tiled, half tiles ms | speed-up (tiled) |", flush=True)  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
         for dtype_name in args.dtype.split(","):
             for n in (int(x) for x in args.n.split(",")):
                 ms = prefill(args.model, n, dtype_name, args.rounds)
                 speed = ms["grouped"] / ms["tiled"]
-                cells = " | ".join(f"{ms[x]:.0f}" if x in ms else "–" for x in ("grouped", "tiled", "tiled-eager",
-                                                                                    "tiled-sdpa"))  # fmt: skip
+                kinds = ("grouped", "tiled", "tiled-eager", "tiled-sdpa", "tiled-half")
+                cells = " | ".join(f"{ms[x]:.0f}" if x in ms else "–" for x in kinds)
                 print(f"| {dtype_name} | {n} | {cells} | {speed:.2f}x |", flush=True)
         return 0
     ns = [int(x) for x in args.n.split(",")]

@@ -25,6 +25,7 @@ The choice between them, and the tile sizes, were measured (`python -m launcher.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -177,8 +178,10 @@ def half_tile(q, k, v, q_pos: int, k_pos: int, window: int, scaling: float) -> t
     and, on a sliding layer, those the last query's window has left behind."""
     heads, tq, head_dim = q.shape
     kv_heads, keys = k.shape[0], k.shape[1]
-    # scaled after the product, in place, as transformers' eager attention rounds it (not q before: other roundings)
-    scores = torch.bmm(q.reshape(kv_heads, -1, head_dim), k.transpose(1, 2)).mul_(scaling)
+    if math.frexp(scaling)[0] == 0.5:  # a power of two (1/8, 1/16): scaling q first rounds nothing, and is tq x D
+        scores = torch.bmm((q * scaling).reshape(kv_heads, -1, head_dim), k.transpose(1, 2))
+    else:  # after the product, in place, where transformers' eager attention rounds it (q first: other roundings)
+        scores = torch.bmm(q.reshape(kv_heads, -1, head_dim), k.transpose(1, 2)).mul_(scaling)
     grid = scores.view(kv_heads, heads // kv_heads, tq, keys)
     right = max(0, q_pos + 1 - k_pos)  # first column with a key later than the first query
     left = max(0, q_pos + tq - window - k_pos) if window else 0  # columns before the last query's window

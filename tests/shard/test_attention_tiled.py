@@ -124,7 +124,8 @@ def _dense(q, k, v, q_pos: int, window: int, scaling: float, softcap: float | No
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ctx", [0, 21])
 @pytest.mark.parametrize("d", [16, 256])
-def test_tiles_equal_dense_attention(monkeypatch, softcap, window, dtype, ctx, d):
+@pytest.mark.parametrize("scaling", [0.3, 0.25])  # a power of two: the half kernel scales the queries instead
+def test_tiles_equal_dense_attention(monkeypatch, softcap, window, dtype, ctx, d, scaling):
     """One row (from position 0, or with context before it), GQA 4:2 (sdpa in float32, half GEMMs in bfloat16,
     eager when soft-capped), against dense eager attention."""
     monkeypatch.setattr(attention_tiled, "TILE_MIN_QUERIES", 8)
@@ -151,18 +152,18 @@ def test_tiles_equal_dense_attention(monkeypatch, softcap, window, dtype, ctx, d
     assert not groups and len(rows[0].tiles) == -(-n // 13)
     out = torch.full((n, heads, d), float("nan"), dtype=dtype)
     STATS.clear()
-    attention_tiled.attend_tiled(q, k_cache, v_cache, rows, out, 0.3, softcap, window)
+    attention_tiled.attend_tiled(q, k_cache, v_cache, rows, out, scaling, softcap, window)
     kernel = "eager" if softcap else "half" if dtype == torch.bfloat16 else "sdpa"
     assert attention_tiled.choose_kernel(q, softcap) == kernel
     square = not window and not ctx and kernel == "sdpa"
     assert STATS == ({"sdpa-causal": 1} if square else {kernel: -(-n // 13)})
     k = k_cache[:, table].reshape(kv_heads, -1, d)[:, : ctx + n]
     v = v_cache[:, table].reshape(kv_heads, -1, d)[:, : ctx + n]
-    want = _dense(q, k, v, ctx, window, 0.3, softcap)
+    want = _dense(q, k, v, ctx, window, scaling, softcap)
     tol = (1e-5 if dtype == torch.float32 else 3e-2) * (1 if d == 16 else 2)
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     if window:  # the window matters here: a wider one gives other outputs
-        assert not torch.allclose(_dense(q, k, v, ctx, window + 3, 0.3, softcap), want, atol=tol, rtol=tol)
+        assert not torch.allclose(_dense(q, k, v, ctx, window + 3, scaling, softcap), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
