@@ -66,6 +66,8 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         raise SystemExit(f"error: max_batch_prefill_tokens ({prefill}) must be >= max_input_tokens ({max_input})")
     if args.max_prefill_tokens_while_decoding < 0:
         raise SystemExit("error: --max-prefill-tokens-while-decoding must be >= 0 (0: no cap)")
+    if args.max_prefill_ms_while_decoding < 0:
+        raise SystemExit("error: --max-prefill-ms-while-decoding must be >= 0 (0: no cap)")
     speculate = args.speculate or 0  # TGI's default is None: no speculation
     if speculate < 0:
         raise SystemExit("error: --speculate must be >= 0")
@@ -113,6 +115,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         max_total_tokens=max_total,
         max_batch_prefill_tokens=prefill,
         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+        max_prefill_ms_while_decoding=args.max_prefill_ms_while_decoding,
         max_batch_total_tokens=total,
         max_batch_size=args.max_batch_size,
         speculate=speculate,

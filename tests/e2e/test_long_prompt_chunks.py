@@ -1,4 +1,5 @@
-"""`--max-prefill-tokens-while-decoding` through the real processes: a long prompt that arrives while streams
+"""The prefill cap while decoding through the real processes, in tokens (`--max-prefill-tokens-while-decoding`) and
+in time alone (`--max-prefill-ms-while-decoding`, the token cap off): a long prompt that arrives while streams
 decode is fed in chunks (the scheduler's `chunked_prefills` counter rises, which the default prefill budget would
 not make it do for a prompt this short), and every output still equals transformers' generate() token for token."""
 
@@ -18,10 +19,17 @@ from tests.reference import reference_generate
 CAP = 32
 
 
-@pytest.fixture(scope="module")
-def capped_server(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "long-prompt-chunks.log"
-    flags = ["--max-total-tokens", "512", "--max-input-tokens", "400", "--max-prefill-tokens-while-decoding", str(CAP)]
+# a token cap; a time cap alone (1 ms: a chunk of one block once a prefill was timed, 128 tokens before that)
+CAPS = {
+    "tokens": ["--max-prefill-tokens-while-decoding", str(CAP)],
+    "ms": ["--max-prefill-tokens-while-decoding", "0", "--max-prefill-ms-while-decoding", "1"],
+}
+
+
+@pytest.fixture(scope="module", params=list(CAPS))
+def capped_server(request, tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / f"long-prompt-chunks-{request.param}.log"
+    flags = ["--max-total-tokens", "512", "--max-input-tokens", "400", *CAPS[request.param]]
     server = Server(tiny_model_dir, log, *flags)
     try:
         server.wait_healthy()
