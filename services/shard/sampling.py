@@ -6,11 +6,12 @@ Like TGI's `HeterogeneousNextTokenChooser`, a row samples when `do_sample` is se
 request with only `temperature=0.7` samples), and the reported logprob is the log-softmax of the final processed
 and warped scores at the chosen token; the alternatives come from that same distribution.
 
-The warpers run on all rows at once (a neutral row is a no-op); only the draw is per row, because every request
-owns its generator (same seed → same tokens, whatever else shares the batch). A batch where no row changes its
-scores (no penalties, grammar or warpers) skips the processors and warpers altogether and reads the logits as they
-come (bf16 too: no float32 copy of them all). The argmax and every logprob come from one chunked pass over the
-scores (`_reduce`); no [rows, vocab] log-softmax is written (`python -m launcher.bench.sampling` times it).
+The warpers run at once on the rows that have any; only the draw is per row, because every request owns its
+generator (same seed → same tokens, whatever else shares the batch; on CPU the rows are drawn side by side). A
+batch where no row changes its scores (no penalties, grammar or warpers) skips the processors and warpers
+altogether and reads the logits as they come (bf16 too: no float32 copy of them all). The argmax and every logprob
+come from one chunked pass over the scores (`_reduce`); no [rows, vocab] log-softmax is written
+(`python -m launcher.bench.sampling` times it).
 """
 
 from __future__ import annotations
@@ -275,7 +276,7 @@ def choose(
     """Pick one token per row and report its logprob (and the alternatives asked for).
 
     Greedy rows take the argmax of their final scores; sampled rows a seeded multinomial draw from the softmax of
-    theirs, one row at a time (each owns its generator). Every logprob, the alternatives' too, is the score minus
+    theirs, each with its own generator (`_draws`). Every logprob, the alternatives' too, is the score minus
     the row's logsumexp from `_reduce`: no [n, vocab] log-softmax is written."""
     n = logits.shape[0]
     device = logits.device
