@@ -208,6 +208,16 @@ def _side_by_side(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> torch.Tens
     return q.as_strided((q.shape[0], heads, head_dim), (q.stride(0), head_dim, 1))
 
 
+def _activation(module: torch.nn.Module):
+    """The function the activation module's forward calls (no module call per layer), or the module itself."""
+    name = type(module).__name__
+    if name == "SiLUActivation" or (type(module) is torch.nn.SiLU and not module.inplace):
+        return torch.nn.functional.silu
+    if name == "GELUTanh" and callable(getattr(module, "act", None)):
+        return module.act  # functools.partial(gelu, approximate="tanh") (or its Python form), as forward calls it
+    return module
+
+
 def _layer_spec(layer, index: int, kind: str, config) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     gemma = kind != "llama"
@@ -234,7 +244,7 @@ def _layer_spec(layer, index: int, kind: str, config) -> _Layer:
         gate_proj=mlp.gate_proj,
         up_proj=mlp.up_proj,
         down_proj=mlp.down_proj,
-        act=mlp.act_fn,
+        act=_activation(mlp.act_fn),
         head_dim=attn.head_dim,
         scaling=float(attn.scaling),
         softcap=getattr(attn, "attn_logit_softcapping", None),
