@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from launcher.bench import loadgen, servers
+from launcher.bench.structured_server import ROWS, STEPS, grammar_side, grammar_totals, server_side, settled
 
 # An object a random-weight model fills up to its length bounds (so answers stay a few dozen tokens) and a trained
 # model answers in a similar length: strings, an array with bounded items and a number.
@@ -108,47 +109,6 @@ def check(kind: str, text: str | None) -> str | None:
     return None
 
 
-ROWS = "switchyard_constrained_rows_sum"  # the masked rows of every step, summed
-STEPS = "tgi_batch_inference_count"  # steps planned (prefill and decode)
-FORWARD_S, FORWARD_N = "tgi_batch_forward_duration_sum", "tgi_batch_forward_duration_count"  # the shard's steps
-PREFIX_HITS = "switchyard_prefix_cache_hit_tokens_total"  # prompt tokens taken from the prefix cache
-
-
-def _metrics(url: str) -> dict[str, float]:
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        return loadgen.parse_metrics(r.read().decode())
-
-
-def _settled(url: str, name: str, at_least: float | None = None, settle_s: float = 3.0, limit_s: float = 60.0):
-    """The server's metrics once `name` has reached `at_least` (if given) and not moved for `settle_s`; at most
-    `limit_s`. The services report their metrics with their heartbeats, seconds late on a loaded machine."""
-    last, since, deadline = None, time.monotonic(), time.monotonic() + limit_s
-    while True:
-        m = _metrics(url)
-        value, now = m.get(name, 0.0), time.monotonic()
-        if value != last:
-            last, since = value, now
-        if now >= deadline or ((at_least is None or value >= at_least) and now - since >= settle_s):
-            return m
-        time.sleep(0.5)
-
-
-def _server_side(before: dict, after: dict, output_tokens: int) -> dict:
-    """What the server did for one run: steps, sampled tokens per step, the shard's mean step time, prefix hits
-    (those must be alike on both sides: a prompt already cached skips its prefill)."""
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in (STEPS, FORWARD_S, FORWARD_N, PREFIX_HITS, ROWS)}
-    steps = delta[STEPS]
-    return {
-        "steps": steps,
-        "tokens_per_step": output_tokens / steps if steps else None,
-        "forward_ms": 1000 * delta[FORWARD_S] / delta[FORWARD_N] if delta[FORWARD_N] else None,
-        "prefix_hit_tokens": delta[PREFIX_HITS],
-        "constrained_rows": delta[ROWS],
-    }
-
-
 def paired(jobs: list[loadgen.Job], samples: list[loadgen.Sample], prompts) -> list[loadgen.Job]:
     """The unconstrained twins of `jobs`: each asks for as many new tokens as its constrained answer took, with a
     fresh prompt of the same token count. Reusing the constrained prompts would let the prefix cache skip their
@@ -161,27 +121,30 @@ def paired(jobs: list[loadgen.Job], samples: list[loadgen.Sample], prompts) -> l
     return out
 
 
-def _level(url: str, kind: str, jobs: list[loadgen.Job], twins, streams: int) -> dict:
+def _level(url: str, kind: str, jobs: list[loadgen.Job], twins, streams: int, log: Path | None = None) -> dict:
     """One (kind, streams) pair: the constrained run, then the paired unconstrained one (`twins`: the Prompts that
-    give the unconstrained side its own prompts)."""
-    m0 = _settled(url, ROWS)
+    give the unconstrained side its own prompts). `log`: the server's log, where the shard writes its grammar
+    totals (those of a run's last rows when the next run's first step drops them)."""
+    m0 = settled(url, ROWS)
+    g0 = grammar_totals(log)
     con, c0, c1 = asyncio.run(loadgen.drive(url, _GrammarDialect(KINDS[kind]), jobs, streams))
     # every token of a constrained answer was sampled from a masked row, the first one in its prefill step
     expected = sum(s.tokens for s in con if s.error is None)
-    m1 = _settled(url, ROWS, at_least=m0.get(ROWS, 0.0) + expected)
+    m1 = settled(url, ROWS, at_least=m0.get(ROWS, 0.0) + expected)
     # an answer cut by max_new_tokens is a prefix, not a violation (a random-weight model may fill a schema's free
     # whitespace until the limit): those are counted apart; every answer the grammar ended must validate
     cut = [s for s in con if s.error is None and getattr(s, "finish", None) == "length"]
     ended = [s for s in con if s.error is None and getattr(s, "finish", None) != "length"]
     invalid = [why for s in ended for why in [check(kind, getattr(s, "text", None))] if why]
     free, u0, u1 = asyncio.run(loadgen.drive(url, _GrammarDialect(None), paired(jobs, con, twins), streams))
-    m2 = _settled(url, STEPS, at_least=m1.get(STEPS, 0.0) + max(s.tokens for s in free))  # a step per token at least
+    m2 = settled(url, STEPS, at_least=m1.get(STEPS, 0.0) + max(s.tokens for s in free))  # a step per token at least
     c, u = loadgen.summarize(con, c0, c1), loadgen.summarize(free, u0, u1)
     done = [s for s in con if s.error is None]
     server = {
-        "constrained": _server_side(m0, m1, c["output_tokens"]),
-        "unconstrained": _server_side(m1, m2, u["output_tokens"]),
+        "constrained": server_side(m0, m1, c["output_tokens"]),
+        "unconstrained": server_side(m1, m2, u["output_tokens"]),
     }
+    server["constrained"]["grammar"] = grammar_side(g0, grammar_totals(log))
     return {
         "kind": kind,
         "streams": streams,
@@ -287,14 +250,19 @@ def table(results: dict) -> str:
         )
     lines += ["", "Server side per run (from /metrics; prefix-cache hits must be alike, or one side skipped prefills):",
               "", "| grammar | streams | steps free / constrained | tokens per step | shard step ms "
-              "| prefix-cache hit tokens |", "|---|---:|---|---|---|---|"]  # fmt: skip
+              "| prefix-cache hit tokens | grammar ms/step on path + beside | matchers compiled / copied "
+              "| masks ahead / inline |", "|---|---:|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results["levels"]:
         u, c = r["server"]["unconstrained"], r["server"]["constrained"]
+        g = c.get("grammar", {})
         lines.append(
             f"| {r['kind']} | {r['streams']} | {u['steps']:.0f} / {c['steps']:.0f} "
             f"| {_f(u['tokens_per_step'])} / {_f(c['tokens_per_step'])} "
             f"| {_f(u['forward_ms'])} / {_f(c['forward_ms'])} "
-            f"| {u['prefix_hit_tokens']:.0f} / {c['prefix_hit_tokens']:.0f} |"
+            f"| {u['prefix_hit_tokens']:.0f} / {c['prefix_hit_tokens']:.0f} "
+            f"| {_f(g.get('path_ms_per_step'), 2)} + {_f(g.get('fill_ahead_ms_per_step'), 2)} "
+            f"| {g.get('compiled', 0):.0f} / {g.get('reused', 0):.0f} "
+            f"| {g.get('ahead_rows', 0):.0f} / {g.get('inline_rows', 0):.0f} |"
         )
     for r in results["levels"]:
         for why in r["invalid"]:
@@ -367,7 +335,7 @@ def run(args, out: Path) -> int:
                 jobs = prompts.fixed(args.structured_waves * c, args.structured_prompt_tokens,
                                      args.structured_max_new_tokens)  # fmt: skip
                 t0 = time.perf_counter()
-                r = _level(srv.url, kind, jobs, twins, c)
+                r = _level(srv.url, kind, jobs, twins, c, srv.log_path)
                 r["seconds"] = time.perf_counter() - t0
                 results["levels"].append(r)
                 print(f"  {kind:<5} streams {c:<3} unconstrained {r['unconstrained']['output_tok_s']:7.1f} tok/s  "

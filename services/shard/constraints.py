@@ -22,6 +22,7 @@ sequence alone and gets EOS as its only choice, so the batch's sampling never se
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -33,6 +34,8 @@ import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 Key = Hashable  # the shard's sequence handle
+log = logging.getLogger("switchyard.shard.grammar")
+REPORT_S = 10.0  # how often the shard logs its grammar totals while constrained rows run
 
 
 class RowError(NamedTuple):
@@ -67,7 +70,7 @@ class Constraints:
         # what the grammar work cost and whether its shortcuts fired: matchers compiled vs copied from the cache,
         # masks filled ahead (off the step's path) vs on it, and wall seconds per phase (fill_ahead runs on the
         # worker, beside the forward pass; the rest is on the step's path)
-        self.stats = {"compiled": 0, "reused": 0, "ahead_rows": 0, "inline_rows": 0}
+        self.stats = {"steps": 0, "rows": 0, "compiled": 0, "reused": 0, "ahead_rows": 0, "inline_rows": 0}
         self.seconds = {"open": 0.0, "apply": 0.0, "advance": 0.0, "fill_ahead": 0.0}
 
     @classmethod
@@ -215,6 +218,8 @@ class Constraints:
         if not rows:
             return []
         t0 = time.perf_counter()
+        self.stats["steps"] += 1
+        self.stats["rows"] += len(rows)
         try:
             return self._apply(logits, keys, rows)
         finally:
@@ -280,6 +285,7 @@ class ShardGrammars:
 
     def __init__(self, model_dir: str, eos_ids: Sequence[int], enabled: bool = True) -> None:
         path = os.path.join(model_dir, "tokenizer.json")
+        self._reported = (0, time.monotonic())  # (constrained steps, when) at the last totals line
         self._cons: Constraints | None = None
         self._future: concurrent.futures.Future | None = None
         if enabled and os.path.exists(path) and eos_ids:
@@ -301,6 +307,22 @@ class ShardGrammars:
     def discard(self, seq: int) -> None:
         if self._cons is not None:
             self._cons.discard(seq)
+            if not len(self._cons):  # the last constrained sequence ended: its steps are in the totals now
+                self.report(force=True)
+
+    def report(self, force: bool = False) -> str | None:
+        """Log the grammar work's running totals (cumulative, so a reader subtracts two lines to get a run's
+        share), every REPORT_S while constrained rows run, and when the last one ends; returns the line."""
+        cons, (steps, when) = self._cons, self._reported
+        now = time.monotonic()
+        if cons is None or cons.stats["steps"] == steps or not (force or now - when >= REPORT_S):
+            return None
+        self._reported = (cons.stats["steps"], now)
+        totals = " ".join(f"{k}={v}" for k, v in cons.stats.items())
+        seconds = " ".join(f"{k}_s={v:.4f}" for k, v in cons.seconds.items())
+        line = f"grammar totals: {totals} {seconds}"
+        log.info("%s", line)
+        return line
 
     def clear(self) -> None:
         if self._cons is not None:
@@ -327,6 +349,7 @@ class ShardGrammars:
         """The sampled tokens move the matchers on (and the next masks start filling on the worker)."""
         for e in self._cons.advance(keys, tokens):
             errors[int(e.key)] = e.message
+        self.report()
 
 
 def unpack(bits: np.ndarray, vocab: int, device: torch.device | str = "cpu", blocked: bool = False) -> torch.Tensor:

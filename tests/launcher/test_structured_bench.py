@@ -2,7 +2,8 @@
 prefix cache cannot skip their prefills, and ask for exactly as many tokens as the constrained answers took."""
 
 from launcher.bench import loadgen
-from launcher.bench.structured import _folder, _server_side, paired
+from launcher.bench.structured import _folder, paired
+from launcher.bench.structured_server import grammar_side, grammar_totals, server_side
 from launcher.bench.workload import Prompts
 from libs.runtime.settings import BLOCK_SIZE
 
@@ -30,6 +31,24 @@ def test_server_side_counts_one_run():
         "switchyard_prefix_cache_hit_tokens_total": 48,
         "switchyard_constrained_rows_sum": 80,
     }
-    got = _server_side(before, after, output_tokens=80)
+    got = server_side(before, after, output_tokens=80)
     assert got == {"steps": 20, "tokens_per_step": 4.0, "forward_ms": 50.0, "prefix_hit_tokens": 48,
                    "constrained_rows": 80}  # fmt: skip
+
+
+def test_the_shard_grammar_totals_are_read_from_the_server_log(tmp_path):
+    log = tmp_path / "server.log"
+    assert grammar_totals(log) == {}  # no log yet
+    first = "grammar totals: steps=10 rows=40 compiled=1 reused=3 ahead_rows=36 inline_rows=4 open_s=0.0010 "
+    first += "apply_s=0.0100 advance_s=0.0040 fill_ahead_s=0.0300"
+    last = "grammar totals: steps=30 rows=120 compiled=1 reused=7 ahead_rows=112 inline_rows=8 open_s=0.0030 "
+    last += "apply_s=0.0300 advance_s=0.0120 fill_ahead_s=0.0900"
+    log.write_text(f"2026-12-01T18:00:00 INFO shard.0 switchyard.shard.grammar: {first}\nother line\n")
+    before = grammar_totals(log)
+    with log.open("a") as f:
+        f.write(f'{{"message": "{last}", "level": "INFO"}}\n')  # a JSON log line reads the same
+    got = grammar_side(before, grammar_totals(log))
+    assert got["steps"] == 20 and got["rows_per_step"] == 4.0
+    assert abs(got["path_ms_per_step"] - 1000 * (0.002 + 0.02 + 0.008) / 20) < 1e-9
+    assert abs(got["fill_ahead_ms_per_step"] - 3.0) < 1e-9
+    assert (got["compiled"], got["reused"], got["ahead_rows"], got["inline_rows"]) == (0, 4, 76, 4)

@@ -104,3 +104,18 @@ def test_unconstrained_steps_build_no_masks(runner, tiny_dirs, monkeypatch):
     assert calls == []
     drive(runner, [Request(prompts[1], 3, join=1, grammar=regex)])
     assert "apply" in calls and "advance" in calls
+
+
+def test_the_shard_logs_its_grammar_totals_when_the_last_constrained_row_ends(runner, tiny_dirs, caplog):
+    prompts = prompts_for(tiny_dirs["qwen2"])
+    schema = grammar_text({"type": "json", "value": SCHEMA})[1]
+    cons = runner.grammars.constraints  # None until a first grammar (it has a len: test it against None)
+    before = dict(cons.stats) if cons is not None else {"steps": 0, "reused": 0}
+    with caplog.at_level("INFO", logger="switchyard.shard.grammar"):
+        out = drive(runner, [Request(prompts[0], 40, join=1, grammar=schema), Request(prompts[1], 40, join=1)])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("grammar totals:")]
+    assert len(lines) == 1  # once, when the constrained row ended (not per step)
+    totals = dict(field.split("=") for field in lines[0].removeprefix("grammar totals: ").split())
+    assert int(totals["steps"]) - before["steps"] == len(out[0])  # one masked step per token it generated
+    assert int(totals["reused"]) > before["reused"] or int(totals["compiled"]) >= 1
+    assert float(totals["apply_s"]) > 0 and float(totals["fill_ahead_s"]) > 0
