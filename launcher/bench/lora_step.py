@@ -5,10 +5,12 @@ oneDNN as the shard does (`use_onednn`: fused q/k/v and gate/up), and the `lora`
 projection, r 16, built with peft) loaded into a `LoraRegistry`. A step is one forward over `rows` one-token
 rows (a decode step's linear work: every projection and the LM head over `rows` tokens; no KV cache, so
 attention is trivial). The mixed step spreads the rows round robin over the base model and the adapters, as the
-serving bench does (`--base-share` of them on the base model). Both steps are timed interleaved, `rounds`
+serving bench does (`--base-share` of them on the base model); `--adapter-dtypes model,float32` adds a mixed
+step with the adapters in float32 over the same base. All steps are timed interleaved, `rounds`
 times, and the medians compared: the ratio is what the LoRA rows cost a step, without the servers around it.
 
     python -m launcher.bench.lora_step [--rows 16,64] [--threads N] [--dtype bfloat16] [--rounds 7] [--cpu-clock]
+        [--adapter-dtypes model,float32]
 """
 
 from __future__ import annotations
@@ -44,7 +46,15 @@ def _rotation(names: list[str], base_share: float, rows: int) -> list[str | None
     return out
 
 
-def measure(rows_list: list[int], dtype: str, rounds: int, reps: int, base_share: float, cpu_clock: bool = False):
+def measure(
+    rows_list: list[int],
+    dtype: str,
+    rounds: int,
+    reps: int,
+    base_share: float,
+    cpu_clock: bool = False,
+    adapter_dtypes: tuple[str, ...] = ("model",),
+):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -54,13 +64,19 @@ def measure(rows_list: list[int], dtype: str, rounds: int, reps: int, base_share
 
     model_dir = models.build_llama("smollm2")
     adapters = lora_serving.build_adapters(model_dir, "smollm2", 4, [16])
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="eager")
-    model.eval()
-    use_onednn(model)
-    registry = LoraRegistry(model, max_loras=len(adapters), max_rank=16)
-    for name, folder in adapters.items():
-        registry.load(name, folder)
-    registry.check_hooks()
+    setups = {}  # adapter dtype → (model, registry): one model each, as a registry wraps its model's linears
+    for adapter_dtype in adapter_dtypes:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype), attn_implementation="eager"
+        )
+        model.eval()
+        use_onednn(model)
+        lora_dtype = None if adapter_dtype == "model" else getattr(torch, adapter_dtype)
+        registry = LoraRegistry(model, max_loras=len(adapters), max_rank=16, dtype=lora_dtype)
+        for name, folder in adapters.items():
+            registry.load(name, folder)
+        registry.check_hooks()
+        setups[adapter_dtype] = (model, registry)
     names = list(adapters)
     results = []
     gen = torch.Generator().manual_seed(0)
@@ -68,36 +84,49 @@ def measure(rows_list: list[int], dtype: str, rounds: int, reps: int, base_share
         ids = torch.randint(3, model.config.vocab_size, (rows, 1), generator=gen)
         mix = _rotation(names, base_share, rows)
 
-        def base_step(ids=ids):
+        model, registry = setups[adapter_dtypes[0]]
+
+        def base_step(ids=ids, model=model, registry=registry):
             registry.clear_step()
             return model(input_ids=ids, use_cache=False).logits
 
-        def mixed_step(ids=ids, mix=mix):
+        def mixed_step(model, registry, ids=ids, mix=mix):
             registry.set_step(mix)  # once per step, as the runner does: counted in the step's time
             try:
                 return model(input_ids=ids, use_cache=False).logits
             finally:
                 registry.clear_step()
 
-        times: dict[str, list[float]] = {"base": [], "mixed": []}
+        steps = {"base": base_step}
+        steps.update({k: (lambda m=m, r=r: mixed_step(m, r)) for k, (m, r) in setups.items()})
+        times: dict[str, list[float]] = {k: [] for k in steps}
         with torch.inference_mode():
-            base_logits, mixed_logits = base_step(), mixed_step()  # warm up; the adapters change the output
+            base_logits = base_step()  # warm up; the adapters change the output, base rows keep it exactly
             on_base = [i for i, a in enumerate(mix) if a is None]
-            torch.testing.assert_close(mixed_logits[on_base], base_logits[on_base], atol=0, rtol=0)
-            assert not torch.equal(mixed_logits, base_logits)
+            for k in setups:
+                mixed_logits = steps[k]()
+                torch.testing.assert_close(mixed_logits[on_base], base_logits[on_base], atol=0, rtol=0)
+                assert not torch.equal(mixed_logits, base_logits)
             clock = median_cpu_ms if cpu_clock else median_ms
             for _ in range(rounds):
-                times["base"].append(clock(base_step, reps))
-                times["mixed"].append(clock(mixed_step, reps))
-        base, mixed = statistics.median(times["base"]), statistics.median(times["mixed"])
-        results.append({"rows": rows, "base_ms": base, "mixed_ms": mixed, "ratio": base / mixed})
+                for k, fn in steps.items():
+                    times[k].append(clock(fn, reps))
+        base = statistics.median(times["base"])
+        for k in setups:
+            mixed = statistics.median(times[k])
+            results.append({"rows": rows, "adapters": k, "base_ms": base, "mixed_ms": mixed, "ratio": base / mixed})
     return results
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| rows | base step ms | LoRA-mix step ms | base / mix (throughput ratio) |", "|---:|---:|---:|---:|"]
+    lines = [
+        "| rows | adapters in | base step ms | LoRA-mix step ms | base / mix (throughput ratio) |",
+        "|---:|---|---:|---:|---:|",
+    ]
     for r in results:
-        lines.append(f"| {r['rows']} | {r['base_ms']:.2f} | {r['mixed_ms']:.2f} | {100 * r['ratio']:.1f} % |")
+        lines.append(
+            f"| {r['rows']} | {r['adapters']} | {r['base_ms']:.2f} | {r['mixed_ms']:.2f} | {100 * r['ratio']:.1f} % |"
+        )
     return "\n".join(lines)
 
 
@@ -110,13 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="steps per timing (median of rounds)")
     parser.add_argument("--base-share", type=float, default=0.2, help="fraction of rows on the base model")
     parser.add_argument("--cpu-clock", action="store_true", help="time by this process's CPU time (busy machine)")
+    parser.add_argument("--adapter-dtypes", default="model", help="adapter weights' dtypes to compare: model,float32")
     args = parser.parse_args(argv)
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = [int(v) for v in args.rows.split(",")]
-    results = measure(rows, args.dtype, args.rounds, args.reps, args.base_share, args.cpu_clock)
+    adapter_dtypes = tuple(args.adapter_dtypes.split(","))
+    results = measure(rows, args.dtype, args.rounds, args.reps, args.base_share, args.cpu_clock, adapter_dtypes)
     clock = "CPU time" if args.cpu_clock else "wall time"
     print(
         f"smollm2 shape, 4 adapters r 16 on every projection, {args.dtype}, {torch.get_num_threads()} threads, {clock}"

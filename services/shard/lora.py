@@ -20,6 +20,10 @@ and the bytes of adapter weights read, not by their arithmetic: per layer 4 shri
 against 7 x 3 without sharing and ~80 small products and index ops grouped (`python -m launcher.bench.lora_step`).
 Large steps, where the masked-out columns' arithmetic counts, stay grouped.
 
+The adapters' weights and products are in the model's dtype unless the registry is given another (`dtype`):
+float32 adapters over a bfloat16 model read twice the adapter bytes but run torch's float32 small products, which
+cost less per call than its bfloat16 ones on some CPUs (`launcher.bench.lora_step --adapter-dtypes` compares).
+
 Hooking: each targeted linear's `forward` is wrapped around whatever forward is installed at that time — torch's,
 services/shard/cpu_linear.py's prepacked oneDNN product or its fused q/k/v / gate/up member (which returns this
 member's column slice of the fused output: the delta is added in place to those columns only), a quantized
@@ -127,7 +131,7 @@ def shrink(
     present = [(slot, start, end) for slot, start, end in groups.segments if slot in a_by_slot]
     if not present:
         return {}
-    xg = groups.gather(x.reshape(-1, x.shape[-1]))
+    xg = groups.gather(x.reshape(-1, x.shape[-1])).to(next(iter(a_by_slot.values())).dtype)
     out = {slot: xg[start:end] @ a_by_slot[slot].T for slot, start, end in present}
     if reduce is not None:
         parts = list(out.values())
@@ -158,7 +162,8 @@ def expand(
         return y
     y, yf = _flat(y)
     make = torch.empty if len(present) == len(groups.segments) else torch.zeros
-    delta = make(groups.count, yf.shape[1], dtype=y.dtype, device=y.device)
+    dtype = b_by_slot[present[0][0]][2].dtype  # the adapters' (the model's unless the registry says otherwise)
+    delta = make(groups.count, yf.shape[1], dtype=dtype, device=y.device)
     for slot, start, end in present:
         c0, c1, b_t = b_by_slot[slot]
         torch.mm(shrunk[slot][:, c0:c1], b_t, out=delta[start:end])
@@ -179,7 +184,7 @@ class Stack:
         """((x @ A.T) summed over the ranks by `reduce`) * mask: [tokens, C], each token's own adapter's columns."""
         xf = x.reshape(-1, x.shape[-1])
         groups.check(xf)
-        shrunk = xf @ self.a.T
+        shrunk = xf.to(self.a.dtype) @ self.a.T
         if reduce is not None:  # row-parallel: the partial shrinks of every rank summed
             shrunk = reduce(shrunk)
         return shrunk.mul_(groups.mask(self.layout, self.column_slots, shrunk.dtype))
@@ -189,7 +194,10 @@ def expand_stacked(y: torch.Tensor, shrunk: torch.Tensor, columns: tuple[int, in
     """y += shrunk[:, c0:c1] @ B.T: this layer's columns of the masked shrink (base tokens add exact zeros)."""
     c0, c1, b_t = columns
     y, yf = _flat(y)
-    yf.addmm_(shrunk[:, c0:c1], b_t)
+    if yf.dtype == b_t.dtype:
+        yf.addmm_(shrunk[:, c0:c1], b_t)
+    else:  # adapters in another dtype than the model's: the delta rounded once into y
+        yf.add_(shrunk[:, c0:c1] @ b_t)
     return y
 
 
@@ -315,9 +323,12 @@ def _siblings_key(key: str, layer: LoraLayer) -> tuple:
 class LoraRegistry:
     """The adapters resident on one model (one shard rank): load / unload by name into `max_loras` slots."""
 
-    def __init__(self, model: torch.nn.Module, *, max_loras: int = 8, max_rank: int = 64) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, max_loras: int = 8, max_rank: int = 64, dtype: torch.dtype | None = None
+    ) -> None:
         self.model = model
         self.max_loras, self.max_rank = max_loras, max_rank
+        self.dtype = dtype  # the adapters' weights and products (None: the model's; module docstring)
         self.slots: list[str | None] = [None] * max_loras
         self.adapters: dict[str, LoraAdapter] = {}
         self.layers: dict[str, LoraLayer] = {}
@@ -344,7 +355,7 @@ class LoraRegistry:
             raise AdapterError(
                 f"cannot load LoRA adapter {name!r}: {self.max_loras} adapters are loaded (the maximum); unload one"
             )
-        adapter = load_adapter(name, folder, self.model, max_rank=self.max_rank)
+        adapter = load_adapter(name, folder, self.model, max_rank=self.max_rank, dtype=self.dtype)
         slot = self.slots.index(None)
         modules = dict(self.model.named_modules())
         for key, (a, b) in adapter.weights.items():

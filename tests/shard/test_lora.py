@@ -182,7 +182,7 @@ def _reference_delta(x, slots_per_token, weights):
     for t, slot in enumerate(slots_per_token):
         if slot in weights:
             a, b = weights[slot]
-            out[t] = (x[t] @ a.T) @ b.T
+            out[t] = (x[t] @ a.T.to(x.dtype)) @ b.T.to(x.dtype)
     return out
 
 
@@ -244,10 +244,12 @@ def test_tensor_parallel_slices_sum_to_the_whole():
 
 
 @pytest.mark.parametrize("tokens", [1, STACKED_MAX_TOKENS])  # a small step (stacked) and a large one (grouped)
-def test_siblings_share_one_shrink(tiny_dirs, adapters, tokens):
+@pytest.mark.parametrize("adapter_dtype", [None, torch.float64])  # the model's, or another (a mixed-dtype delta)
+def test_siblings_share_one_shrink(tiny_dirs, adapters, tokens, adapter_dtype):
     """q/k/v (gate/up) of a layer read the same input: one shrink serves all of them (counted) and gives what each
     layer alone gives; a sibling called with another tensor computes its own."""
-    registry = _registry(tiny_dirs["llama"], adapters, "llama", onednn=True)
+    registry = _registry(tiny_dirs["llama"], adapters, "llama", onednn=True, dtype=adapter_dtype)
+    assert registry.layers["model.layers.0.mlp.up_proj"].weights[0][0].dtype == (adapter_dtype or torch.float32)
     attn = registry.model.model.layers[0].self_attn
     q, k, v = (registry.layers[f"model.layers.0.self_attn.{n}"] for n in ("q_proj", "k_proj", "v_proj"))
     assert q.shared is k.shared is v.shared and q.shared is not registry.layers["model.layers.0.mlp.up_proj"].shared
