@@ -16,6 +16,7 @@ come from one chunked pass over the scores (`_reduce`); no [rows, vocab] log-sof
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -233,6 +234,15 @@ def _draw(row: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
 
 _draw_pool: ThreadPoolExecutor | None = None
 _draw_pool_size = 0
+
+
+def _forget_draw_pool() -> None:
+    """A forked child has none of its parent's pool threads: it makes its own pool when it first needs one."""
+    global _draw_pool, _draw_pool_size
+    _draw_pool, _draw_pool_size = None, 0
+
+
+os.register_at_fork(after_in_child=_forget_draw_pool)
 
 
 def _draws(scores: torch.Tensor, rows: list[int], generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -376,3 +376,38 @@ def test_seeded_rows_drawn_side_by_side_draw_what_one_thread_draws(monkeypatch):
         int(torch.multinomial(torch.softmax(scores[i], -1), 1, generator=shared)[0]) for i in range(rows) if i != 4
     ]
     assert [t for i, t in enumerate(c.token_ids.tolist()) if i != 4] == serial
+
+
+def test_a_forked_child_draws_with_a_pool_of_its_own(monkeypatch):
+    """The parent's draw pool has no threads in a forked child: the child makes its own and draws the same tokens
+    (without the reset it would wait forever on the parent's queue; the child is killed after 60 s then)."""
+    import os
+    import select
+    import signal
+
+    from services.shard import sampling
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    logits = torch.randn(4, 5000, generator=torch.Generator().manual_seed(6))
+    params = [SamplingParams(do_sample=True, seed=i) for i in range(4)]
+    want = sampling.choose(logits, params, [torch.Generator().manual_seed(i) for i in range(4)]).token_ids
+    parent_pool = sampling._draw_pool
+    assert parent_pool is not None
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: torch's own threads off (OpenMP is not fork-safe), the draw pool on
+        try:
+            torch.set_num_threads(1)
+            got = sampling.choose(logits, params, [torch.Generator().manual_seed(i) for i in range(4)])
+            fresh = sampling._draw_pool is not parent_pool
+            os.write(write_end, (",".join(map(str, got.token_ids.tolist())) + f";{fresh}").encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    ready, _, _ = select.select([read_end], [], [], 60)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    answer = os.read(read_end, 4096).decode() if ready else "no answer"
+    os.close(read_end)
+    assert answer == ",".join(map(str, want.tolist())) + ";True"
