@@ -178,6 +178,21 @@ def test_a_concurrent_mix_is_valid_by_construction(tiny_server):
     while not compiled.search(metrics := requests.get(url + "/metrics", timeout=10).text):
         assert time.monotonic() < deadline, metrics
         time.sleep(0.2)
+    # the shard compiled each grammar text once and copied the cached matcher for every later request: its totals
+    # are logged when the last constrained row is dropped, which the next step (this request's) does
+    r = requests.post(url + "/generate", json={"inputs": prompt(1), "parameters": {"max_new_tokens": 2}}, timeout=60)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30
+    while not (totals := shard_grammar_totals(tiny_server.log_path)) or totals["reused"] < 64:
+        assert time.monotonic() < deadline, totals
+        time.sleep(0.2)
+    assert totals["compiled"] < totals["reused"] and totals["steps"] > 0 and totals["apply_s"] > 0
+
+
+def shard_grammar_totals(log_path) -> dict[str, float]:
+    """The last `grammar totals:` line of the shard (services.shard.constraints) in the server's log."""
+    found = re.findall(r"grammar totals: ((?:\w+=[0-9.]+ ?)+)", log_path.read_text(errors="replace"))
+    return {k: float(v) for k, v in (f.split("=", 1) for f in found[-1].split())} if found else {}
 
 
 def test_a_constrained_row_does_not_depend_on_its_batch(tiny_server):
