@@ -57,8 +57,14 @@ class _State:
 class Constraints:
     """The constrained sequences of one shard and their token masks."""
 
-    def __init__(self, tokenizer: LLTokenizer, *, threads: int | None = None, cache_size: int = 64) -> None:
+    def __init__(
+        self, tokenizer: LLTokenizer, *, threads: int | None = None, cache_size: int = 64, ahead: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
+        # ahead: advance() starts the next masks on the worker, beside the forward pass (llguidance's default pool:
+        # 80% of the cores, so 1 thread on 2). Off: apply() fills them all on the step's path with `threads`. Where
+        # torch's threads take every core, the worker only competes with them (SWITCHYARD_GRAMMAR_FILL=inline)
+        self.ahead = ahead
         self.eos_ids = list(tokenizer.eos_tokens)
         self.words = (tokenizer.vocab_size + 31) // 32  # int32 words per row of the bitmask
         self._executor = LLExecutor(num_threads=threads)
@@ -165,7 +171,7 @@ class Constraints:
                 if state.error is not None:
                     errors.append(RowError(row, key, state.error))
             moved.append(key)
-        if moved:  # the states are taken here: the worker never reads the dict, which the caller changes
+        if moved and self.ahead:  # the states are taken here: the worker never reads the dict, which the caller changes
             self._ahead = self._worker.submit(self._fill_ahead, moved, [self._states[k] for k in moved])
         self.seconds["advance"] += time.perf_counter() - t0
         return errors
@@ -290,7 +296,9 @@ class ShardGrammars:
         self._future: concurrent.futures.Future | None = None
         if enabled and os.path.exists(path) and eos_ids:
             pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-load")
-            self._future = pool.submit(Constraints.from_file, path, list(eos_ids))
+            ahead = os.environ.get("SWITCHYARD_GRAMMAR_FILL", "ahead") != "inline"
+            threads = None if ahead else os.cpu_count()
+            self._future = pool.submit(Constraints.from_file, path, list(eos_ids), ahead=ahead, threads=threads)
             pool.shutdown(wait=False)
 
     @property

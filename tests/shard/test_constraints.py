@@ -248,6 +248,27 @@ def test_requests_sharing_a_grammar_compile_it_once_and_steps_use_the_masks_fill
         c.close()
 
 
+def test_masks_filled_inline_give_the_same_tokens_as_masks_filled_ahead(tok_path):
+    """SWITCHYARD_GRAMMAR_FILL=inline: every mask is filled on the step's path (on all cores), none on the worker,
+    and the outputs are token for token those of the default (ahead)."""
+    outs = []
+    for ahead in (True, False):
+        c = Constraints.from_file(tok_path, [EOS], ahead=ahead, threads=None if ahead else 2)
+        try:
+            keys = list(SCHEMAS)
+            for k in keys:
+                c.open(k, grammar({"type": "json", "value": SCHEMAS[k]}))
+            outs.append(generate(c, keys + [None], seed=5))
+            rows = sum(len(tokens) for k, tokens in outs[-1].items() if k is not None)
+            if ahead:
+                assert c.stats["ahead_rows"] == rows - len(keys) and c.seconds["fill_ahead"] > 0
+            else:
+                assert c.stats["ahead_rows"] == 0 and c.stats["inline_rows"] == rows and c._ahead is None
+        finally:
+            c.close()
+    assert outs[0] == outs[1]
+
+
 def test_a_row_with_no_allowed_token_fails_alone(cons):
     g = grammar({"type": "regex", "value": "[0-9]+"})
     cons.open("bad", g)
