@@ -271,13 +271,18 @@ def table(results: dict) -> str:
             lines.append(f"\n{r['kind']} streams={r['streams']} error: {r['first_error']}")
     step = results.get("in_process")
     if step:
-        lines += ["", "In process (ModelRunner decode steps, every row under a JSON schema vs none; ms per step):", "",
-                  "| batch | unconstrained step | constrained step | ratio | apply | advance |",
-                  "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += ["", "In process (ModelRunner decode steps, every row under a JSON schema vs none; ms per step; "
+                  "masks filled ahead on a worker, or inline with every core):", "",
+                  "| batch | unconstrained step | constrained step | ratio | apply | advance "
+                  "| inline step | inline ratio | inline apply |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in step["runs"]:
             u, c = r["unconstrained"], r["constrained"]
+            i = r.get("inline") or {}
             lines.append(f"| {step['batch']} | {_f(u['step_ms'])} | {_f(c['step_ms'])} | {_f(r['ratio'], 2)} "
-                         f"| {_f(c['apply_ms_per_step'], 2)} | {_f(c['advance_ms_per_step'], 2)} |")  # fmt: skip
+                         f"| {_f(c['apply_ms_per_step'], 2)} | {_f(c['advance_ms_per_step'], 2)} "
+                         f"| {_f(i.get('step_ms'))} | {_f(r.get('ratio_inline'), 2)} "
+                         f"| {_f(i.get('apply_ms_per_step'), 2)} |")  # fmt: skip
     compiles = results.get("compile")
     if compiles:
         lines += ["", f"Grammar compile (tokenizer load {compiles['tokenizer_load_s']:.1f} s):", "",
@@ -344,7 +349,9 @@ def run(args, out: Path) -> int:
                 write(results, out)  # after every level: a run cut short keeps what it measured
     if args.structured_step_steps > 0:
         results["in_process"] = _in_process(folder, max(streams), args.structured_step_steps, dtype)
-        print(f"  in process, batch {max(streams)}: ratio {results['in_process']['ratio']:.2f}", flush=True)
+        step = results["in_process"]
+        print(f"  in process, batch {max(streams)}: ratio {step['ratio']:.2f} (masks filled ahead), "
+              f"{step['ratio_inline']:.2f} (inline)", flush=True)  # fmt: skip
     results["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     paths = write(results, out)
     print(table(results))

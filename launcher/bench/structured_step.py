@@ -1,7 +1,9 @@
 """The structured workload's in-process half: the shard's ModelRunner decode step with every row constrained by a
 JSON schema against the same step unconstrained, in one process (no bus, no HTTP), so the ratio is the masks'
 cost alone; and where the constrained step's extra time goes (`apply`: wait for the masks filled ahead, write
-them into the scores; `advance`: the matchers take the sampled tokens and the next masks start filling).
+them into the scores; `advance`: the matchers take the sampled tokens and the next masks start filling). The
+constrained step is measured both ways the shard can fill the masks: ahead on a worker beside the forward pass
+(the default) and inline on the step's path with every core (SWITCHYARD_GRAMMAR_FILL=inline).
 
     python -m launcher.bench.structured_step --model DIR --batch 16 --steps 32   # prints JSON
 
@@ -78,7 +80,8 @@ def measure(model_dir: str, batch: int, steps: int, prompt_tokens: int = 64, dty
                         context_lens=np.asarray(ctx, np.int32), token_ids=np.concatenate(ids).astype(np.int32),
                         sample=np.ones(len(rows), np.uint8))  # fmt: skip
 
-    def one_run(constrained: bool) -> dict:
+    def one_run(constrained: bool, ahead: bool = True) -> dict:
+        runner.grammars.constraints.set_fill(ahead, None if ahead else os.cpu_count())
         seqs = list(range(batch))
         new = [NewSequence(s, SamplingParams(), grammar=grammar if constrained else "") for s in seqs]
         blocks = {s: list(range(s * per_seq, (s + 1) * per_seq)) for s in seqs}
@@ -111,9 +114,10 @@ def measure(model_dir: str, batch: int, steps: int, prompt_tokens: int = 64, dty
     one_run(False)  # warm-up: first-use allocations and kernels
     one_run(True)
     runs = []
-    for _ in range(rounds):  # alternated, so a change of machine load hits both sides
-        free, con = one_run(False), one_run(True)
-        runs.append({"unconstrained": free, "constrained": con, "ratio": free["total_s"] / con["total_s"]})
+    for _ in range(rounds):  # alternated, so a change of machine load hits every side
+        free, con, inline = one_run(False), one_run(True), one_run(True, ahead=False)
+        ratios = {"ratio": free["total_s"] / con["total_s"], "ratio_inline": free["total_s"] / inline["total_s"]}
+        runs.append({"unconstrained": free, "constrained": con, "inline": inline, **ratios})
     return {
         "model_dir": model_dir,
         "batch": batch,
@@ -122,6 +126,7 @@ def measure(model_dir: str, batch: int, steps: int, prompt_tokens: int = 64, dty
         "threads": torch.get_num_threads(),
         "vocab": vocab,
         "ratio": statistics.median(r["ratio"] for r in runs),
+        "ratio_inline": statistics.median(r["ratio_inline"] for r in runs),  # SWITCHYARD_GRAMMAR_FILL=inline
         "runs": runs,
     }
 

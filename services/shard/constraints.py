@@ -79,6 +79,11 @@ class Constraints:
         self.stats = {"steps": 0, "rows": 0, "compiled": 0, "reused": 0, "ahead_rows": 0, "inline_rows": 0}
         self.seconds = {"open": 0.0, "apply": 0.0, "advance": 0.0, "fill_ahead": 0.0}
 
+    def set_fill(self, ahead: bool, threads: int | None = None) -> None:
+        """Where the masks are filled from now on (see `ahead` in __init__); the bench compares the two."""
+        self._settle()
+        self.ahead, self._executor = ahead, LLExecutor(num_threads=threads)
+
     @classmethod
     def from_file(cls, tokenizer_json: str, eos_ids: Sequence[int], **kwargs) -> Constraints:
         """From the served tokenizer.json and all of the model's EOS ids (Gemma's 262k vocabulary: seconds)."""

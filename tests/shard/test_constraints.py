@@ -341,3 +341,18 @@ def test_mask_rows_equals_a_full_bool_mask(width, strided, dtype):
     assert torch.equal(logits, want)
     kept = [int(torch.isfinite(logits[r]).sum()) for r in rows]
     assert kept[0] > width // 2 and 0 < kept[2] < width // 2 and kept[4] == 1  # both sides were taken
+
+
+def test_set_fill_switches_where_the_masks_are_filled(tok_path):
+    c = Constraints.from_file(tok_path, [EOS])
+    try:
+        c.open("x", grammar({"type": "json", "value": SCHEMAS["array_enum"]}))
+        c.set_fill(False, 2)
+        c.masks(["x"])
+        c.advance(["x"], c.tokenizer.tokenize_str("["))
+        assert c._ahead is None  # inline: nothing started on the worker
+        c.set_fill(True)
+        c.advance(["x"], c.tokenizer.tokenize_str('"'))
+        assert c._ahead is not None
+    finally:
+        c.close()
