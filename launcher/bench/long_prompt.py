@@ -11,7 +11,14 @@ the 16 streams while the long prompt is fed in chunks, and how long the long pro
 `--long-memory-prompt`, one prompt that long fed `--long-memory-chunk` tokens a step: each chunk's time and the
 process's peak memory above the loaded model and KV cache.
 
-Prints a table with the CPU's flags; writes results.json and results.md under `out`.
+Prints a table with the CPU's flags; writes results.json and results.md under `out`. On a quiet machine:
+
+    switchyard bench --workload long-prompt --model smollm2 --long-prompts 2048,8000 --long-chunks ''
+    switchyard bench --workload long-prompt --model gemma --long-prompts 2048,8000 --long-chunks ''
+    switchyard bench --workload long-prompt --model gemma --long-engines '' --long-prompts '' --long-chunks '' \
+        --long-memory-prompt 32000 --long-memory-chunk 4096
+    switchyard bench --workload long-prompt --model smollm2 --long-engines '' --long-prompts '' \
+        --long-chunks 0,512,256,128,150ms,300ms --long-itl-prompt 4096
 """
 
 from __future__ import annotations
