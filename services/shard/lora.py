@@ -12,13 +12,14 @@ A side by side, one product for all of them (`SharedShrink`), computed at the fi
 the others while they are called with that same tensor. In large steps the adapter tokens are gathered once per
 input (not once per adapter) and every adapter's delta goes into one buffer, added back in one scatter per layer.
 
-Small steps (at most STACKED_MAX_TOKENS packed tokens: decode, short prefills) take the stacked form instead:
+Small steps (decode, prefills up to ~1k tokens: STACKED_MAX_WORK) take the stacked form instead:
 every adapter of the family side by side in one A, one shrink for all tokens, a 0/1 mask that keeps each token's
 own adapter's columns (base tokens: none, so they add exact zeros), and one expand per layer. A decode step of
 SmolLM2's shape (30 layers x 7 thin projections, products of a few rows) is decided by the number of products
 and the bytes of adapter weights read, not by their arithmetic: per layer 4 shrinks, 4 masks and 7 expands,
 against 7 x 3 without sharing and ~80 small products and index ops grouped (`python -m launcher.bench.lora_step`).
-Large steps, where the masked-out columns' arithmetic counts, stay grouped.
+Large steps, where the masked-out columns' arithmetic counts (it grows with every adapter loaded in the layer,
+present in the step or not), stay grouped; the choice is per layer family, by tokens x stacked columns.
 
 The adapters' weights and products are in the model's dtype unless the registry is given another (`dtype`):
 float32 adapters over a bfloat16 model read twice the adapter bytes but run torch's float32 small products, which
@@ -50,7 +51,11 @@ from services.shard.cpu_linear import FUSED_GROUPS
 from services.shard.lora_adapter import AdapterError, LoraAdapter, load_adapter
 
 BASE = -1  # the slot of base-model rows
-STACKED_MAX_TOKENS = 128  # steps up to this many packed tokens use the stacked products (module docstring)
+# The stacked form (module docstring) runs while tokens x a layer's stacked columns stay within STACKED_MAX_WORK:
+# SmolLM2's shape, 4 adapters of r 16 (64 columns), CPU time of a step, base / mix (busy machine): stacked 73 / 88 /
+# 90 / 90 / 84 % at 128 / 256 / 512 / 1024 / 2048 tokens, grouped 65 / 78 / 76 / 86 / 86 %.
+STACKED_MAX_WORK = 1024 * 64
+STACKED_MAX_TOKENS = 1024  # above this the per-token slots (and masks) are not even built
 
 
 @dataclass
@@ -232,6 +237,7 @@ class SharedShrink:
             col += a.shape[0]
         device = parts[0].device
         self.stack = Stack(tuple(column_slots), torch.cat(parts), torch.tensor(column_slots, device=device))
+        self.width = -(-col // len(members))  # stacked columns per member: what the masked products cost
         self._key: tuple | None = None  # (input, step grouping) the held shrink was computed for
         self._shrunk = None
         self._unserved: set[int] = set()
@@ -240,7 +246,7 @@ class SharedShrink:
         """The family's shrink of x: a masked [tokens, C] tensor in small steps, else slot → [rows, r]."""
         key = self._key
         if key is None or key[0] is not x or key[1] is not groups or member not in self._unserved:
-            if groups.token_slots is not None:
+            if groups.token_slots is not None and groups.num_tokens * self.width <= STACKED_MAX_WORK:
                 shrunk = self.stack.shrink(x, groups, self.reduce)
             else:
                 shrunk = shrink(x, groups, self.a, self.reduce)
@@ -305,7 +311,7 @@ class LoraLayer:
         if groups is None or self.shared is None:
             return y
         shrunk = self.shared.shrunk_for(self.member, x, groups)
-        if groups.token_slots is not None:
+        if isinstance(shrunk, torch.Tensor):  # the stacked form
             return expand_stacked(y, shrunk, self.stacked_columns)
         return expand(y, groups, shrunk, self.expand_weights)
 

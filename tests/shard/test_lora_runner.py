@@ -1,7 +1,7 @@
 """LoRA through the ModelRunner (paged attention, fused oneDNN linears, its own registry loaded at start), on
 every tiny architecture: greedy output equals peft's own generate() (PeftModel with that adapter active, float32,
 eager attention) token for token, over a continuous-batching schedule (tests/shard/driver.py) that mixes base rows
-and two adapters in every step: a first step of prefills over STACKED_MAX_TOKENS tokens (the grouped products),
+and two adapters in every step: a first step of prefills over 64 tokens (made the grouped products' size here),
 decode steps (the stacked form), a chunked prefill joining running decodes, blocks reused by a later joiner.
 The e2e tests serve Qwen2 (test_lora.py) and Gemma-3 (test_lora_archs.py) through the whole server; this is where
 Llama's MHA, Gemma-2's soft-caps and sliding window and Gemma-3's q/k norms meet the adapters, one server cheaper."""
@@ -14,7 +14,7 @@ import torch
 
 from libs.protocol.messages import NewSequence, StepPlan
 from libs.protocol.params import SamplingParams
-from services.shard.lora import STACKED_MAX_TOKENS
+from services.shard import lora
 from services.shard.model_runner import ModelRunner
 from tests.shard.driver import Request, drive, prompts_for
 from tests.shard.test_lora import (
@@ -71,13 +71,14 @@ def _peft_generate(ref, adapter: str | None, prompt: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_with_adapters_equals_peft_generate(tiny_dirs, tmp_path, arch):
+def test_greedy_with_adapters_equals_peft_generate(tiny_dirs, tmp_path, arch, monkeypatch):
     model_dir = tiny_dirs[arch]
     folders = {n: _build_adapter(model_dir, tmp_path / n, seed=50 + i, **cfg) for i, (n, cfg) in
                enumerate(ARCH_ADAPTERS.items())}  # fmt: skip
     schedule = _schedule(prompts_for(model_dir))
     requests = [r for r, _ in schedule]
-    assert sum(len(r.prompt) for r in requests if r.join == 1) > STACKED_MAX_TOKENS  # the grouped form runs
+    monkeypatch.setattr(lora, "STACKED_MAX_TOKENS", 64)  # the first step's prefills take the grouped form
+    assert sum(len(r.prompt) for r in requests if r.join == 1) > lora.STACKED_MAX_TOKENS
     runner = ModelRunner(str(model_dir), num_blocks=96, block_size=4, lora_adapters={n: str(f) for n, f in
                          folders.items()})  # fmt: skip
     execute, forms = runner.execute, []
