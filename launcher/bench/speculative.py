@@ -2,8 +2,9 @@
 
 On `--spec-model` (default: the default model, SmolLM2-135M-Instruct, which is chat-tuned: a copy instruction through
 its chat template copies well), greedy, every request streamed (TGI's /generate_stream):
-- copy: "Repeat this code exactly" with a different small Python module in each prompt (the input-copying case
-  prompt lookup is for: most drafts are the model's own next tokens);
+- copy: "Say exactly this and nothing else:" and a different short document (a numbered list) in each prompt: the
+  input-copying case prompt lookup is for. (Asked to repeat a small Python module, the default model rewrites it
+  instead: its answers were no copies, and most drafts from the prompt were rejected; a list it quotes.);
 - free: "Write a short story about …" (free writing: few drafts match, and the rule in
   services/scheduler/speculative.py must turn drafting down so that it costs nothing).
 Each server runs both workloads at each `--spec-concurrency` (closed loop, `--spec-waves` × c requests, after an
@@ -29,8 +30,6 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "a city under the sea", "an old
           "the last train", "a garden on Mars", "a talking cat", "a winter festival", "a map with no roads",
           "a shy volcano", "a library at night", "two rival chefs", "a paper boat", "a silent orchestra",
           "a mountain village"]  # fmt: skip
-NAMES = ["parse", "merge", "scale", "count", "render", "filter", "split", "score", "clean", "index", "shift", "pack",
-         "trace", "blend", "round", "guard"]  # fmt: skip
 
 
 def add_arguments(p) -> None:
@@ -47,17 +46,10 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def code_module(i: int) -> str:
-    """A small Python module of its own per request (names and constants differ: no shared prefix past the
-    instruction)."""
-    a, b = NAMES[i % len(NAMES)], NAMES[(i * 7 + 3) % len(NAMES)]
-    return (
-        f"def {a}_items(items, limit={i + 2}):\n    out = []\n    for item in items:\n"
-        f"        if len(out) >= limit:\n            break\n        out.append(item * {i % 5 + 2})\n"
-        "    return out\n\n\n"
-        f"def {b}_total(values):\n    total = 0\n    for value in values:\n        total += value - {i % 3}\n"
-        f"    return total\n"
-    )
+def document(i: int) -> str:
+    """A short document of its own per request (a numbered list: titles and page counts), to be quoted."""
+    rows = (f"{j + 1}. {TOPICS[(i + j) % len(TOPICS)]}, {(i * 7 + j * 3) % 50 + 1} pages" for j in range(8))
+    return "\n".join(rows)
 
 
 def prompts(model_dir: Path, workload: str, count: int, max_new: int) -> list[loadgen.Job]:
@@ -66,7 +58,7 @@ def prompts(model_dir: Path, workload: str, count: int, max_new: int) -> list[lo
     tok = AutoTokenizer.from_pretrained(model_dir)
     jobs = []
     for i in range(count):
-        ask = (f"Repeat this code exactly:\n\n{code_module(i)}" if workload == "copy"
+        ask = (f"Say exactly this and nothing else: {document(i)}" if workload == "copy"
                else f"Write a short story about {TOPICS[i % len(TOPICS)]}.")  # fmt: skip
         text = tok.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True, tokenize=False)
         jobs.append(loadgen.Job(text, len(tok(text, add_special_tokens=False).input_ids), max_new))

@@ -134,3 +134,38 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(server, copy_promp
     with ThreadPoolExecutor(4) as pool:
         runs = list(pool.map(lambda seed: generate(server, text, **{**params, "seed": seed}), [5, 6, 5, 7]))
     assert runs[0]["generated_text"] == runs[2]["generated_text"] == alone
+
+
+def stable(server: Server, *names: str) -> tuple[float, ...]:
+    """The counters once two reads a heartbeat apart agree."""
+    last, deadline = None, time.monotonic() + 60
+    while True:
+        now = tuple(counter(server, name) for name in names)
+        if now == last:
+            return now
+        assert time.monotonic() < deadline, (names, now)
+        last = now
+        time.sleep(1.2)
+
+
+def test_a_quoted_document_is_copied_and_most_drafts_are_accepted(server, folder):
+    """The bench's copy workload (launcher/bench/speculative.py): the model quotes the document, so the drafts from
+    the prompt are its own next tokens. (Asked to repeat a Python module instead, this model rewrote it: its answer
+    was no copy and most drafts were rejected, which is what the bench's 1-stream "copy" figure measured.)"""
+    from launcher.bench.speculative import document
+
+    names = ("switchyard_speculative_draft_tokens_total", "switchyard_speculative_accepted_tokens_total")
+    messages = [{"role": "user", "content": f"Say exactly this and nothing else: {document(2)}"}]
+    text = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    before = stable(server, *names)
+    out = generate(server, text, details=True, max_new_tokens=96)
+    assert [t["id"] for t in out["details"]["tokens"]] == reference_generate(folder, ids, 96)
+    assert document(2) in out["generated_text"]
+    deadline = time.monotonic() + 60
+    while stable(server, *names)[1] == before[1]:  # this request's heartbeat has not come yet
+        assert time.monotonic() < deadline
+    drafted, accepted = (a - b for a, b in zip(stable(server, *names), before))
+    assert accepted >= 0.5 * drafted > 0, (drafted, accepted)
