@@ -122,9 +122,7 @@ class Batcher:
         running = list(self.running.values())
         decoding = sum(1 for s in running if s.total - s.computed == 1)
         budget = self.max_batch_prefill_tokens - decoding
-        cap = self.pacing.cap(decoding)
-        if cap is not None:
-            budget = min(budget, cap)
+        budget = min(budget, self.pacing.cap(decoding) or budget)  # None: no cap
         for s in running:  # oldest first; preemption takes the newest
             if s.seq not in self.running:
                 continue  # preempted below for an older sequence
