@@ -88,9 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     flag(
         "max-prefill-tokens-while-decoding",
         type=int,
-        default=512,
+        default=256,
         help="prompt tokens one step may prefill while other requests decode (0: no cap beyond "
         "max-batch-prefill-tokens, as TGI): a long prompt goes in chunks and running streams keep flowing",
+    )
+    flag(
+        "max-prefill-ms-while-decoding",
+        type=float,
+        default=0.0,
+        help="and at most what adds this many ms to a decode step, by the prefill cost per token measured on "
+        "recent steps (0: no such cap); the smaller of the two caps wins",
     )
     flag("max-batch-total-tokens", type=int, help="KV cache size in tokens (default: max(65536, max-total-tokens))")
     flag("max-batch-size", type=int, default=256)
