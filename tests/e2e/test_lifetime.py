@@ -74,29 +74,6 @@ def tap_without_bus(env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
 
 
-def test_killing_the_launcher_stops_its_server_and_frees_its_port(tiny_model_dir, tmp_path, run_root):
-    first = start(tiny_model_dir, tmp_path / "first.log", run_root)
-    # it says where it serves and how to stop it, once it is up
-    ready = f"ready: {tiny_model_dir} at {first.url} (Ctrl-C to stop)"
-    assert wait_until(lambda: ready in first.log_path.read_text(), 30), first.tail()
-    run_dir, pids = first.run_dir(), server_pids(first)
-
-    first.proc.send_signal(signal.SIGKILL)
-    first.proc.wait()
-    first.log.close()
-    assert wait_until(lambda: not any(map(alive, pids)), 30), [p for p in pids if alive(p)]
-    # the run directory stays behind (no one was left to remove it), but provably dead
-    assert os.path.isdir(run_dir) and rundir.state(Path(run_dir)) == rundir.DEAD
-
-    second = start(tiny_model_dir, tmp_path / "second.log", run_root, port=first.port)  # the port is free
-    try:
-        assert not os.path.exists(run_dir)  # removed as stale by the next server
-        assert f"removed the run directory {run_dir} of a server that is no longer running" in second.tail(200)
-        assert second.run_dir() != run_dir
-    finally:
-        second.stop()
-
-
 def kill_whole_server(server: Server) -> tuple[str, list[int]]:
     """kill -9 every process of a server at once, as the OOM killer or a CI timeout does: nothing cleans up."""
     run_dir, pids = server.run_dir(), server_pids(server)
@@ -114,29 +91,57 @@ def kill_whole_server(server: Server) -> tuple[str, list[int]]:
     return run_dir, pids
 
 
-def test_tap_finds_the_one_live_server_among_dead_ones(tiny_model_dir, tmp_path, run_root):
-    dead = start(tiny_model_dir, tmp_path / "dead.log", run_root)
+def test_dead_servers_free_their_port_and_the_tap_finds_the_live_one(tiny_model_dir, tmp_path, run_root):
+    """One story over three servers (a server start costs seconds, so the two kinds of death share the live one).
+    A's launcher is killed: all of A stops, its port frees, its run directory stays, provably
+    dead, until the next server (C, on A's port) removes it. B dies whole, frozen supervisord and all, leaving its
+    sockets: the tap, with no --bus, still attaches to the one live server, C."""
+    a = start(tiny_model_dir, tmp_path / "a.log", run_root)
     try:
-        live = start(tiny_model_dir, tmp_path / "live.log", run_root)
+        b = start(tiny_model_dir, tmp_path / "b.log", run_root)
     except BaseException:
-        kill_whole_server(dead)
+        a.proc.kill()
         raise
+    c = None
     try:
+        # it says where it serves and how to stop it, once it is up
+        ready = f"ready: {tiny_model_dir} at {a.url} (Ctrl-C to stop)"
+        assert wait_until(lambda: ready in a.log_path.read_text(), 30), a.tail()
         both = tap_without_bus(run_root)  # two live servers: the tap cannot choose
         assert both.returncode != 0 and "pick one with --bus" in both.stderr, both.stderr
-        assert f"ipc://{dead.run_dir()}" in both.stderr and f"ipc://{live.run_dir()}" in both.stderr
+        assert f"ipc://{a.run_dir()}" in both.stderr and f"ipc://{b.run_dir()}" in both.stderr
 
-        dead_dir, _ = kill_whole_server(dead)
-        assert (Path(dead_dir) / "events-out").exists()  # its sockets are left, as after any crash
+        # kill -9 of A's launcher alone: its server stops with it (the parent-death signal)
+        a_dir, a_pids = a.run_dir(), server_pids(a)
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait()
+        a.log.close()
+        assert wait_until(lambda: not any(map(alive, a_pids)), 30), [p for p in a_pids if alive(p)]
+        # the run directory stays behind (no one was left to remove it), but provably dead
+        assert os.path.isdir(a_dir) and rundir.state(Path(a_dir)) == rundir.DEAD
+
+        c = start(tiny_model_dir, tmp_path / "c.log", run_root, port=a.port)  # the port is free
+        assert not os.path.exists(a_dir)  # removed as stale by the next server
+        assert f"removed the run directory {a_dir} of a server that is no longer running" in c.tail(200)
+        assert c.run_dir() != a_dir
+
+        b_dir, _ = kill_whole_server(b)
+        b = None
+        assert (Path(b_dir) / "events-out").exists()  # its sockets are left, as after any crash
 
         tap = Tap(env=run_root)  # no --bus
         try:
-            assert f"ipc://{live.run_dir()}" in tap.attached
-            answer = generate(live.url, "the quick brown fox", 6)
+            assert f"ipc://{c.run_dir()}" in tap.attached
+            answer = generate(c.url, "the quick brown fox", 6)
             seen = tap.until_final(1)
         finally:
             tap.stop()
         tokens = [r["token_id"] for r in seen if r["event"] == "token"]
         assert tokens == [t["id"] for t in answer["details"]["tokens"]]
     finally:
-        live.stop()
+        if a.proc.poll() is None:
+            a.proc.kill()
+        if b is not None:
+            kill_whole_server(b)
+        if c is not None:
+            c.stop()

@@ -68,7 +68,7 @@ def test_a_dead_rank_restarts_the_group(tp_server, tiny_model_dir):
             now = (0, 0)
         if all(now) and now[0] != before[0] and now[1] != before[1]:
             break
-        time.sleep(0.5)
+        time.sleep(0.2)
     else:
         pytest.fail(f"the shards did not both restart:\n{tp_server.tail()}")
     tp_server.wait_healthy()

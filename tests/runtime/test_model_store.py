@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import subprocess
@@ -273,6 +274,14 @@ def embedded(request) -> tuple[str, Path]:
     return request.param, path
 
 
+@functools.cache
+def hf_tokenizer(folder: Path):
+    """transformers' tokenizer of an embedded model, loaded once for the tests below (Gemma's takes seconds)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
 EXPECTED = {  # model_type, eos ids, bos id, vocab size; the BOS the tokenizer prepends (None: none)
     "smollm2-135m-instruct": ("llama", {2, 0}, 1, 49152, None),  # <|im_end|>, <|endoftext|>
     "gemma-3-270m": ("gemma3_text", {1, 106}, 2, 262144, 2),  # <eos>, <end_of_turn>
@@ -300,10 +309,9 @@ def test_embedded_model_is_converted_once(embedded):
 @pytest.mark.slow
 def test_embedded_model_tokenizer_parity(embedded):
     from tokenizers import Tokenizer
-    from transformers import AutoTokenizer
 
     name, folder = embedded
-    hf = AutoTokenizer.from_pretrained(folder)
+    hf = hf_tokenizer(folder)
     raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
     for text in ["The capital of France is", "Hello, world!", " a\n\n b  ", "naïve café ☕ 東京", "In 2024: 12345", ""]:
         assert raw.encode(text).ids == hf(text).input_ids
@@ -320,13 +328,13 @@ def test_default_model_chats():
     finds it, and greedy decoding answers a question (a known answer of this model)."""
     import torch
     from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from services.tokenizer.chat_template import ChatTemplates
 
     folder = model_store.prepare_embedded(model_store.DEFAULT_MODEL)  # cached: the embedded fixture's folder
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    hf = AutoTokenizer.from_pretrained(folder)
+    hf = hf_tokenizer(folder)
     text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert ChatTemplates.load(folder).render(messages) == text  # what the server renders
     assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
@@ -340,10 +348,10 @@ def test_default_model_chats():
 @pytest.mark.slow
 def test_gemma_base_model_generates():
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder = model_store.prepare_embedded(model_store.EMBEDDED["gemma-3-270m"])  # cached, as above
-    hf = AutoTokenizer.from_pretrained(folder)
+    hf = hf_tokenizer(folder)
     model = AutoModelForCausalLM.from_pretrained(folder)
     continuations = {}
     for prompt in ("The capital of France is", "def fibonacci(n):"):
