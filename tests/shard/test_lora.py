@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.shard import lora
+from services.shard import lora, lora_products
 from services.shard.cpu_linear import use_onednn
 from services.shard.lora import BASE, STACKED_MAX_TOKENS, LoraRegistry, expand, group_rows, shrink
 from services.shard.lora_adapter import AdapterError, load_adapter
@@ -124,7 +124,7 @@ def test_mixed_batch_equals_peft(tiny_dirs, adapters, reference, arch, onednn, f
     gen = torch.Generator().manual_seed(7)
     input_ids = torch.randint(3, 500, (len(ROWS), 12), generator=gen)
     if form == "grouped":  # these 108 tokens would be a small step: make every step large
-        monkeypatch.setattr(lora, "STACKED_MAX_TOKENS", 0)
+        monkeypatch.setattr(lora_products, "STACKED_MAX_TOKENS", 0)
     if form == "grouped by work":  # per-token slots built, but every layer's masked products judged too large
         monkeypatch.setattr(lora, "STACKED_MAX_WORK", 12)
     calls = {"stacked": 0, "grouped": 0}  # which form each layer ran

@@ -14,7 +14,7 @@ import torch
 
 from libs.protocol.messages import NewSequence, StepPlan
 from libs.protocol.params import SamplingParams
-from services.shard import lora
+from services.shard import lora_products
 from services.shard.model_runner import ModelRunner
 from tests.shard.driver import Request, drive, prompts_for
 from tests.shard.test_lora import (
@@ -77,8 +77,8 @@ def test_greedy_with_adapters_equals_peft_generate(tiny_dirs, tmp_path, arch, mo
                enumerate(ARCH_ADAPTERS.items())}  # fmt: skip
     schedule = _schedule(prompts_for(model_dir))
     requests = [r for r, _ in schedule]
-    monkeypatch.setattr(lora, "STACKED_MAX_TOKENS", 64)  # the first step's prefills take the grouped form
-    assert sum(len(r.prompt) for r in requests if r.join == 1) > lora.STACKED_MAX_TOKENS
+    monkeypatch.setattr(lora_products, "STACKED_MAX_TOKENS", 64)  # the first step's prefills take the grouped form
+    assert sum(len(r.prompt) for r in requests if r.join == 1) > lora_products.STACKED_MAX_TOKENS
     runner = ModelRunner(str(model_dir), num_blocks=96, block_size=4, lora_adapters={n: str(f) for n, f in
                          folders.items()})  # fmt: skip
     execute, forms = runner.execute, []
