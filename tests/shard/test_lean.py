@@ -93,6 +93,12 @@ def test_models_the_walk_does_not_know_keep_transformers(tiny_dirs):
     assert plain.lean is None
 
 
+def test_the_environment_turns_the_walk_off(tiny_dirs, monkeypatch):
+    monkeypatch.setenv("SWITCHYARD_LEAN", "0")
+    runner = ModelRunner(str(tiny_dirs["gemma3"]), num_blocks=8, block_size=4)
+    assert runner.lean is None and runner.lean_reason == "turned off"
+
+
 def test_an_unknown_decoder_layer_keeps_transformers(tiny_dirs):
     """A layer class that is not transformers' own (remote code, a patched model) is not walked."""
     runner = ModelRunner(str(tiny_dirs["qwen2"]), num_blocks=8, block_size=4)
