@@ -237,8 +237,9 @@ def table(results: dict) -> str:
         f"{results['title']}",
         "",
         "| grammar | streams | unconstrained tok/s | constrained tok/s | ratio | tokens/request "
-        "| valid (+ cut by length) | ITL p50 free / constrained ms | constrained rows | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| valid (+ cut by length) | TTFT p50 free / constrained ms | ITL p50 free / constrained ms "
+        "| constrained rows | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in results["levels"]:
         c, u = r["constrained"], r["unconstrained"]
@@ -246,6 +247,7 @@ def table(results: dict) -> str:
             f"| {r['kind']} | {r['streams']} | {_f(u['output_tok_s'])} | {_f(c['output_tok_s'])} "
             f"| {_f(r['ratio'], 2)} | {_f(r['tokens_per_request'])} "
             f"| {r['valid']}/{r['requests']} (+{r['cut_by_length']}) "
+            f"| {_f(u['ttft_p50_ms'])} / {_f(c['ttft_p50_ms'])} "
             f"| {_f(u['itl_p50_ms'])} / {_f(c['itl_p50_ms'])} | {r['constrained_rows']:.0f} | {r['errors']} |"
         )
     lines += ["", "Server side per run (from /metrics; prefix-cache hits must be alike, or one side skipped prefills):",
