@@ -3,7 +3,9 @@ say when the server is ready, and make the server's lifetime the launcher's.
 
 supervisord restarts a program that dies; one that keeps dying at start (a model that cannot load)
 ends FATAL and would leave a server that never becomes healthy. We ask supervisord over its socket
-every few seconds and stop the whole server in that case, with a non-zero exit, as TGI's launcher does.
+every few seconds and stop the whole server in that case, with a non-zero exit, as TGI's launcher does. A shard
+whose model does not load says so at once (the run directory's `cannot-load` file): no retry would mend it, so
+a starting server stops at its first failure (one that has served keeps supervisord's retries).
 
 Lifetime: supervisord runs in its own session (a terminal's Ctrl-C reaches only us, and we stop it in
 order), so nothing would stop it if we were killed outright. On Linux it is started with the
@@ -48,6 +50,15 @@ def fatal_programs(socket_path: Path) -> list[str]:
         return []
     finally:
         transport.close()
+
+
+def cannot_load(run_dir: Path) -> list[str]:
+    """Programs that wrote their name in the run directory's `cannot-load` file: a start that failed in a way no
+    restart mends (services/shard: a model that does not load), so waiting for supervisord's retries is pointless."""
+    try:
+        return sorted(set((run_dir / "cannot-load").read_text().split()))
+    except OSError:
+        return []
 
 
 def die_with_parent():
@@ -126,7 +137,9 @@ def run(
             return 1 if failed else code
         except subprocess.TimeoutExpired:
             pass
-        if not failed and (failed := fatal_programs(run_dir / "supervisor.sock")):
+        # a model that does not load stops a starting server at once; once it served, a shard that fails to come
+        # back gets supervisord's retries (a passing shortage of memory may let a retry load)
+        if not failed and (failed := (waiting and cannot_load(run_dir)) or fatal_programs(run_dir / "supervisor.sock")):
             log.error("%s could not start (see the log above); stopping", ", ".join(failed))
             stop()
         if waiting and not failed and healthy(health_url):

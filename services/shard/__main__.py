@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -34,22 +35,32 @@ class ShardService:
                 raise RuntimeError("--num-shard > 1 needs SWITCHYARD_TP_PORT (set by the launcher)")
             tensor_parallel.init_group(rank, self.tp, settings.tp_port + replica, torch.device(device))
             tensor_parallel.start_watchdog()
-        # the launcher resolves --dtype; a shard started with "auto" (by hand, or another host's env) does the same
-        self.dtype = cpu.choose_dtype(settings.dtype, cpu.checkpoint_dtype(settings.model_path), device).dtype
-        self.runner = ModelRunner(
-            settings.model_path,
-            num_blocks=settings.num_blocks,
-            block_size=BLOCK_SIZE,
-            dtype=getattr(torch, self.dtype),
-            device=device,
-            watermark_gamma=settings.watermark_gamma,
-            watermark_delta=settings.watermark_delta,
-            lora_adapters=dict(entry.split("=", 1) for entry in settings.lora_adapters.split(",") if entry),
-            max_loras=settings.max_loras,
-            max_lora_rank=settings.max_lora_rank,
-            quantize=settings.quantize,
-            grammar=not settings.disable_grammar_support,
-        )
+        try:
+            # the launcher resolves --dtype; a shard started with "auto" (by hand, or another host's env) does the same
+            self.dtype = cpu.choose_dtype(settings.dtype, cpu.checkpoint_dtype(settings.model_path), device).dtype
+            self.runner = ModelRunner(
+                settings.model_path,
+                num_blocks=settings.num_blocks,
+                block_size=BLOCK_SIZE,
+                dtype=getattr(torch, self.dtype),
+                device=device,
+                watermark_gamma=settings.watermark_gamma,
+                watermark_delta=settings.watermark_delta,
+                lora_adapters=dict(entry.split("=", 1) for entry in settings.lora_adapters.split(",") if entry),
+                max_loras=settings.max_loras,
+                max_lora_rank=settings.max_lora_rank,
+                quantize=settings.quantize,
+                grammar=not settings.disable_grammar_support,
+            )
+        except Exception:
+            logging.getLogger(f"switchyard.{ROLE}").exception("cannot load the model from %s", settings.model_path)
+            # no restart mends a model that does not load: say so in the run directory, where the launcher looks
+            # (launcher/supervise.py), so the server stops now, not after supervisord's retries
+            run_dir = os.environ.get("SWITCHYARD_RUN_DIR")
+            if run_dir:
+                with open(os.path.join(run_dir, "cannot-load"), "a") as f:
+                    f.write(f"{ROLE}\n")
+            raise SystemExit(1) from None
         self.num_blocks = settings.num_blocks
 
     def run(self, log) -> None:

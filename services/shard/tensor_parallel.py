@@ -33,9 +33,12 @@ def init_group(rank: int, world: int, port: int, device: torch.device, timeout_s
     """Join this replica's group (blocks until every rank has joined: the rendezvous is a barrier)."""
     if dist.is_initialized():
         return
-    if rank > 0:
+    # rank 0 leaves a mark in the run directory once its group formed: a later rank that finds it was restarted
+    run_dir = os.environ.get("SWITCHYARD_RUN_DIR")
+    formed = os.path.join(run_dir, f"tp-group-{port}") if run_dir else None
+    if rank > 0 and (formed is None or os.path.exists(formed)):
         # a restarted peer waits out the old rank 0, which exits once it sees us silent: rendezvous with a
-        # group that is going away would only fail later
+        # group that is going away would only fail later (a first start has no old group to wait out)
         time.sleep(STALE_S + HEARTBEAT_S)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {}
@@ -53,6 +56,8 @@ def init_group(rank: int, world: int, port: int, device: torch.device, timeout_s
         timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,
     )
+    if rank == 0 and formed is not None:
+        open(formed, "w").close()
 
 
 def start_watchdog(on_lost=None) -> threading.Thread:

@@ -149,3 +149,9 @@ def test_a_child_started_by_the_launcher_dies_with_it_even_by_sigkill():
 def test_elsewhere_there_is_no_parent_death_signal(monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
     assert supervise.die_with_parent() is None  # and supervise.run warns at start
+
+
+def test_programs_that_cannot_load_are_read_from_the_run_directory(tmp_path):
+    assert supervise.cannot_load(tmp_path) == []  # no file: nobody said so
+    (tmp_path / "cannot-load").write_text("shard\nshard\n")  # two shards of one server, each appended its role
+    assert supervise.cannot_load(tmp_path) == ["shard"]
