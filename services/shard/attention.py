@@ -126,8 +126,11 @@ def _build_groups(paged: PagedBatch, subset: np.ndarray, window: int, device: to
     out = []
     first_block = first // bs
     n_b = -(-(ctx + n_q) // bs) - first_block  # blocks a row reads
-    for rows in _bucket(n_q[subset], n_b[subset] * bs):
-        rows = subset[rows]
+    # one-query rows (decodes) never share a group with longer ones (verified drafts, prefill chunks): they keep the
+    # one-query product (`_attend_one`) whatever else the step holds
+    parts = [p for p in (subset[n_q[subset] == 1], subset[n_q[subset] > 1]) if len(p)]
+    for part, rows in ((p, r) for p in parts for r in _bucket(n_q[p], n_b[p] * bs)):
+        rows = part[rows]
         nq, c, fb = n_q[rows], ctx[rows], first_block[rows]
         Q, NB = int(nq.max()), int(n_b[rows].max())
         jb = np.arange(NB)
