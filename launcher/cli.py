@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag(
         "max-prefill-tokens-while-decoding",
         type=int,
-        default=256,
+        default=512,
         help="prompt tokens one step may prefill while other requests decode (0: no cap beyond "
         "max-batch-prefill-tokens, as TGI): a long prompt goes in chunks and running streams keep flowing",
     )

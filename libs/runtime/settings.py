@@ -43,8 +43,9 @@ class Settings:
     max_batch_prefill_tokens: int = 4096
     # prompt tokens one step may prefill while other requests decode (0: up to max_batch_prefill_tokens, as TGI);
     # on CPU a step's time grows with its tokens, so a long prompt is fed in chunks that keep the streams flowing
-    # (256 measured: the streams' gap during a long prefill about half of 512's, for 9-14% more prefill time)
-    max_prefill_tokens_while_decoding: int = 256
+    # (512 measured: 256 halves the streams' gap during a long prefill for 9-14% more prefill time, but a burst of
+    # short prompts then waits for several steps: Gemma at 16/64 streams of 32-token prompts lost 29 % tok/s)
+    max_prefill_tokens_while_decoding: int = 512
     # and at most what adds this many ms to a decode step, by the prefill cost per token measured on recent steps
     # (0: no such cap); the smaller of the two caps wins. Off by default: on a loaded machine its chunks shrink
     # until the decodes' share of each step makes the long prompt's prefill ~3x slower (measured)
