@@ -78,11 +78,15 @@ async def _ttft(url: str, dialect, prompts: Prompts, length: int, concurrency: i
             "ttft_max_ms": max(ok) * 1000 if ok else None}  # fmt: skip
 
 
-async def _until_running(url: str, want: int, timeout: float = 600) -> None:
-    """Poll /metrics until `want` requests run (the streams are all decoding), or fail."""
+async def _until_running(url: str, want: int, streams: asyncio.Future, timeout: float = 600) -> None:
+    """Poll /metrics until `want` requests run (the streams are all decoding), or fail — at once if the streams
+    ended before the batch gauge (a heartbeat's figure) ever showed them all."""
     deadline = time.monotonic() + timeout
     async with loadgen.aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
+            if streams.done():
+                raise RuntimeError(f"the {want} streams ended before /metrics showed them running at once: "
+                                   "give them more tokens (--long-stream-tokens)")  # fmt: skip
             async with session.get(url + "/metrics") as resp:
                 _, batch = loadgen.kv_and_batch(loadgen.parse_metrics(await resp.text()))
             if batch is not None and batch >= want:
@@ -97,7 +101,7 @@ async def _itl(url: str, dialect, prompts: Prompts, streams: int, tokens: int, l
     task = asyncio.ensure_future(loadgen.drive(url, dialect, jobs, streams))
     window = None
     if long_tokens:
-        await _until_running(url, streams)
+        await _until_running(url, streams, task)
         (long,), _, _ = await loadgen.drive(url, dialect, prompts.fixed(1, long_tokens, 1), 1)
         if long.error or long.ttft is None:
             raise RuntimeError(f"the long prompt failed: {long.error}")
