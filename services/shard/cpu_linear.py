@@ -119,24 +119,26 @@ def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, out_feature
     return forward
 
 
-class _FusedProduct:
-    """One stacked product for a group of projections; hands each member its columns of the last input's result."""
+class SharedInputProduct:
+    """One product for sibling projections that read the same input: the first member called with an input computes
+    the whole output, each member takes its columns, and the activations go once every member has its part.
+    Subclasses say how the whole product is computed (`product`)."""
 
-    def __init__(self, members: list[torch.nn.Linear]):
-        weight = torch.cat([m.weight.detach() for m in members])
-        bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
-        self.packed, self.bias, self.out_features = _pack(weight), bias, weight.shape[0]
+    def __init__(self, widths: list[int]):
         bounds = [0]
-        for m in members:
-            bounds.append(bounds[-1] + m.out_features)
+        for width in widths:
+            bounds.append(bounds[-1] + width)
         self.columns = list(zip(bounds[:-1], bounds[1:]))
         self.input: torch.Tensor | None = None  # the tensor `output` was computed from (held, so never a new id)
         self.output: torch.Tensor | None = None
         self.unserved: set[int] = set()
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def columns_for(self, member: int, x: torch.Tensor) -> torch.Tensor:
         if x is not self.input or member not in self.unserved:
-            self.input, self.output = x, _linear(x, self.packed, self.bias, self.out_features)
+            self.input, self.output = x, self.product(x)
             self.unserved = set(range(len(self.columns)))
         start, end = self.columns[member]
         out = self.output[..., start:end]
@@ -144,6 +146,19 @@ class _FusedProduct:
         if not self.unserved:  # every member has its part: let the activations go
             self.input = self.output = None
         return out
+
+
+class _FusedProduct(SharedInputProduct):
+    """One stacked oneDNN product for a group of projections."""
+
+    def __init__(self, members: list[torch.nn.Linear]):
+        super().__init__([m.out_features for m in members])
+        weight = torch.cat([m.weight.detach() for m in members])
+        bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+        self.packed, self.bias, self.out_features = _pack(weight), bias, weight.shape[0]
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.packed, self.bias, self.out_features)
 
 
 def _fuse(members: list[torch.nn.Linear]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from services.shard.cpu_linear import SharedInputProduct
 from services.shard.quant_formats import QuantWeight
 
 # Rows from which a weight-only layer dequantizes and runs a dense product, by activation dtype (measured with
@@ -208,42 +209,26 @@ def w8a8_product(flat: torch.Tensor, weight_t: torch.Tensor, channel_scales: tor
     return acc.mul_(row_scales).mul_(channel_scales).to(flat.dtype)
 
 
-class FusedW8A8:
+class FusedW8A8(SharedInputProduct):
     """Sibling W8A8 layers that read the same input (q/k/v, gate/up) as one product: the activations quantized once,
     one `_int_mm` over the weights side by side. Every output element is the same int32 dot product scaled by the
     same two scales, so each member's columns equal its own product bit for bit (tested). The members keep
-    nn.Linear's call: the first call for an input computes the whole product, the others take their columns, as
-    services/shard/cpu_linear.py's fused oneDNN products do."""
+    nn.Linear's call and share the product as services/shard/cpu_linear.py's fused oneDNN products do."""
 
     def __init__(self, members: list[W8A8Linear]):
+        super().__init__([m.local_out for m in members])
         self.weight_t = torch.cat([m.weight_t for m in members], dim=1).contiguous()
         self.channel_scales = torch.cat([m.channel_scales for m in members])
         self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
-        bounds = [0]
-        for m in members:
-            bounds.append(bounds[-1] + m.local_out)
-        self.columns = list(zip(bounds[:-1], bounds[1:]))
         for m, (start, end) in zip(members, self.columns):
             m.weight_t = self.weight_t[:, start:end]  # a view: the members' own copies go
             m.channel_scales = self.channel_scales[start:end]
-        self.input: torch.Tensor | None = None
-        self.output: torch.Tensor | None = None
-        self.unserved: set[int] = set()
 
-    def columns_for(self, member: int, x: torch.Tensor) -> torch.Tensor:
-        if x is not self.input or member not in self.unserved:
-            flat = x.reshape(-1, x.shape[-1])
-            y = w8a8_product(flat, self.weight_t, self.channel_scales)
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
-            self.input, self.output = x, y.view(*x.shape[:-1], -1)
-            self.unserved = set(range(len(self.columns)))
-        start, end = self.columns[member]
-        out = self.output[..., start:end]
-        self.unserved.discard(member)
-        if not self.unserved:  # every member has its part: let the activations go
-            self.input = self.output = None
-        return out
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        y = w8a8_product(x.reshape(-1, x.shape[-1]), self.weight_t, self.channel_scales)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.view(*x.shape[:-1], -1)
 
 
 def fuse_w8a8(model: torch.nn.Module, groups: tuple[tuple[str, ...], ...]) -> int:

@@ -10,6 +10,7 @@ import re
 
 import torch
 
+from services.shard.cpu_linear import FUSED_GROUPS
 from services.shard.lora import tp_split
 from services.shard.quant_formats import QuantWeight, shard_for_rank
 from services.shard.quant_layers import (  # noqa: F401  (re-exported)
@@ -25,9 +26,6 @@ from services.shard.quant_layers import (  # noqa: F401  (re-exported)
     build,
     fuse_w8a8,
 )
-
-# Sibling projections that read the same input (as services/shard/cpu_linear.py fuses the dense ones)
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def replace_linears(model: torch.nn.Module, weights: dict[str, QuantWeight], **kw) -> int:
