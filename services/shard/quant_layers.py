@@ -32,7 +32,9 @@ _SCRATCH: dict[torch.dtype, torch.Tensor] = {}
 
 def _scratch(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     buf = _SCRATCH.get(dtype)
-    if buf is None or buf.numel() < n * k:
+    # a buffer made under inference mode cannot be written outside it (a runner's step vs a test's or bench's call)
+    stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+    if buf is None or stale or buf.numel() < n * k:
         buf = _SCRATCH[dtype] = torch.empty(n * k, dtype=dtype)
     return buf[: n * k].view(n, k)
 
