@@ -41,6 +41,25 @@ ROLE = "detokenizer"
 
 
 @dataclass
+class Want:
+    """A resync to ask for, and the row that showed it is needed (for the log and the metric)."""
+
+    replica: int
+    request_id: str
+    offset: int  # the row's offset
+    expected: int | None  # the offset the stream was at; None: a request never opened here
+    finish: int  # the row's finish code (an end row past a gap shows an end that overtook rows)
+
+    @property
+    def reason(self) -> str:
+        return "unopened" if self.expected is None else "gap"
+
+    def __str__(self) -> str:
+        at = "never opened here" if self.expected is None else f"stream at offset {self.expected}"
+        return f"{self.reason}: row offset {self.offset}, {at}, finish {self.finish}"
+
+
+@dataclass
 class Stream:
     open: StreamOpen
     decoder: IncrementalDecoder
@@ -56,17 +75,18 @@ class Detokenizer:
         self.streams: dict[str, Stream] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()
         self.tokens = 0
-        self.wanted: list[tuple[int, str]] = []  # (replica, request id) to resync, drained by the loop
+        self.wanted: list[Want] = []  # resyncs to ask for, drained by the loop
+        self.holes: list[Want] = []  # gaps inside a reset batch (a scheduler bug: logged, never asked again)
         self._asked: dict[str, float] = {}  # request id → when we last asked
 
-    def _want(self, replica: int, rid: str) -> None:
-        now = time.monotonic()
+    def _want(self, want: Want) -> None:
+        rid, now = want.request_id, time.monotonic()
         if now - self._asked.get(rid, 0.0) < RESYNC_EVERY:
             return
         if len(self._asked) > FORGET_AFTER:
             self._asked = {k: t for k, t in self._asked.items() if now - t < RESYNC_EVERY}
         self._asked[rid] = now
-        self.wanted.append((replica, rid))
+        self.wanted.append(want)
 
     def handle(self, batch: TokenBatch) -> tuple[dict[int, list[TextRow]], list[StopHit]]:
         """Text rows per ingress, and the stop-sequence hits to tell the scheduler (resyncs wanted: `wanted`)."""
@@ -94,8 +114,11 @@ class Detokenizer:
             start, end = end, end + (counts[i] if counts else 0)
             st = self.streams.get(rid)
             if st is None or offset > st.next_offset:
-                if rid not in self.ended:  # never opened here, or rows went missing: ask for the whole stream
-                    self._want(batch.replica, rid)
+                want = Want(batch.replica, rid, offset, None if st is None else st.next_offset, finish)
+                if rid in batch.reset:  # the answer to a resync has a hole itself: asking again gets the same
+                    self.holes.append(want)
+                elif rid not in self.ended:  # never opened here, or rows went missing: ask for the whole stream
+                    self._want(want)
                 continue
             if offset < st.next_offset:
                 continue  # a duplicate
@@ -177,10 +200,14 @@ def main() -> None:
                     for hit in hits:
                         log.debug("stop sequence hit", extra={"request_id": hit.request_id})
                         events.publish(topics.ctl(got[1].replica), hit)
-                    for replica, rid in detok.wanted:
-                        log.info("stream gap: asking for a resync", extra={"request_id": rid})
-                        events.publish(topics.ctl(replica), Resync(request_id=rid, ingress=-1))
+                    for w in detok.wanted:
+                        log.info("stream gap: asking for a resync (%s)", w, extra={"request_id": w.request_id})
+                        m.resyncs.labels(by=ROLE, reason=w.reason).inc()
+                        events.publish(topics.ctl(w.replica), Resync(request_id=w.request_id, ingress=-1))
+                    for w in detok.holes:
+                        log.warning("a replayed stream has a hole (%s)", w, extra={"request_id": w.request_id})
                     detok.wanted.clear()
+                    detok.holes.clear()
                     m.detokenized_tokens.inc(detok.tokens - tokens)
                     # one token batch (a scheduler step's rows for this shard), in and out
                     m.hop_duration.labels(hop="detokenizer").observe(time.perf_counter() - started)
