@@ -47,12 +47,30 @@ class StreamLog:
             rid = row.seq.req.request_id
             st = self.live.get(rid)
             if st is None:
-                if rid in self.ended:
-                    continue  # an end row after the end
+                st = self.ended.get(rid)
+                if st is not None:
+                    self._late(st, row)
+                    continue
                 st = self.live[rid] = Stream()
             st.rows.append(row)
             if row.finish:
                 self.end(rid)
+
+    @staticmethod
+    def _late(st: Stream, row: Emitted) -> None:
+        """A row of an ended stream: one that its end row overtook (an offset below the end's) takes its place
+        before the end, so that a replay never has a hole (which would make the detokenizer ask again, and be
+        answered with the same hole); anything past the end (a second end row, tokens generated before a
+        stop-sequence hit was heard) is not part of the stream."""
+        last = st.rows[-1] if st.rows else None
+        if last is None or not last.finish or row.offset >= last.offset:
+            return
+        at = len(st.rows) - 1
+        while at > 0 and st.rows[at - 1].offset > row.offset:
+            at -= 1
+        if at > 0 and st.rows[at - 1].offset == row.offset:
+            return  # already there
+        st.rows.insert(at, row)
 
     def fail(self, request_id: str, message: str) -> None:
         """The request failed with `message`: kept with its stream (live, or just ended by its failed row)."""

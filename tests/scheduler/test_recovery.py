@@ -12,6 +12,7 @@ from libs.protocol.messages import TokenizedRequest as Req
 from libs.protocol.params import SamplingParams
 from services.scheduler.batcher import Batcher
 from services.scheduler.recovery import Forgotten, StreamLog
+from services.scheduler.sequence import Emitted
 from services.scheduler.token_batch import token_batch
 
 EOS = 2
@@ -106,3 +107,22 @@ def test_forgotten_ids_expire():
     assert "a" not in f and "c" in f
     time.sleep(0.06)
     assert "c" not in f
+
+
+def test_rows_an_end_overtook_take_their_place_before_it():
+    """An end row recorded before rows it overtook (published out of order): a replay is still whole and in
+    order, so a resync's answer has no hole for the detokenizer to ask about again; rows past the end stay out."""
+    b = Batcher(20, max_batch_size=8, max_batch_prefill_tokens=256, eos_ids={EOS}, block_size=4)
+    b.add(req("a", [5, 6, 7], 9))
+    log = StreamLog()
+    steps = []
+    for step, token in ((1, 40), (2, 41), (3, 42)):
+        steps.append(b.apply(result(b.plan(step), token)))
+    end = [b.finish("a")]
+    for rows in (steps[0], end, steps[2], steps[1], steps[2]):  # the end first, then what it overtook (twice)
+        log.record(token_batch(0, rows), rows)
+    replay = log.replay(0, "a")
+    assert replay.offsets.tolist() == [0, 1, 2, 3] and replay.token_ids.tolist() == [40, 41, 42, -1]
+    late = [Emitted(end[0].seq, 3, 43, 0.0, 0), Emitted(end[0].seq, 4, 44, 0.0, 0)]  # at and past the end
+    log.record(token_batch(0, late), late)
+    assert log.replay(0, "a").offsets.tolist() == [0, 1, 2, 3]

@@ -1,0 +1,107 @@
+"""An abort that comes while the last step's rows wait to be published: its end row must go out behind them.
+
+It used to go out at once, ahead of them (the rows of a step are published one turn later, while the shards
+compute the next step), so a detokenizer saw the end row past a gap and asked for a resync, and the stream log,
+which had taken the end first, dropped the overtaken rows: every replay had the same hole, and each answer made
+the detokenizer ask again. Under load every client that left mid-stream did this (the "stream gap: asking for a
+resync" lines). The real SchedulerService on an ipc bus of its own (as tests/scheduler/test_grammar_failure.py),
+its published batches fed to a real Detokenizer; no model, no router."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+
+import pytest
+import zmq
+
+from libs.protocol import Addresses, codec, topics
+from libs.protocol.messages import FINISH_ABORTED, Abort, RequestError, TokenBatch
+from libs.runtime import metrics
+from libs.runtime.settings import Settings
+from services.detokenizer.__main__ import Detokenizer
+from services.scheduler.__main__ import SchedulerService
+from tests.detokenizer.test_incremental import build_tokenizer
+from tests.scheduler.test_batcher import EOS, req, result
+
+
+@pytest.fixture
+def service():
+    """A SchedulerService on an ipc bus of its own, and a SUB bound where the router's proxy would take its events
+    (its token batches and the ingress topic)."""
+    with tempfile.TemporaryDirectory(prefix="sy-ro-", dir="/tmp") as run:
+        model = f"{run}/model"
+        os.mkdir(model)
+        with open(f"{model}/config.json", "w") as f:
+            json.dump({"model_type": "llama", "eos_token_id": EOS}, f)
+        settings = Settings(bus=f"ipc://{run}", model_path=model)
+        metrics.init("scheduler", 0, settings)  # as service.run does before the service starts
+        events = zmq.Context.instance().socket(zmq.SUB)
+        events.bind(Addresses.parse(settings.bus).events_in)
+        events.subscribe(topics.out(0))
+        events.subscribe(topics.tok(0))
+        svc = SchedulerService(settings)
+        svc.log = logging.getLogger("test.scheduler")
+        yield svc, events
+        events.close(linger=0)
+        for sock in (svc.inbox, svc.plans, svc.results, svc.events.pub, svc.events.sub, svc.shard_watch):
+            sock.close(linger=0)
+
+
+def step(svc, n: int, token: int) -> None:
+    """One turn as SchedulerService.turn runs it, the shard's answer given: plan, publish the previous step's
+    rows, apply this step's result (its rows wait for the next turn)."""
+    plan = svc.batcher.plan(n)
+    svc._publish_unpublished()
+    svc.unpublished = svc._apply(plan, result(plan, {int(s): token for s in plan.seqs}))
+
+
+def published(svc, events, marker: str) -> list[TokenBatch]:
+    """The token batches published since the last marker, in order: read up to a marker published after them
+    (one PUB socket keeps its order)."""
+    svc.events.publish(topics.out(0), RequestError(request_id=marker, message="", error_type="marker"))
+    batches = []
+    while events.poll(5000):
+        _, msg = codec.decode_pub(events.recv_multipart())
+        if isinstance(msg, RequestError) and msg.request_id == marker:
+            return batches
+        if isinstance(msg, TokenBatch):
+            batches.append(msg)
+    raise AssertionError("the marker never came back")
+
+
+def subscribed(svc, events) -> None:
+    """PUB/SUB joins late: publish markers until one arrives (a condition polled, no sleep)."""
+    for n in range(200):
+        svc.events.publish(topics.out(0), RequestError(request_id=f"probe{n}", message="", error_type="marker"))
+        if events.poll(50):
+            published(svc, events, "joined")  # the probes still in flight
+            return
+    raise AssertionError("the test's event socket never received a probe")
+
+
+def test_an_abort_between_two_turns_ends_the_stream_in_order(service):
+    svc, events = service
+    subscribed(svc, events)
+    a = req("a", 5, 50)
+    a.detokenizer = 0  # the router's choice
+    svc.batcher.add(a)
+    for n, token in enumerate((40, 41, 42), start=1):
+        step(svc, n, token)
+    assert [r.offset for r in svc.unpublished] == [2]  # the last step's row waits for the next turn
+    svc.pending_ctl.append(Abort(request_id="a"))  # the client went away: the next turn receives the abort
+    svc._control()
+    assert svc.batcher.plan(4) is None  # nothing left to run
+    svc._publish_unpublished()
+
+    batches = published(svc, events, "end")
+    sent = [(int(o), int(f)) for b in batches for o, f in zip(b.offsets, b.finish)]
+    assert sent == [(0, 0), (1, 0), (2, 0), (3, FINISH_ABORTED)]  # the end after every row, not before the last
+    detok = Detokenizer(build_tokenizer())
+    rows = [row for b in batches for rs in detok.handle(b)[0].values() for row in rs]
+    assert detok.wanted == [] and detok.streams == {}  # no gap seen, and the stream is closed
+    assert [r.index for r in rows] == [1, 2, 3, 3] and rows[-1].final.finish_reason == "aborted"
+    replay = svc.streams.replay(0, "a")  # what a resync (http's watchdog, a restarted detokenizer) gets
+    assert replay.offsets.tolist() == [0, 1, 2, 3] and replay.token_ids.tolist() == [40, 41, 42, -1]
