@@ -70,8 +70,6 @@ class SchedulerService:
             max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
             max_prefill_tokens_while_decoding=settings.max_prefill_tokens_while_decoding,
             max_prefill_ms_while_decoding=settings.max_prefill_ms_while_decoding,
-            max_waiting_tokens=settings.max_waiting_tokens,
-            waiting_served_ratio=settings.waiting_served_ratio,
             eos_ids=set(model_store.model_info(settings.model_path)["eos_token_ids"]),
             speculate=settings.speculate,
         )

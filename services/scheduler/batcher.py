@@ -14,8 +14,8 @@ chunking path, plus what TGI lacks):
 - Preemption by recompute: when a running sequence needs a block and none is free, the newest running sequence
   gives its blocks back and waits at the head of the queue; readmitted, it is fed its prompt and the tokens it
   already generated (often mostly from the prefix cache), and goes on from there. Nothing is streamed twice.
-- TGI's `waiting_served_ratio` / `max_waiting_tokens`: while a batch is running, waiting requests join only if
-  at least floor(running * ratio) of them can, or once `max_waiting_tokens` steps have passed since the last join.
+- Waiting requests join at the next step, as in TGI v3's chunking path, which ignores `waiting_served_ratio` /
+  `max_waiting_tokens`; TGI's gate without chunking (floor(running * ratio) join, or after N steps) is opt-in here.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ class Batcher:
         max_batch_size: int,
         max_batch_prefill_tokens: int,
         eos_ids: set[int],
-        max_waiting_tokens: int = 20,
-        waiting_served_ratio: float = 1.2,
+        max_waiting_tokens: int = 0,
+        waiting_served_ratio: float = 0.0,
         prefix_caching: bool = True,
         block_size: int = BLOCK_SIZE,
         max_prefill_tokens_while_decoding: int = 0,
@@ -225,7 +225,7 @@ class Batcher:
             budget -= n
             if n < s.total - len(cached) * self.block_size:
                 break  # a partial (chunked) prefill ends the batch, as in TGI
-        if self.running:
+        if self.running and self.max_waiting_tokens:
             self._since_join += 1
             enough = len(picks) >= math.floor(len(self.running) * self.waiting_served_ratio)
             if not enough and self._since_join < self.max_waiting_tokens:

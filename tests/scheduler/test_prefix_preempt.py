@@ -63,8 +63,23 @@ def test_second_prompt_skips_the_cached_prefix():
     assert p.new[0].prefix_ids == prompt[:12]
 
 
+def test_a_late_request_joins_at_the_next_step_by_default():
+    """TGI v3's chunking path: no waiting_served_ratio gate (one late request among 4 running used to wait 20
+    steps, which was the bench's TTFT p90 at 16 streams)."""
+    b = Batcher(200, max_batch_size=16, max_batch_prefill_tokens=512, eos_ids={EOS})
+    for i in range(4):
+        b.add(req(f"r{i}", [5, 6, 7], 100))
+    b.apply(result(b.plan(1)))
+    b.add(req("late", [5, 6], 100))
+    p = b.plan(2)
+    assert len(p.new) == 1 and p.num_tokens.tolist() == [1, 1, 1, 1, 2]
+    assert b.counters["joined_steps"] == 1
+
+
 def test_waiting_served_ratio_and_max_waiting_tokens():
-    b = Batcher(200, max_batch_size=16, max_batch_prefill_tokens=512, eos_ids={EOS}, max_waiting_tokens=3)
+    """TGI's gate without chunking, when asked for."""
+    b = Batcher(200, max_batch_size=16, max_batch_prefill_tokens=512, eos_ids={EOS}, max_waiting_tokens=3,
+                waiting_served_ratio=1.2)  # fmt: skip
     for i in range(4):
         b.add(req(f"r{i}", [5, 6, 7], 100))
     b.apply(result(b.plan(1)))  # 4 running: a join needs floor(4 * 1.2) = 4 waiting requests that fit
