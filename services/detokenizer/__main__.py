@@ -1,8 +1,10 @@
 """`python -m services.detokenizer`: token rows in (tok.<k>), text rows out (out.<ingress>).
 
 A row for a request it has no stream of (this process restarted, or the open was lost with a router restart)
-or a row past a gap makes it ask the scheduler for a `Resync` (`Detokenizer.wanted`); the reset batch that
-answers rebuilds the stream from offset 0. docs/recovery.md tells the whole protocol.
+or a row past a gap makes it ask the scheduler for a `Resync` (`Detokenizer.wanted`; logged with the offsets, and
+counted in switchyard_resyncs_total); the reset batch that answers rebuilds the stream from offset 0, and a gap
+inside that answer is only logged (asking again would get the same answer). Rows arrive in offset order, so a gap
+means lost rows, never normal traffic. docs/recovery.md tells the whole protocol.
 """
 
 from __future__ import annotations
