@@ -131,11 +131,12 @@ def measure(
     t0 = time.perf_counter()
     driver.prefill(max_prefill_tokens)
     prefill_s = time.perf_counter() - t0
-    steps = []
+    steps, cpu = [], []
     for k in range(output_tokens - 1):
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         driver.took(driver.runner.execute(driver.decode_plan(k)))
         steps.append(time.perf_counter() - t1)
+        cpu.append(time.process_time() - c1)
     total = time.perf_counter() - t0
     step_s = statistics.median(steps) if steps else 0.0
     return {
@@ -146,6 +147,9 @@ def measure(
         "prefill_s": prefill_s,
         "decode_step_ms": step_s * 1000,
         "decode_step_ms_all": [s * 1000 for s in steps],
+        # CPU time of the process (all its threads) per decode step: comparable on a busy machine, and with the
+        # shard's CPU per step end to end (launcher.bench.pipeline)
+        "decode_step_cpu_ms": statistics.median(cpu) * 1000 if cpu else 0.0,
         "total_s": total,
         "tok_s": batch * output_tokens / total,  # the limit for this shape: prefill + decode, as a server does
         "decode_tok_s": batch / step_s if step_s else 0.0,  # decode-only rate at this batch size

@@ -1,0 +1,45 @@
+"""launcher.bench.pipeline's readings: the step's parts from /metrics deltas, a server's processes and their CPU
+from /proc; and the in-process limit's CPU per decode step that it is compared with."""
+
+import subprocess
+import sys
+
+from launcher.bench import pipeline
+
+
+def test_breakdown_per_step_from_metric_deltas():
+    steps = 10.0
+    delta = {
+        'switchyard_step_duration_seconds_sum{phase="forward"}': 0.250,  # sent → result, 25 ms a step
+        'switchyard_step_duration_seconds_sum{phase="plan"}': 0.002,
+        'switchyard_step_duration_seconds_sum{phase="sample"}': 0.003,
+        'switchyard_step_duration_seconds_sum{phase="publish"}': 0.004,
+        'switchyard_step_duration_seconds_count{phase="plan"}': 10.0,  # counts are not parts
+        'tgi_batch_forward_duration_sum{method="decode"}': 0.180,
+        'tgi_batch_forward_duration_sum{method="prefill"}': 0.040,
+        pipeline.STEPS: steps,
+    }
+    b = pipeline.breakdown(delta, steps)
+    assert round(b["shard_forward_ms"], 6) == 22.0
+    assert round(b["shard_wait_ms"], 6) == 3.0  # 25 ms out, 22 of them the shard's own
+    assert (round(b["plan_ms"], 6), round(b["apply_ms"], 6), round(b["publish_ms"], 6)) == (0.2, 0.3, 0.4)
+
+
+def test_process_tree_names_roles_and_reads_cpu():
+    child = subprocess.Popen([sys.executable, "-m", "json.tool"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        roles = pipeline.process_tree(child.pid)
+        assert roles == {child.pid: "json.tool"}
+        cpu, switches = pipeline.cpu_and_switches(child.pid)
+        assert cpu >= 0.0 and switches > 0  # it started, so it was switched in at least once
+    finally:
+        child.communicate(b"{}")
+    assert pipeline.cpu_and_switches(child.pid) == (0.0, 0)  # gone (reaped)
+
+
+def test_limit_reports_cpu_per_decode_step():
+    from launcher.bench import limit, models
+
+    _, view = models.resolve("tiny")
+    out = limit.measure(str(view), 2, 8, 4)
+    assert out["decode_step_cpu_ms"] > 0 and len(out["decode_step_ms_all"]) == 3
