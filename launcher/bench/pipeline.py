@@ -6,7 +6,7 @@ measured waves only:
   sampling per step, the scheduler's phases per step (plan; sample: taking a result in; publish: sending the
   rows on, while the shard runs the next step) and the shard's wait per step (the scheduler's sent → result
   time less the shard's own: the bus both ways and the shard's work outside its forward);
-- from /proc: CPU ms per step of each process of the server (utime + stime), less what it burns idle
+- from /proc: CPU ms per step of each process of the server (its threads' schedstat), less what it burns idle
   (measured before the load), and its context switches per step;
 - output tok/s and the TTFT spread (a late join shows as a p90 far above the p50).
 With `--limit`, the in-process limit of the same shape runs too, with its CPU ms per decode step: the shard's
@@ -32,7 +32,6 @@ from pathlib import Path
 from launcher.bench import loadgen, models, servers
 from launcher.bench.workload import Prompts
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 STEPS = 'switchyard_scheduler_steps_total{index="0"}'
 
 
@@ -60,17 +59,18 @@ def process_tree(root: int) -> dict[int, str]:
 
 
 def cpu_and_switches(pid: int) -> tuple[float, int]:
-    """(CPU seconds, context switches of all its threads) of one process; (0, 0) once it is gone."""
+    """(CPU seconds, context switches) summed over the threads of one process; (0, 0) once it is gone. CPU time
+    from each thread's schedstat (nanoseconds; /proc/PID/stat counts 10 ms ticks, too coarse per step)."""
+    cpu_ns = switches = 0
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        switches = 0
         for tid in os.listdir(f"/proc/{pid}/task"):
+            cpu_ns += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
             for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
                 if "ctxt_switches:" in line:  # voluntary and not
                     switches += int(line.split()[1])
-    except OSError:
+    except (OSError, ValueError):
         return 0.0, 0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS, switches
+    return cpu_ns / 1e9, switches
 
 
 def snapshot(pids) -> dict[int, tuple[float, int]]:
