@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from libs.protocol import Addresses, codec, topics
-from libs.protocol.messages import FINISH_ABORTED, Abort, RequestError, TokenBatch
+from libs.protocol.messages import FINISH_ABORTED, Abort, Accepted, RequestError, Resync, TokenBatch
 from libs.runtime import metrics
 from libs.runtime.settings import Settings
 from services.detokenizer.__main__ import Detokenizer
@@ -105,3 +105,40 @@ def test_an_abort_between_two_turns_ends_the_stream_in_order(service):
     assert [r.index for r in rows] == [1, 2, 3, 3] and rows[-1].final.finish_reason == "aborted"
     replay = svc.streams.replay(0, "a")  # what a resync (http's watchdog, a restarted detokenizer) gets
     assert replay.offsets.tolist() == [0, 1, 2, 3] and replay.token_ids.tolist() == [40, 41, 42, -1]
+
+
+def answered(svc, events, resync: Resync) -> list:
+    """What the scheduler publishes in answer to `resync` (read up to a marker published after it)."""
+    svc._resync(resync)
+    svc.events.publish(topics.out(0), RequestError(request_id="answered", message="", error_type="marker"))
+    got = []
+    while events.poll(5000):
+        _, msg = codec.decode_pub(events.recv_multipart())
+        if isinstance(msg, RequestError) and msg.request_id == "answered":
+            return got
+        got.append(msg)
+    raise AssertionError("the marker never came back")
+
+
+def test_a_slow_stream_is_kept_alive_and_a_lossy_one_replayed(service):
+    """http resyncs a stream silent for STALL_S. On a busy machine a live stream is often just slow (a step of
+    64 rows can take longer than that): when http has every row published so far, a replay would only repeat them
+    (and, every STALL_S, load the detokenizer and http with the whole stream again: the replay storm of a heavy
+    load), so the answer is Accepted again; when it misses rows, or a detokenizer asks, the stream is replayed."""
+    svc, events = service
+    subscribed(svc, events)
+    a = req("a", 5, 50)
+    a.detokenizer = 0
+    svc.batcher.add(a)
+    for n, token in enumerate((40, 41, 42), start=1):
+        step(svc, n, token)
+    svc._publish_unpublished()  # offsets 0, 1, 2 published
+    assert len(published(svc, events, "rows")) == 3
+
+    (keepalive,) = answered(svc, events, Resync(request_id="a", ingress=0, delivered=3))  # it has them all
+    assert isinstance(keepalive, Accepted) and keepalive.request_id == "a"
+    (replay,) = answered(svc, events, Resync(request_id="a", ingress=0, delivered=2))  # offset 2 never came
+    assert isinstance(replay, TokenBatch) and replay.reset == ["a"] and replay.offsets.tolist() == [0, 1, 2]
+    svc._replayed.clear()  # as if REPLAY_EVERY went by
+    (replay,) = answered(svc, events, Resync(request_id="a", ingress=-1))  # a detokenizer asks: it lost rows
+    assert isinstance(replay, TokenBatch) and replay.reset == ["a"]
