@@ -106,7 +106,8 @@ def test_no_resync_under_load_and_one_when_a_detokenizer_loses_rows(server):
     left = ends.count("left")
     assert left >= REQUESTS // 3 and ends.count("stop_sequence") > 0, ends
     assert seen["preemptions"] > 0 and seen["drafted"] > 0, seen  # the small KV and speculation did act
-    assert not any(k.startswith("resyncs_") and v for k, v in seen.items()), seen
+    # no detokenizer saw a gap (http's watchdog may still ask, on a busy machine, for a row in flight: "replayed")
+    assert not seen.get("resyncs_gap") and not seen.get("resyncs_unopened"), seen
     assert "stream gap" not in server.log_path.read_text(errors="replace")
 
     # kill -9 the detokenizer while streams run: the rows sent to it meanwhile are lost, and the new one, hearing
