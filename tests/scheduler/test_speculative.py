@@ -11,7 +11,7 @@ from libs.protocol.messages import FINISH_EOS, FINISH_LENGTH, FINISH_NONE, StepR
 from libs.protocol.messages import TokenizedRequest as Req
 from libs.protocol.params import SamplingParams
 from services.scheduler.batcher import Batcher
-from services.scheduler.speculative import lookup
+from services.scheduler.speculative import MAX_MATCH, PromptIndex, lookup
 
 EOS = 2
 LOOP = [11, 12, 13, 14, 15, 16]  # a prompt that repeats itself: lookup always has a match
@@ -58,10 +58,42 @@ def drafts_of(plan) -> dict[int, list[int]]:
 
 
 def test_lookup_takes_the_longest_most_recent_match():
-    assert lookup(np.array([1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3]), 3).tolist() == [9, 2, 3]  # "1 2 3" beats "2 3"
-    assert lookup(np.array([5, 6, 1, 5, 7, 5]), 2).tolist() == [7, 5]  # the most recent "5"
-    assert lookup(np.array([1, 2, 3, 4]), 3).tolist() == []  # nothing repeats
-    assert lookup(np.array([4, 4]), 5).tolist() == [4]  # what follows, up to the end
+    assert lookup(np.array([1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3]), 3) == [9, 2, 3]  # "1 2 3" beats "2 3"
+    assert lookup(np.array([5, 6, 1, 5, 7, 5]), 2) == [7, 5]  # the most recent "5"
+    assert lookup(np.array([1, 2, 3, 4]), 3) == []  # nothing repeats
+    assert lookup(np.array([4, 4]), 5) == [4]  # what follows, up to the end
+
+
+def scan(tokens: list[int], k: int) -> tuple[list[int], int]:
+    """Prompt lookup by brute force: the longest suffix (3, 2, 1 tokens) whose most recent earlier occurrence has
+    something after it, and how far back that occurrence agrees with the suffix."""
+    size = len(tokens)
+    for n in range(min(3, size - 1), 0, -1):
+        starts = [i for i in range(size - n) if tokens[i : i + n] == tokens[size - n :]]
+        if starts:
+            at, length = starts[-1], n
+            while length < MAX_MATCH and at - (length - n) > 0 and tokens[at - (length - n) - 1] == tokens[-length - 1]:
+                length += 1
+            return tokens[at + n : at + n + k], length
+    return [], 0
+
+
+def test_the_row_index_grown_token_by_token_answers_as_a_scan():
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        tokens = rng.integers(0, 5, 80).tolist()
+        index = PromptIndex()
+        index.extend(tokens[:20])  # the prompt, then one or a few tokens a step
+        at = 20
+        while at < len(tokens):
+            at = min(len(tokens), at + int(rng.integers(1, 4)))
+            index.extend(tokens[len(index.tokens) : at])
+            assert index.propose(4) == scan(tokens[:at], 4)
+    copy = list(range(30, 60))
+    assert lookup(copy + copy[:20], 4) == copy[20:24]
+    index = PromptIndex()
+    index.extend(copy + copy[:20])
+    assert index.propose(4)[1] == MAX_MATCH  # a copy matches far back; free writing mostly 1-3 tokens
 
 
 def test_a_drafted_row_feeds_its_drafts_and_takes_several_tokens():

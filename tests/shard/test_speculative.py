@@ -18,7 +18,7 @@ from libs.protocol import codec
 from libs.protocol.messages import NewSequence, StepPlan
 from libs.protocol.params import SamplingParams
 from services.scheduler.batcher import Batcher
-from services.scheduler.speculative import Drafter
+from services.scheduler.speculative import MAX_MATCH, Drafter
 from services.shard.model_runner import ModelRunner
 from services.shard.sampling import Choice
 from services.shard.speculative import accept, kept_positions, select
@@ -207,8 +207,8 @@ class AnswerDrafter(Drafter):
         super().__init__(speculate)
         self.answers, self.calls = answers, 0
 
-    def propose(self, tokens, k, stats):
-        tokens = tokens.tolist()
+    def propose(self, s, k):
+        tokens = s.tokens(0, s.total).tolist()
         for prompt, answer in sorted(self.answers.items(), key=lambda kv: -len(kv[0])):
             done = tokens[len(prompt) :]
             if tokens[: len(prompt)] == list(prompt) and answer[: len(done)] == done:
@@ -216,7 +216,7 @@ class AnswerDrafter(Drafter):
                 drafts = answer[len(done) : len(done) + k]
                 if drafts and self.calls % 3 == 0:
                     drafts[-1] = (drafts[-1] + 7) % 900 + 3
-                return drafts
+                return drafts, MAX_MATCH  # as sure as a long match
         raise AssertionError("a sequence that is no request's prompt and answer")
 
 
