@@ -30,8 +30,8 @@ REQUESTS, CONCURRENT = 72, 36
 def server(tmp_path_factory):
     model = build_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", "qwen2")
     log = tmp_path_factory.mktemp("logs") / "resync-server.log"
-    # 32 KV blocks of 16 tokens for 48 streams of up to ~150 tokens: running streams are preempted
-    flags = ("--max-total-tokens", "512", "--max-batch-total-tokens", "512", "--speculate", "2")
+    # 48 KV blocks of 16 tokens for 36 streams, a third of them ~200 tokens long: running streams are preempted
+    flags = ("--max-total-tokens", "512", "--max-batch-total-tokens", "768", "--speculate", "2")
     srv = Server(model, log, *flags)
     try:
         srv.wait_healthy()
@@ -57,7 +57,7 @@ def counters(url: str) -> dict[str, float]:
 async def one(session: aiohttp.ClientSession, url: str, i: int) -> str:
     """Request i: plain, with stop sequences, or a client that leaves after a few tokens; returns how it ended."""
     text = " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(3 + i % 29))
-    params: dict = {"max_new_tokens": (12, 40, 120)[i % 3], "details": True}
+    params: dict = {"max_new_tokens": (12, 40, 160)[i // 3 % 3], "details": True}
     kind = ("plain", "stop", "leave")[i % 3 if i % 5 else 2]
     if kind == "stop":
         params["stop"] = [WORDS[i % len(WORDS)], " " + WORDS[(i + 3) % len(WORDS)], "e"]
@@ -117,7 +117,7 @@ def test_no_resync_under_load_and_one_when_a_detokenizer_loses_rows(server):
     def stream(i: int) -> None:
         body = {
             "inputs": f"stream {i + 1} goes on while the detokenizer restarts",
-            "parameters": {"max_new_tokens": 240, "details": True},  # ~10 s: they outlive the restart (~2 s)
+            "parameters": {"max_new_tokens": 320, "details": True},  # ~15 s: they outlive the restart (~2 s)
         }
         with requests.post(server.url + "/generate_stream", json=body, stream=True, timeout=(5, 120)) as r:
             for line in r.iter_lines():
