@@ -250,6 +250,9 @@ class Resync(Message, tag="resync", kw_only=True):
 
     request_id: str
     ingress: int  # where to send Unknown / Accepted (-1 from a detokenizer: the scheduler knows it)
+    # http: the rows it delivered (a live request whose published rows all arrived is slow, not lost: Accepted
+    # again instead of a replay); -1: unknown (a detokenizer), replay
+    delivered: int = -1
 
 
 class Unknown(Message, tag="unknown", kw_only=True):

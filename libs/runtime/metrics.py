@@ -159,6 +159,9 @@ class Metrics:
         self.speculative_accepted_tokens = counter(
             "switchyard_speculative_accepted_tokens", "Drafted tokens accepted (each one a forward step saved)"
         )
+        self.resyncs = counter(
+            "switchyard_resyncs", "Streams asked again from offset 0 (rows lost), by asker and reason", ["by", "reason"]
+        )
         self.grammar_compile_duration = hist(
             "switchyard_grammar_compile_seconds", "Compiling a request's grammar, by kind (s)", labels=["kind"]
         )

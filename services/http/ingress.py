@@ -154,7 +154,8 @@ class Ingress:
     async def resync(self, p: Pending) -> None:
         p.asked = time.monotonic()
         if p.replica is not None:
-            await self.publish(topics.ctl(p.replica), Resync(request_id=p.req.request_id, ingress=self.index))
+            resync = Resync(request_id=p.req.request_id, ingress=self.index, delivered=p.delivered)
+            await self.publish(topics.ctl(p.replica), resync)
 
     async def _watch(self) -> None:
         """Act on silence: resubmit what was never accepted, resync what was, fail what stays silent."""

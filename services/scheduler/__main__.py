@@ -41,7 +41,7 @@ from libs.protocol.messages import (
     TokenizedRequest,
     Unknown,
 )
-from libs.runtime import bus, model_store, service
+from libs.runtime import bus, metrics, model_store, service
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import REPLAY_EVERY
 from services.scheduler.adapters import AdapterControl
@@ -182,7 +182,9 @@ class SchedulerService:
             ended = self.batcher.finish(msg.request_id)
             if isinstance(msg, Abort):
                 self.forgotten.add(msg.request_id)  # an Abort that overtook its request: it never runs
-                if ended is not None:
+                if ended is not None and self.unpublished is not None:
+                    self.unpublished.append(ended)  # behind the last step's rows: an end must not overtake them
+                elif ended is not None:
                     self._publish([ended])
             else:  # a stop sequence: the detokenizer ended the stream
                 self.streams.end(msg.request_id)
@@ -199,10 +201,14 @@ class SchedulerService:
                 self.events.publish(topics.out(msg.ingress), err)
             return
         batch = self.streams.replay(self.replica, rid)
+        if batch is not None and s is not None and st.rows[-1].offset < msg.delivered:
+            batch = None  # live, and http has every row published: slow (a busy machine), not lost: Accepted
         if batch is not None:
             if now - self._replayed.get(rid, 0.0) < REPLAY_EVERY:
                 return
             self._replayed[rid] = now
+            if msg.ingress >= 0:  # http's (a detokenizer counts its own)
+                metrics.get().resyncs.labels(by="http", reason="replayed").inc()
             if len(self._replayed) > 10_000:
                 self._replayed = {k: t for k, t in self._replayed.items() if now - t < REPLAY_EVERY}
             self.log.info("resync: replaying %d rows", len(batch.request_ids), extra={"request_id": rid})
