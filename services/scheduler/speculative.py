@@ -16,14 +16,14 @@ A draft must pay for the position it costs in the step's forward (attention, MLP
   its accepted drafts over what their match lengths predicted, so a sampled row at a high temperature counts less);
 - the step's time comes from a model fitted on the step results' `forward_s` (StepCost: fixed + per position,
   plus what verifying any draft at all costs, once and per row);
-- drafts are taken best first, as many as give the most predicted tokens per second, and none unless that beats
-  the same step without drafts. Each drafted position is counted MARGIN dearer than the model says: the model is
-  fitted on a noisy machine, and a draft costs beyond the forward too (lookup, a longer result). A batch of one on
-  a CPU, whose step is mostly the weights' read, drafts freely; a large batch, whose step grows with every
-  position, drafts only long matches (SmolLM2 at 16 rows: a drafted position costs ~1/34 of the plain step, so a
-  draft right 47 % of the time breaks even, as the 49 % of free writing's drafts under the round-5 rule did, and
-  with the margin a draft must be right ~70 % of the time). When not even sure drafts would pay, nothing is
-  looked up;
+- only drafts worth (1 + MARGIN) times the tokens their position costs at the plain step's rate are weighed (the
+  model is fitted on a noisy machine, and a draft costs beyond the forward too: lookup, a longer result); of
+  those the best are taken first, as many as give the most predicted tokens per second, and none unless that
+  beats the same step without drafts. A batch of one on a CPU, whose step is mostly the weights' read, drafts
+  freely; a large batch, whose step grows with every position, drafts only long matches (SmolLM2 at 16 rows: a
+  drafted position costs ~1/34 of the plain step, so a draft right 47 % of the time breaks even, as the 49 % of
+  free writing's drafts under the round-5 rule did; with the margin a draft must be right ~70 % of the time).
+  When not even sure drafts would be taken, nothing is looked up;
 - grammar-constrained rows never draft (a seam: drafts are not checked against the grammar's mask yet), and
   every draft fits the row's max_new_tokens (the bonus token included), the step's token budget and the KV
   blocks that are free without preempting anyone.
@@ -48,9 +48,10 @@ MAX_P = 0.98  # no draft is ever sure
 ROW_DECAY = 0.8  # weight of a row's older record at each drafted step
 ROW_PRIOR = 1.0  # the row's record starts as this many drafts that did as predicted
 REVERT = 0.97  # per step without drafts, a row's record shrinks by this factor (back toward "as predicted")
-MARGIN = 0.5  # a drafted position counts this much dearer than the time model says (model error, costs it misses)
+MARGIN = 0.5  # a draft must bring this much more than its position costs (model error, costs it misses)
 FIXED_POSITIONS = 16.0  # prior of the step's time model: the fixed part of a step costs as much as 16 positions
 PRIOR_STRENGTH = 4.0  # the prior slope counts as this much spread of positions (positions²) in the fit
+DRAFTING_CAP = 4.0  # positions a step that verifies drafts may cost beyond its positions, once (+ 1 a row)
 RIDGE_DRAFTING = 0.5  # pull of the drafting terms toward 0 (one drafted step outweighs it)
 WINDOW = 64  # decode steps in the time model
 
@@ -204,7 +205,9 @@ class StepCost:
             ridge = np.diag([0.0, PRIOR_STRENGTH, RIDGE_DRAFTING, RIDGE_DRAFTING])
             fit = np.linalg.solve(x.T @ x + ridge + 1e-9 * np.eye(4), x.T @ t + ridge @ prior)
             fit[1] = min(max(fit[1], 0.0), mt / mp)  # between free and "the step is all positions"
-            fit[2:] = np.maximum(fit[2:], 0.0)
+            # drafting costs at most DRAFTING_CAP more positions once and one per row: a few slow steps on a busy
+            # machine must not price drafting out for a whole window (measured: a drafted step costs its positions)
+            fit[2:] = np.clip(fit[2:], 0.0, [DRAFTING_CAP * fit[1], fit[1]])
             fit[0] = max(fit[0], 0.0)
             self._fit = fit
         return self._fit
@@ -237,44 +240,45 @@ class Drafter:
         if len(self._planned) > 64:  # steps that never came back (forgotten plans)
             self._planned.clear()
 
-    def choose(self, worth: list[float], owner: list[int], sampled: int, base: int, rows: int) -> dict[int, int]:
-        """Row index → how many of its drafts to take: the best drafts first (`worth`: expected tokens, a row's
-        j-th draft never worth more than its (j-1)-th), as many as maximise the step's predicted tokens per second
-        with each draft MARGIN dearer; none when no number of them beats the step without drafts."""
-        self.gain = 0.0
-        if not worth:
-            return {}
-        order = np.argsort(worth, kind="stable")[::-1]
-        tokens = sampled + np.cumsum(np.asarray(worth)[order])
-        k = np.arange(1, len(order) + 1)
+    def _plain(self, sampled: int, base: int, rows: int) -> tuple[float, float, np.ndarray]:
+        """(the plain step's tokens per second, the least a draft must be worth, the time model: [fixed, per position,
+        drafting once, drafting per row]): a draft must bring (1 + MARGIN) times the tokens its position costs at
+        the plain step's rate."""
         m = self.cost.model()
         if m is None:
-            times = FIXED_POSITIONS + base + (1 + MARGIN) * k
-        else:
-            times = m[0] + m[1] * (base + (1 + MARGIN) * k) + m[2] + m[3] * rows
+            m = np.array([FIXED_POSITIONS, 1.0, 0.0, 0.0])
+        plain = sampled / max(m[0] + m[1] * base, 1e-9)
+        return plain, (1 + MARGIN) * plain * m[1], m
+
+    def choose(self, worth: list[float], owner: list[int], sampled: int, base: int, rows: int) -> dict[int, int]:
+        """Row index → how many of its drafts to take: of the drafts worth the margin (`worth`: expected tokens, a
+        row's j-th draft never worth more than its (j-1)-th), the best first, as many as maximise the step's
+        predicted tokens per second; none when no number of them beats the step without drafts."""
+        self.gain = 0.0
+        plain, least, m = self._plain(sampled, base, rows)
+        order = [j for j in np.argsort(worth, kind="stable")[::-1].tolist() if worth[j] >= least]
+        if not order or plain <= 0:
+            return {}
+        tokens = sampled + np.cumsum(np.asarray(worth)[order])
+        times = m[0] + m[1] * (base + np.arange(1, len(order) + 1)) + m[2] + m[3] * rows
         rates = tokens / times
         best = int(np.argmax(rates))
-        plain = sampled / self.cost.time(base, rows, False)
-        self.gain = float(rates[best] / plain) if plain > 0 else 0.0
+        self.gain = float(rates[best] / plain)
         if self.gain <= 1.0:
             return {}
         out: dict[int, int] = {}
-        for j in order[: best + 1].tolist():
+        for j in order[: best + 1]:
             out[owner[j]] = out.get(owner[j], 0) + 1
         return out
 
     def could_pay(self, sampled: int, base: int, rows: int, most: int) -> bool:
-        """Whether sure drafts (MAX_P each) would pay in this step, one of them or `most`: when not, no row is looked
-        up (tokens per second over the drafts taken is monotone in their number, so the two ends tell)."""
-        m = self.cost.model()
-        if m is None or not most:
-            return bool(most)
+        """Whether sure drafts (MAX_P each) would be taken in this step, one of them or `most`: when not, no row is
+        looked up (tokens per second over the drafts taken is monotone in their number, so the two ends tell)."""
+        plain, least, m = self._plain(sampled, base, rows)
+        if not most or MAX_P < least:
+            return False
         a, b, once, per_row = (float(v) for v in m)
-        plain = sampled / (a + b * base)
-        return any(
-            (sampled + k * MAX_P) / (a + b * (base + (1 + MARGIN) * k) + once + per_row * rows) > plain
-            for k in (1, most)
-        )
+        return any((sampled + k * MAX_P) / (a + b * (base + k) + once + per_row * rows) > plain for k in (1, most))
 
     def draft(self, batcher, rows: list, step: int = 0) -> dict[int, list[int]]:
         """Row index → drafts, for the decode rows of a planned step whose drafts pay, within the step's leftover

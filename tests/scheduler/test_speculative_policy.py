@@ -121,7 +121,7 @@ def test_one_copying_stream_drafts_fully():
 def test_sixteen_free_writing_streams_do_not_draft():
     b, shard = run(rows=16, copying=False, steps=200)
     assert sum(shard.drafted_steps) <= 0.02 * 16 * len(shard.drafted_steps)  # at most a rare probe
-    assert 0 < b.drafter.gain <= 1.0  # weighed, and found not to pay
+    assert b.drafter.gain <= 1.0  # found not to pay
 
 
 def test_sixteen_copying_streams_draft_where_it_pays():
