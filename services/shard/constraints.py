@@ -26,12 +26,14 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+from services.shard.token_masks import mask_rows, unpack
 
 Key = Hashable  # the shard's sequence handle
 log = logging.getLogger("switchyard.shard.grammar")
@@ -76,7 +78,15 @@ class Constraints:
         # what the grammar work cost and whether its shortcuts fired: matchers compiled vs copied from the cache,
         # masks filled ahead (off the step's path) vs on it, and wall seconds per phase (fill_ahead runs on the
         # worker, beside the forward pass; the rest is on the step's path)
-        self.stats = {"steps": 0, "rows": 0, "compiled": 0, "reused": 0, "ahead_rows": 0, "inline_rows": 0}
+        self.stats = {
+            "steps": 0,
+            "rows": 0,
+            "compiled": 0,
+            "reused": 0,
+            "ahead_rows": 0,
+            "inline_rows": 0,
+            "sparse_rows": 0,
+        }
         self.seconds = {"open": 0.0, "apply": 0.0, "advance": 0.0, "fill_ahead": 0.0}
 
     def set_fill(self, ahead: bool, threads: int | None = None) -> None:
@@ -221,10 +231,20 @@ class Constraints:
         self.stats["inline_rows"] += len(missing)
         return out
 
-    def apply(self, logits: torch.Tensor, keys: Sequence[Key | None]) -> list[RowError]:
+    def apply(
+        self,
+        logits: torch.Tensor,
+        keys: Sequence[Key | None],
+        sparse_ok: Sequence[int] = (),
+        sparse: dict[int, np.ndarray] | None = None,
+    ) -> list[RowError]:
         """Mask `logits` [rows, vocab] in place: each row whose key is constrained keeps only the tokens its
         grammar allows. Rows of None (or an unconstrained key) are untouched. Returns the rows left with nothing
-        allowed; each of those gets the first EOS id as its only choice."""
+        allowed; each of those gets the first EOS id as its only choice.
+
+        The rows of `sparse_ok` whose grammar allows few tokens (under half the vocabulary) are left unwritten on
+        CPU: their allowed ids go into `sparse` instead ({row: ascending int64 ids}), for a caller that chooses
+        among those ids alone and never reads the rest of the row."""
         rows = [i for i, k in enumerate(keys) if k is not None and k in self._states]
         if not rows:
             return []
@@ -232,11 +252,17 @@ class Constraints:
         self.stats["steps"] += 1
         self.stats["rows"] += len(rows)
         try:
-            return self._apply(logits, keys, rows)
+            errors, few = self._apply(logits, keys, rows, set(sparse_ok) if sparse is not None else set())
+            if few:
+                sparse.update(few)
+                self.stats["sparse_rows"] += len(few)
+            return errors
         finally:
             self.seconds["apply"] += time.perf_counter() - t0
 
-    def _apply(self, logits: torch.Tensor, keys: Sequence[Key | None], rows: list[int]) -> list[RowError]:
+    def _apply(
+        self, logits: torch.Tensor, keys: Sequence[Key | None], rows: list[int], sparse_ok: set[int]
+    ) -> tuple[list[RowError], dict[int, np.ndarray]]:
         self._settle()
         bits = self.masks([keys[i] for i in rows]).view(np.uint32)
         errors = []
@@ -249,41 +275,25 @@ class Constraints:
             blocked = unpack(bits.view(np.int32), logits.shape[-1], logits.device, blocked=True)
             for j, row in enumerate(rows):
                 logits[row].masked_fill_(blocked[j], float("-inf"))
-            return errors
-        mask_rows(logits, rows, bits)
-        return errors
+            return errors, {}
+        return errors, mask_rows(logits, rows, bits, sparse_ok)
 
 
-def mask_rows(logits: torch.Tensor, rows: Sequence[int], bits: np.ndarray) -> None:
-    """CPU: -inf at every id of `logits[rows[j]]` that bit row j of `bits` ([len(rows), words] uint32) does not
-    allow; ids past the bitmask's width are never allowed.
+class GrammarMask:
+    """One step's `constrain` for sampling: called with the scores, it masks every constrained row; `split` leaves
+    the rows that may be chosen among their allowed ids alone (sampling.choose's sparse rows) and returns those ids."""
 
-    A bool masked_fill over 262k scores costs ~5x one pass on CPU, and a [rows, vocab] torch.where two: only the
-    small side of each row is written. Where most ids are allowed (inside a JSON string) that is the blocked ids,
-    set to -inf; where few are (JSON punctuation), the row becomes -inf and its allowed scores are put back. The
-    side is chosen on the packed words (a popcount), the words of each row inverted or not so that one unpack
-    gives every row's small side, and each row is then one or two index writes."""
-    width = logits.shape[-1]
-    few_allowed = 2 * np.bitwise_count(bits).sum(axis=1) < width
-    small = np.where(few_allowed[:, None], bits, ~bits)  # per row: the bits of the ids to write
-    # viewed as bool: flatnonzero reads bools ~4x faster than uint8
-    unpacked = np.unpackbits(small.view(np.uint8), axis=1, bitorder="little").view(bool)[:, :width]
-    beyond = 32 * bits.shape[1]  # ids past the bitmask (a model's padded vocabulary): never allowed
-    # numpy's writes, single-threaded, cost ~1/6 of torch's index ops here (which also fan out to every core)
-    scores = logits.numpy() if logits.dtype in (torch.float32, torch.float16) else logits
-    for j, row in enumerate(rows):
-        ids = np.flatnonzero(unpacked[j])
-        if scores is logits:
-            ids = torch.from_numpy(ids)
-        line = scores[row]
-        if few_allowed[j]:
-            kept = line[ids]
-            line[:] = float("-inf")
-            line[ids] = kept
-        else:
-            line[ids] = float("-inf")
-            if width > beyond:
-                line[beyond:] = float("-inf")
+    def __init__(self, cons: Constraints, keys: list[int | None], errors: dict[int, str]) -> None:
+        self._cons, self._keys, self._errors = cons, keys, errors
+
+    def __call__(self, scores: torch.Tensor) -> None:
+        self.split(scores, ())
+
+    def split(self, scores: torch.Tensor, sparse_ok: Sequence[int]) -> dict[int, np.ndarray]:
+        sparse: dict[int, np.ndarray] = {}
+        for e in self._cons.apply(scores, self._keys, sparse_ok, sparse):
+            self._errors[int(e.key)] = e.message
+        return sparse
 
 
 class ShardGrammars:
@@ -349,41 +359,12 @@ class ShardGrammars:
         keys = [s if s in cons else None for s in seqs]
         return keys if any(k is not None for k in keys) else None
 
-    def mask(self, keys: list[int | None], errors: dict[int, str]) -> Callable[[torch.Tensor], None]:
+    def mask(self, keys: list[int | None], errors: dict[int, str]) -> GrammarMask:
         """The `constrain` step of sampling: masks the rows' scores, and records the rows left with no token."""
-
-        def constrain(scores: torch.Tensor) -> None:
-            for e in self._cons.apply(scores, keys):
-                errors[int(e.key)] = e.message
-
-        return constrain
+        return GrammarMask(self._cons, keys, errors)
 
     def advance(self, keys: list[int | None], tokens: Sequence[int], errors: dict[int, str]) -> None:
         """The sampled tokens move the matchers on (and the next masks start filling on the worker)."""
         for e in self._cons.advance(keys, tokens):
             errors[int(e.key)] = e.message
         self.report()
-
-
-def unpack(bits: np.ndarray, vocab: int, device: torch.device | str = "cpu", blocked: bool = False) -> torch.Tensor:
-    """[rows, words] int32 bitmasks → [rows, vocab] bool: allowed (or, with `blocked`, not allowed) per token id.
-    Token ids past the tokenizer's vocabulary are never allowed."""
-    rows, words = bits.shape
-    if torch.device(device).type == "cpu":
-        packed = bits.view(np.uint8)
-        flat = np.unpackbits(~packed if blocked else packed, axis=1, bitorder="little").view(bool)
-        out = torch.from_numpy(flat)
-    else:
-        out = unpack_on(bits, device, blocked)
-    if out.shape[1] >= vocab:
-        return out[:, :vocab]
-    pad = torch.full((rows, vocab - out.shape[1]), blocked, dtype=torch.bool, device=out.device)
-    return torch.cat([out, pad], dim=1)
-
-
-def unpack_on(bits: np.ndarray, device: torch.device | str, blocked: bool = False) -> torch.Tensor:
-    """unpack's accelerator path: ship the packed words (32x smaller than the mask) and unpack on the device."""
-    rows, words = bits.shape
-    packed = torch.from_numpy(bits).to(device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    return ((packed[:, :, None] >> shifts) & 1).reshape(rows, words * 32) == (0 if blocked else 1)

@@ -11,7 +11,8 @@ generator (same seed → same tokens, whatever else shares the batch; on CPU the
 batch where no row changes its scores (no penalties, grammar or warpers) skips the processors and warpers
 altogether and reads the logits as they come (bf16 too: no float32 copy of them all). The argmax and every logprob
 come from one chunked pass over the scores (`_reduce`); no [rows, vocab] log-softmax is written
-(`python -m launcher.bench.sampling` times it).
+(`python -m launcher.bench.sampling` times it). A greedy row whose grammar allows few tokens is chosen among those
+alone and left out of that pass (`_choose_sparse`; docs/structured-output.md).
 """
 
 from __future__ import annotations
@@ -153,17 +154,71 @@ def final_scores(
 
     `constrain` masks the scores in place after the processors (TGI's order); it may write into `logits` itself
     (the runner's own tensor, used for nothing else after the choice)."""
-    scores = logits.float()
+    scores, _ = _final_scores(logits, params, histories, watermark_gamma, watermark_delta, constrain)
+    return scores.float()
+
+
+def _final_scores(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[np.ndarray | None] | None,
+    watermark_gamma: float,
+    watermark_delta: float,
+    constrain: Callable[[torch.Tensor], None] | None,
+    sparse_ok: list[int] | None = None,
+) -> tuple[torch.Tensor, dict[int, np.ndarray]]:
+    """`final_scores`, in the logits' own dtype where only the grammar mask changes them (masking bf16 in place
+    writes -inf and keeps the rest bit for bit: float32 of it is float32-then-masked, without a [rows, vocab]
+    float32 copy). With `sparse_ok` and a mask that can split (constraints.GrammarMask), those rows that allow few
+    tokens are left unmasked and their allowed ids returned ({row: ids}): the caller chooses among them alone."""
+    scores, sparse = logits, {}
     if any(p.keeps_history() for p in params):
+        scores = logits.float()
         if scores is logits:  # processors write in place: never into the caller's tensor
             scores = scores.clone()
         histories = histories or [None] * len(params)
         scores = apply_processors(scores, params, histories, gamma=watermark_gamma, delta=watermark_delta)
     if constrain is not None:
-        constrain(scores)
+        split = getattr(constrain, "split", None)
+        if split is not None and sparse_ok:
+            sparse = split(scores, sparse_ok)
+        else:
+            constrain(scores)
     if any(_has_warpers(p) for p in params):
-        scores = _warp_rows(scores, params, in_place=scores is not logits)
-    return scores
+        warped = scores.float()
+        scores = _warp_rows(warped, params, in_place=warped is not logits)
+    return scores, sparse
+
+
+def _choose_sparse(
+    scores: torch.Tensor,
+    sparse: dict[int, np.ndarray],
+    token_ids: torch.Tensor,
+    maxes: torch.Tensor,
+    spreads: torch.Tensor,
+) -> None:
+    """`_reduce`'s results for greedy rows whose grammar allows only `sparse[row]` (ascending ids), read from those
+    scores alone: the first argmax, the max and logsumexp − max over the allowed set (float64, then float32), which
+    is what the masked row (-inf elsewhere, exp(-inf) = 0) gives."""
+    rows = list(sparse)
+    counts = [len(sparse[r]) for r in rows]
+    ids = np.concatenate([sparse[r] for r in rows])
+    at = torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), counts))
+    values = scores[at, torch.from_numpy(ids)].double().numpy()
+    chosen, tops, lses = [], [], []
+    start = 0
+    for count in counts:
+        part = values[start : start + count]
+        k = int(np.argmax(part))  # the first maximum (NaN first, as torch.argmax)
+        top = part[k]
+        chosen.append(ids[start + k])
+        tops.append(top)
+        lses.append(np.log(np.exp(part - top).sum()))
+        start += count
+    where = torch.tensor(rows, dtype=torch.long)
+    token_ids[where] = torch.tensor(chosen, dtype=torch.long)
+    maxes[where] = torch.tensor(tops, dtype=torch.float64).float()
+    spreads[where] = torch.tensor(lses, dtype=torch.float64).float()
 
 
 # Rows whose scores are reduced together in `_reduce`: about 4 MB of float32, so a chunk read once from memory stays
@@ -171,7 +226,7 @@ def final_scores(
 GREEDY_CHUNK_ELEMENTS = 1 << 20
 
 
-def _reduce(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _reduce(scores: torch.Tensor, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row: the first argmax, the max (float32) and logsumexp − max (float32), without a [rows, vocab]
     log-softmax; any row's logprob at token t is then (scores[t] − max) − that spread.
 
@@ -182,22 +237,33 @@ def _reduce(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     exp-and-sum costs about half of an `exp_` and a `sum` apart. Its own sum is a plain float32 running sum (~1e-5
     off at 262k tokens), so the spread is taken as −log p(argmax) + log Σp with Σp summed again by torch.sum's
     cascade: p(argmax) is exactly 1/(the kernel's sum), and the result is within ~3e-7 of float64.
+
+    `rows`: only these rows are reduced (the others' entries are left unset, for the caller to fill).
     """
-    rows, vocab = scores.shape
+    n, vocab = scores.shape
     chunk = max(1, GREEDY_CHUNK_ELEMENTS // vocab)
-    token_ids = torch.empty(rows, dtype=torch.long, device=scores.device)
-    maxes = torch.empty(rows, dtype=torch.float32, device=scores.device)
-    spreads = torch.empty(rows, dtype=torch.float32, device=scores.device)
-    buffer = torch.empty(min(chunk, rows), vocab, dtype=torch.float32, device=scores.device)
-    for start in range(0, rows, chunk):
-        src = scores[start : start + chunk]
+    device = scores.device
+    token_ids = torch.empty(n, dtype=torch.long, device=device)
+    maxes = torch.empty(n, dtype=torch.float32, device=device)
+    spreads = torch.empty(n, dtype=torch.float32, device=device)
+    todo = list(range(n)) if rows is None else rows
+    if not todo:
+        return token_ids, maxes, spreads
+    buffer = torch.empty(min(chunk, len(todo)), vocab, dtype=torch.float32, device=device)
+    for start in range(0, len(todo), chunk):
+        first, last = todo[start], todo[min(start + chunk, len(todo)) - 1]
+        if last - first + 1 == min(chunk, len(todo) - start):  # consecutive rows: a view, no gather
+            where = slice(first, last + 1)
+        else:
+            where = torch.tensor(todo[start : start + chunk], dtype=torch.long, device=device)
+        src = scores[where]
         part = buffer[: src.shape[0]]
         if src.dtype != torch.float32 or not src.is_contiguous():
             src = part.copy_(src)
         ids, top = _block_argmax(src)
-        token_ids[start : start + chunk], maxes[start : start + chunk] = ids, top
+        token_ids[where], maxes[where] = ids, top
         probs = torch.softmax(src, dim=-1, out=part)  # in place where src is the buffer: row by row, read first
-        spreads[start : start + chunk] = probs.sum(dim=-1).log_() - probs.gather(1, ids[:, None])[:, 0].log_()
+        spreads[where] = probs.sum(dim=-1).log_() - probs.gather(1, ids[:, None])[:, 0].log_()
     return token_ids, maxes, spreads
 
 
@@ -268,8 +334,9 @@ def _draws(scores: torch.Tensor, rows: list[int], generators: list[torch.Generat
 
 
 def _needs_float(params: list[SamplingParams], constrain: Callable | None) -> bool:
-    """Whether any row's scores are changed before the choice (processors, a grammar, warpers): those run on a
-    float32 copy; otherwise the choice reads the logits as they are (bf16 too)."""
+    """Whether any row's scores are changed before the choice (processors, a grammar, warpers): processors and
+    warpers run on a float32 copy, a grammar alone masks the logits in place; otherwise the choice reads the
+    logits as they are (bf16 too)."""
     return constrain is not None or any(p.keeps_history() or _has_warpers(p) for p in params)
 
 
@@ -292,17 +359,22 @@ def choose(
     device = logits.device
     if n == 0:
         return Choice(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, device=device))
-    scores = logits
+    scores, sparse = logits, {}
     if _needs_float(params, constrain):
-        scores = final_scores(
+        # greedy rows without alternatives may be chosen among their grammar's few allowed ids alone (CPU)
+        plain = [i for i, p in enumerate(params) if not samples(p) and p.top_n_tokens == 0]
+        scores, sparse = _final_scores(
             logits,
             params,
             histories,
-            watermark_gamma=watermark_gamma,
-            watermark_delta=watermark_delta,
-            constrain=constrain,
+            watermark_gamma,
+            watermark_delta,
+            constrain,
+            sparse_ok=plain if constrain is not None and device.type == "cpu" else None,
         )
-    token_ids, maxes, spreads = _reduce(scores)
+    token_ids, maxes, spreads = _reduce(scores, [i for i in range(n) if i not in sparse] if sparse else None)
+    if sparse:
+        _choose_sparse(scores, sparse, token_ids, maxes, spreads)
     drawn = [i for i, p in enumerate(params) if samples(p)]
     if drawn:
         token_ids[drawn] = _draws(scores, drawn, generators)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.shard.constraints import Constraints, mask_rows, unpack, unpack_on
+from services.shard.constraints import Constraints
+from services.shard.token_masks import mask_rows, unpack, unpack_on
 from services.tokenizer.grammar import grammar_text, tool_grammar
 from tests.tiny_models import BOS, EOS, build_tokenizer
 
