@@ -275,13 +275,15 @@ def table(results: dict) -> str:
     if step:
         lines += ["", "In process (ModelRunner decode steps, every row under a JSON schema vs none; ms per step; "
                   "masks filled ahead on a worker, or inline with every core):", "",
-                  "| batch | unconstrained step | constrained step | ratio | apply | advance "
-                  "| inline step | inline ratio | inline apply |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "| batch | unconstrained step | constrained step | ratio | CPU-s ratio | choice (free / constrained) "
+                  "| apply | advance | inline step | inline ratio | inline apply |",
+                  "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in step["runs"]:
             u, c = r["unconstrained"], r["constrained"]
             i = r.get("inline") or {}
             lines.append(f"| {step['batch']} | {_f(u['step_ms'])} | {_f(c['step_ms'])} | {_f(r['ratio'], 2)} "
+                         f"| {_f(r.get('ratio_cpu'), 2)} "
+                         f"| {_f(u.get('sample_ms_per_step'), 2)} / {_f(c.get('sample_ms_per_step'), 2)} "
                          f"| {_f(c['apply_ms_per_step'], 2)} | {_f(c['advance_ms_per_step'], 2)} "
                          f"| {_f(i.get('step_ms'))} | {_f(r.get('ratio_inline'), 2)} "
                          f"| {_f(i.get('apply_ms_per_step'), 2)} |")  # fmt: skip
@@ -352,8 +354,8 @@ def run(args, out: Path) -> int:
     if args.structured_step_steps > 0:
         results["in_process"] = _in_process(folder, max(streams), args.structured_step_steps, dtype)
         step = results["in_process"]
-        print(f"  in process, batch {max(streams)}: ratio {step['ratio']:.2f} (masks filled ahead), "
-              f"{step['ratio_inline']:.2f} (inline)", flush=True)  # fmt: skip
+        print(f"  in process, batch {max(streams)}: ratio {step['ratio']:.2f} (masks filled ahead; CPU seconds "
+              f"{step['ratio_cpu']:.2f}), {step['ratio_inline']:.2f} (inline)", flush=True)  # fmt: skip
     results["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     paths = write(results, out)
     print(table(results))

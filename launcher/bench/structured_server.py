@@ -77,4 +77,5 @@ def grammar_side(before: dict, after: dict) -> dict:
         "reused": d.get("reused", 0.0),
         "ahead_rows": d.get("ahead_rows", 0.0),
         "inline_rows": d.get("inline_rows", 0.0),
+        "sparse_rows": d.get("sparse_rows", 0.0),  # chosen among their few allowed ids (no full-row pass)
     }

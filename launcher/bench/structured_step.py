@@ -55,7 +55,15 @@ class _Timed:
         setattr(obj, name, timed)
 
 
-def measure(model_dir: str, batch: int, steps: int, prompt_tokens: int = 64, dtype: str = "float32", rounds: int = 2):
+def measure(
+    model_dir: str,
+    batch: int,
+    steps: int,
+    prompt_tokens: int = 64,
+    dtype: str = "float32",
+    rounds: int = 2,
+    inline: bool = True,
+):
     import torch
 
     from libs.protocol.messages import NewSequence, StepPlan
@@ -88,9 +96,11 @@ def measure(model_dir: str, batch: int, steps: int, prompt_tokens: int = 64, dty
         res = runner.execute(plan([(s, prompt_tokens, 0, prompts[s]) for s in seqs], new=new, blocks=blocks))
         last = dict(zip(res.seqs.tolist(), res.token_ids.tolist()))
         cons = runner.grammars.constraints
+        sample = _Timed(runner, "_sample")  # the choice: grammar mask, reduction, draws (every run has one)
         apply = _Timed(cons, "apply") if constrained else None
         advance = _Timed(cons, "advance") if constrained else None
         times, errors = [], 0
+        cpu0 = time.process_time()  # all threads: torch's, the mask worker's (a busy machine stretches wall time)
         for k in range(steps):
             t0 = time.perf_counter()
             rows = [(s, 1, prompt_tokens + k, np.array([last[s]])) for s in seqs]
@@ -98,11 +108,15 @@ def measure(model_dir: str, batch: int, steps: int, prompt_tokens: int = 64, dty
             times.append(time.perf_counter() - t0)
             last = dict(zip(res.seqs.tolist(), res.token_ids.tolist()))
             errors += len(res.errors)
-        if constrained:  # the instance's wrappers go: the class's methods show through again
+        cpu_s = time.process_time() - cpu0
+        del runner._sample  # the instance's wrappers go: the class's methods show through again
+        if constrained:
             del cons.apply, cons.advance
         return {
             "step_ms": statistics.median(times) * 1000,
             "total_s": sum(times),
+            "cpu_s": cpu_s,
+            "sample_ms_per_step": sample.seconds / steps * 1000,
             "apply_ms_per_step": apply.seconds / steps * 1000 if apply else 0.0,
             "advance_ms_per_step": advance.seconds / steps * 1000 if advance else 0.0,
             "row_errors": errors,
@@ -115,9 +129,17 @@ def measure(model_dir: str, batch: int, steps: int, prompt_tokens: int = 64, dty
     one_run(True)
     runs = []
     for _ in range(rounds):  # alternated, so a change of machine load hits every side
-        free, con, inline = one_run(False), one_run(True), one_run(True, ahead=False)
-        ratios = {"ratio": free["total_s"] / con["total_s"], "ratio_inline": free["total_s"] / inline["total_s"]}
-        runs.append({"unconstrained": free, "constrained": con, "inline": inline, **ratios})
+        free, con = one_run(False), one_run(True)
+        run = {
+            "unconstrained": free,
+            "constrained": con,
+            "ratio": free["total_s"] / con["total_s"],
+            "ratio_cpu": free["cpu_s"] / con["cpu_s"],  # CPU seconds: steadier than wall time on a busy machine
+        }
+        if inline:
+            run["inline"] = one_run(True, ahead=False)
+            run["ratio_inline"] = free["total_s"] / run["inline"]["total_s"]
+        runs.append(run)
     return {
         "model_dir": model_dir,
         "batch": batch,
@@ -126,9 +148,75 @@ def measure(model_dir: str, batch: int, steps: int, prompt_tokens: int = 64, dty
         "threads": torch.get_num_threads(),
         "vocab": vocab,
         "ratio": statistics.median(r["ratio"] for r in runs),
-        "ratio_inline": statistics.median(r["ratio_inline"] for r in runs),  # SWITCHYARD_GRAMMAR_FILL=inline
+        "ratio_cpu": statistics.median(r["ratio_cpu"] for r in runs),
+        # SWITCHYARD_GRAMMAR_FILL=inline
+        "ratio_inline": statistics.median(r["ratio_inline"] for r in runs) if inline else None,
         "runs": runs,
     }
+
+
+def measure_choice(model_dir: str, batch: int, steps: int, dtype: str = "bfloat16", rounds: int = 2) -> dict:
+    """The choice alone (sampling.choose on random [batch, vocab] logits, greedy rows), every row under the JSON
+    schema against none, with the served tokenizer's grammar side and no model: CPU seconds of the process (the
+    mask worker's too) and of the calling thread (the step's path), per step. No forward pass, so torch's threads
+    do not spin beside it and a busy machine moves the figures less than wall time."""
+    import torch
+
+    from libs.protocol.params import SamplingParams
+    from libs.runtime import model_store
+    from services.shard.constraints import ShardGrammars
+    from services.shard.sampling import choose
+    from services.tokenizer.grammar import json_grammar
+
+    grammar = json_grammar(SCHEMA)
+    eos_ids = list(model_store.model_info(model_dir)["eos_token_ids"])  # as the runner reads them
+    grammars = ShardGrammars(model_dir, eos_ids)
+    grammars.open(-1, grammar, [])
+    grammars.discard(-1)
+    vocab = grammars.constraints.tokenizer.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    logits = [(torch.randn(batch, vocab, generator=gen) * 3).to(getattr(torch, dtype)) for _ in range(steps)]
+    params = [SamplingParams()] * batch
+
+    def one_run(constrained: bool) -> dict:
+        seqs = list(range(batch))
+        if constrained:
+            for s in seqs:
+                grammars.open(s, grammar, [])
+        cpu, path = 0.0, 0.0
+        for k in range(steps):
+            step_logits = logits[k].clone()
+            p0, t0 = time.process_time(), time.thread_time()
+            keys = grammars.keys(seqs)
+            errors: dict[int, str] = {}
+            constrain = None if keys is None else grammars.mask(keys, errors)
+            choice = choose(step_logits, params, [None] * batch, constrain=constrain)
+            if keys is not None:
+                grammars.advance(keys, choice.token_ids.tolist(), errors)
+            path += time.thread_time() - t0
+            cpu += time.process_time() - p0
+            for s, t in zip(seqs, choice.token_ids.tolist()):
+                if keys is not None and (t in eos_ids or s in errors):  # a row that ended starts a new answer:
+                    grammars.discard(s)  # every row stays constrained, as in the runner's unbounded-array steps
+                    grammars.open(s, grammar, [])
+        for s in seqs:
+            grammars.discard(s)
+        return {"cpu_ms_per_step": cpu / steps * 1000, "path_ms_per_step": path / steps * 1000}
+
+    one_run(False)
+    one_run(True)
+    runs = []
+    for _ in range(rounds):
+        free, con = one_run(False), one_run(True)
+        runs.append(
+            {
+                "unconstrained": free,
+                "constrained": con,
+                "extra_cpu_ms": con["cpu_ms_per_step"] - free["cpu_ms_per_step"],
+            }
+        )
+    return {"model_dir": model_dir, "batch": batch, "steps": steps, "dtype": dtype, "vocab": vocab,
+            "threads": torch.get_num_threads(), "stats": dict(grammars.constraints.stats), "runs": runs}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,11 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-inline", action="store_true", help="skip the masks-filled-inline side")
+    ap.add_argument("--choice-only", action="store_true", help="time sampling.choose alone (no model)")
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(int(os.environ.get("SWITCHYARD_TORCH_THREADS", os.cpu_count() or 1)))  # as the shard
-    out = measure(args.model, args.batch, args.steps, dtype=args.dtype, rounds=args.rounds)
+    if args.choice_only:
+        out = measure_choice(args.model, args.batch, args.steps, dtype=args.dtype, rounds=args.rounds)
+        json.dump(out, sys.stdout)
+        print()
+        return 0
+    out = measure(args.model, args.batch, args.steps, dtype=args.dtype, rounds=args.rounds, inline=not args.no_inline)
     json.dump(out, sys.stdout)
     print()
     return 0
