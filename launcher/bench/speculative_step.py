@@ -182,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         out = loop(model_dir, args.workload, args.concurrency, args.waves, args.max_new, args.speculate,
                    max(args.rounds, 1), args.dtype)  # fmt: skip
+        for r in out["runs"]:
+            print(f"--speculate {r['speculate']}: {r['cpu_s']:7.1f} s CPU {r['wall_s']:7.1f} s wall "
+                  f"{r['steps']:5d} steps {r['generated']} tokens, drafted {r['drafted']} accepted {r['accepted']}",
+                  file=sys.stderr)  # fmt: skip
+        print(f"{args.workload} at {args.concurrency}: speedup {out['speedup_cpu']:.2f}x CPU, "
+              f"{out['speedup_wall']:.2f}x wall; same outputs {out['same_outputs']}", file=sys.stderr)  # fmt: skip
     json.dump(out, sys.stdout)
     print()
     return 0
