@@ -77,11 +77,11 @@ class PromptIndex:
             for n in range(1, min(MAX_NGRAM, end + 1) + 1):
                 self._grams[n - 1][tuple(seq[end - n + 1 : end + 1])] = end - n + 1
 
-    def propose(self, k: int, min_ngram: int = 1) -> tuple[list[int], int]:
+    def propose(self, k: int) -> tuple[list[int], int]:
         """(up to k tokens that followed the most recent earlier occurrence of the longest matching suffix, how many
         tokens the match agrees on: its n and as many before them, up to MAX_MATCH); ([], 0) when nothing matches."""
         seq, size = self.tokens, len(self.tokens)
-        for n in range(min(MAX_NGRAM, size - 1), min_ngram - 1, -1):
+        for n in range(min(MAX_NGRAM, size - 1), 0, -1):
             start = self._grams[n - 1].get(tuple(seq[size - n :]))
             if start is None:
                 continue
@@ -117,12 +117,12 @@ class MatchStats:
         self.rejected = [[(1 - p) * PRIOR_WEIGHT for p in PRIOR_P] for _ in range(2)]
 
     def p(self, sampled: bool, length: int) -> float:
-        c = _CLASS_OF[min(length, MAX_MATCH)]
+        c = length_class(length)
         accepted = self.accepted[sampled][c]
         return accepted / (accepted + self.rejected[sampled][c])
 
     def observe(self, sampled: bool, length: int, drafted: int, accepted: int) -> None:
-        c = _CLASS_OF[min(length, MAX_MATCH)]
+        c = length_class(length)
         self.accepted[sampled][c] = CLASS_DECAY * self.accepted[sampled][c] + accepted
         self.rejected[sampled][c] = CLASS_DECAY * self.rejected[sampled][c] + (accepted < drafted)
 
