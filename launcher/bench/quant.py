@@ -9,7 +9,16 @@ interleaved in one process, so load on a shared machine hits them alike; read ra
 
     python -m launcher.bench.quant [--shapes 2048x8192,576x1536] [--rows 1,16,64,256] [--rounds 5]
 
-With `--model NAME|DIR` it times whole decode steps instead: transformers' forward with its KV cache over 1/16/64
+With `--w8a8` it compares, on SmolLM2-135M's decode-step shapes by default, torch's int8 kernels against the bf16
+product the server runs: oneDNN bf16 (prepacked), W8A8 as served (per-token int8 activations, `torch._int_mm` on
+the [N, K] weights), `_int_mm` alone on pre-quantized activations (the kernel's floor), oneDNN's
+`qlinear_pointwise` (the inductor x86 int8 path: uint8 activations, its per-tensor scale set to 1 and the per-token
+one applied after) and `quantized::linear_dynamic` (fbgemm/x86: per-tensor activations, float32 in and out).
+
+With `--steps` (and `--model`) it runs the shard's own ModelRunner decode steps of fp32, bf16 and W8A8 (eetq)
+interleaved in one process (launcher.bench.profile_step's comparison): the same-run ratio of the W8A8 target.
+
+With `--model NAME|DIR` alone it times whole decode steps instead: transformers' forward with its KV cache over 1/16/64
 streams (the shard's own paged step adds attention bookkeeping, the linears are the same), for fp32, bf16, W8A8
 (eetq) and int4 (bitsandbytes-nf4), and prints tok/s and the resident weight bytes of each.
 """
@@ -79,6 +88,87 @@ def measure(shapes: list[tuple[int, int]], rows: list[int], rounds: int = 5, for
     return out
 
 
+W8A8_SHAPES = "576x960,576x576,576x3072,1536x576,576x192,576x1536"  # SmolLM2-135M: q/k/v, o, gate/up, down, ...
+
+
+def _w8a8_ways(k: int, n: int):
+    """name → callable(x bf16 [M, K]) for the int8 kernels torch has, against the bf16 product."""
+    import warnings
+
+    import torch
+
+    from services.shard.cpu_linear import PACK_FOR_BATCH
+    from services.shard.quant_layers import w8a8_product
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
+    scales = w.abs().amax(1) / 127
+    levels = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    dense = torch.ops.mkldnn._reorder_linear_weight((levels.float() * scales[:, None]).bfloat16(), PACK_FOR_BATCH)
+    ways = {"bf16 oneDNN": lambda x: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [None], "")}
+    ways["W8A8 served"] = lambda x: w8a8_product(x, levels, scales)
+    ways["_int_mm alone"] = lambda x, q={}: torch._int_mm(q.setdefault(x.shape[0], x.to(torch.int8)), levels.t())
+    packed = torch.ops.onednn.qlinear_prepack(levels, [64, k])  # without a shape it measured 30 ms a call
+    zeros = torch.zeros(n, dtype=torch.long)
+
+    def qlinear(x):
+        s = x.abs().amax(-1, keepdim=True).float().div_(127).clamp_min_(1e-12)
+        q = torch.div(x, s).round_().add_(128).to(torch.uint8)  # int8 activations take oneDNN's reference path
+        y = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, 128, packed, scales, zeros, None, 1.0, 0, x.dtype, "none", [], ""
+        )
+        return y.mul_(s)
+
+    ways["qlinear_pointwise"] = qlinear
+    with warnings.catch_warnings():  # quantize_per_channel is deprecated in torch 2.13
+        warnings.simplefilter("ignore")
+        qweight = torch.quantize_per_channel(levels.float() * scales[:, None], scales.double(), zeros, 0, torch.qint8)
+        prepacked = torch.ops.quantized.linear_prepack(qweight, None)
+    ways["linear_dynamic"] = lambda x: torch.ops.quantized.linear_dynamic(x.float(), prepacked, False).to(x.dtype)
+    return ways
+
+
+def measure_w8a8(shapes: list[tuple[int, int]], rows: list[int], reps: int = 100) -> list[dict]:
+    """The fastest of `reps` calls (µs) of each way, interleaved: a busy machine inflates medians, not minimums."""
+    import torch
+
+    out = []
+    for k, n in shapes:
+        ways = _w8a8_ways(k, n)
+        for m in rows:
+            x = torch.randn(m, k).bfloat16()
+            best = dict.fromkeys(ways, float("inf"))
+            with torch.inference_mode():
+                for fn in ways.values():
+                    fn(x)
+                for _ in range(reps):
+                    for name, fn in ways.items():
+                        t = time.perf_counter()
+                        fn(x)
+                        best[name] = min(best[name], time.perf_counter() - t)
+            row = {"shape": f"{k}→{n}", "rows": m, **{name: 1e6 * v for name, v in best.items()}}
+            out.append(row)
+            print(
+                " | ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True
+            )
+    return out
+
+
+def measure_steps(model_dir: str, streams: list[int], steps: int = 24, prompt: int = 32) -> dict[int, dict[str, float]]:
+    """Median ms of the shard's decode steps for fp32, bf16 and W8A8, interleaved in one process."""
+    from launcher.bench.profile_step import compare
+
+    runners = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16")}
+    runners["w8a8"] = dict(dtype="bfloat16", quantize="eetq")
+    out = {}
+    for b in streams:
+        got = compare(model_dir, b, prompt, steps, runners)
+        out[b] = got
+        ratios = ", ".join(f"{name} {got['fp32'] / got[name]:.2f}x" for name in ("bf16", "w8a8"))
+        cells = ", ".join(f"{name} {v:.1f} ms" for name, v in got.items())
+        print(f"{b} streams: {cells}; tok/s vs fp32: {ratios}", flush=True)
+    return out
+
+
 def _model_weight_bytes(model) -> int:
     from services.shard import quant_linear as ql
 
@@ -132,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     from services.shard.quant_linear import INT4_DENSE_FROM, INT8_DENSE_FROM
 
     p = argparse.ArgumentParser(prog="python -m launcher.bench.quant", description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="2048x8192,576x1536", help="in×out of each layer (SmolLM2-135M's MLP: 576x1536)")
-    p.add_argument("--rows", default="1,16,64,256")
+    p.add_argument("--shapes", help="in×out of each layer (default 2048x8192,576x1536; --w8a8: SmolLM2's)")
+    p.add_argument("--rows", help="rows of each product (default 1,16,64,256; --w8a8: 1,16,64)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--force", choices=("kernel", "dense"), help="run the weight-only layers one way at every size")
+    p.add_argument("--w8a8", action="store_true", help="torch's int8 kernels against bf16 (default shapes: SmolLM2)")
+    p.add_argument("--steps", action="store_true", help="with --model: fp32 / bf16 / W8A8 runner steps, same run")
     p.add_argument("--model", help="time whole decode steps of this model (embedded short name or folder) instead")
     p.add_argument("--streams", default="1,16,64", help="with --model: concurrent streams")
     p.add_argument("--threads", type=int, help="torch threads (1 on an oversubscribed machine: a thread team waiting")
@@ -143,10 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:  # on a descheduled member costs more than the second thread brings)
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {cpu.describe()}")
+    if args.w8a8:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in (args.shapes or W8A8_SHAPES).split(",")]
+        measure_w8a8(shapes, [int(r) for r in (args.rows or "1,16,64").split(",")])
+        return 0
     if args.model:
         from libs.runtime import model_store
 
         folder = str(model_store.resolve_model(args.model))
+        if args.steps:
+            measure_steps(folder, [int(s) for s in args.streams.split(",")])
+            return 0
         measure_model(folder, [int(s) for s in args.streams.split(",")])
         return 0
     dense_from = {"int4": INT4_DENSE_FROM, "int8": INT8_DENSE_FROM}
@@ -154,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name} dequantizes into a scratch buffer from " + ", ".join(f"{n} rows ({d})" for d, n in table.items())
         )
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    measure(shapes, [int(r) for r in args.rows.split(",")], args.rounds, args.force)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in (args.shapes or "2048x8192,576x1536").split(",")]
+    measure(shapes, [int(r) for r in (args.rows or "1,16,64,256").split(",")], args.rounds, args.force)
     return 0
 
 

@@ -111,6 +111,53 @@ def test_w8a8_rounds_activations_per_token():
         assert (layer(x) - x @ qw.dequantize().t()).abs().max() < 0.02 * emulated.abs().max()
 
 
+def test_w8a8_runs_int_mm_on_its_column_major_weights(monkeypatch):
+    """The product is torch._int_mm with the [N, K] int8 weights as a column-major right operand (no [K, N] copy
+    resident), alone and fused, at one row and at batch sizes, in both serving dtypes; it still equals the
+    emulation of the per-token activation rounding."""
+    calls = []
+    int_mm = torch._int_mm
+
+    def recording(a, b):
+        calls.append((a.dtype, b.dtype, tuple(b.shape), b.stride()))
+        return int_mm(a, b)
+
+    monkeypatch.setattr(torch, "_int_mm", recording)
+    qw = qf.quantize_rtn(_weight(), 8, -1, symmetric=True, act_int8=True)
+    layer = ql.build(qw)
+    assert layer.kernel == ql.W8A8Linear.kernel and layer.weight_int8.shape == (128, 256)
+    w = qw.dequantize()
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in ROWS:
+            calls.clear()
+            x = (torch.randn(rows, 256) * torch.logspace(-2, 1, rows).unsqueeze(1)).to(dtype)
+            xf = x.float()
+            s = xf.abs().amax(-1, keepdim=True) / 127
+            emulated = ((xf / s).round().clamp(-127, 127) * s) @ w.t()
+            got = layer(x)
+            assert calls == [(torch.int8, torch.int8, (256, 128), (1, 256))]  # column-major [K, N] view of [N, K]
+            assert got.dtype == dtype
+            rtol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+            torch.testing.assert_close(got.float(), emulated, rtol=rtol, atol=rtol * emulated.abs().max().item())
+    # fused siblings: one call over the stacked rows, each member's columns its own product
+    members = [
+        ql.build(qf.quantize_rtn(_weight(n, seed=i), 8, -1, True, act_int8=True)) for i, n in enumerate((64, 32))
+    ]
+    parent = torch.nn.Module()
+    parent.gate_proj, parent.up_proj = members
+    assert ql.fuse_w8a8(parent, (("gate_proj", "up_proj"),)) == 2
+    product = members[0].fused_product
+    assert product.weight_int8.shape == (96, 256) and members[1].weight_int8.data_ptr() == (
+        product.weight_int8[64:].data_ptr()
+    )
+    x = torch.randn(5, 256)
+    calls.clear()
+    outs = [m(x) for m in members]
+    assert calls == [(torch.int8, torch.int8, (256, 96), (1, 256))]
+    for m, out in zip(members, outs):
+        assert torch.equal(out, ql.W8A8Linear.forward(m, x))
+
+
 def test_shuffled_group_index_is_caught():
     """desc_act: the same levels with another column→group map are other weights."""
     qw = qf.quantize_rtn(_weight(), 4, 32, symmetric=False)
@@ -277,6 +324,24 @@ def test_lora_adapters_over_a_quantized_base(tiny_dirs, tmp_path):
         assert (logits[0][1] - base(input_ids=ids[1:2]).logits[0]).abs().max() > 1e-1  # the adapter is applied
 
 
+def test_the_int8_kernel_benchmark_runs_every_kernel(capsys):
+    from launcher.bench import quant as bench
+
+    rows = bench.measure_w8a8([(128, 64)], [1, 3], reps=2)
+    assert [r["rows"] for r in rows] == [1, 3]
+    kernels = {"bf16 oneDNN", "W8A8 served", "_int_mm alone", "qlinear_pointwise", "linear_dynamic"}
+    assert kernels <= set(rows[0]) and all(rows[1][k] > 0 for k in kernels)
+    assert "W8A8 served" in capsys.readouterr().out
+
+
+def test_the_step_benchmark_compares_fp32_bf16_and_w8a8(tiny_dirs, capsys):
+    from launcher.bench import quant as bench
+
+    got = bench.measure_steps(str(tiny_dirs["llama"]), [2], steps=3, prompt=4)
+    assert set(got[2]) == {"fp32", "bf16", "w8a8"} and all(v > 0 for v in got[2].values())
+    assert "tok/s vs fp32: bf16" in capsys.readouterr().out
+
+
 def test_the_model_benchmark_runs_every_way(tiny_dirs):
     from launcher.bench import quant as bench
 
@@ -312,5 +377,6 @@ def test_w8a8_siblings_share_one_product_with_the_same_columns(tiny_dirs):
         assert torch.equal(m(x), alone)
     fused_bytes = sum(ql.resident_bytes(m) for m in members)
     assert (
-        fused_bytes == members[0].fused_product.weight_t.numel() + 4 * members[0].fused_product.channel_scales.numel()
+        fused_bytes
+        == members[0].fused_product.weight_int8.numel() + 4 * members[0].fused_product.channel_scales.numel()
     )
