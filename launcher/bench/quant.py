@@ -240,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         measure_w8a8(shapes, [int(r) for r in (args.rows or "1,16,64").split(",")])
         return 0
     if args.model:
-        from libs.runtime import model_store
+        from launcher.bench import models
 
-        folder = str(model_store.resolve_model(args.model))
+        folder = str(models.resolve(args.model)[1])  # smollm2, gemma, ... (launcher.bench.models) or a folder
         if args.steps:
             measure_steps(folder, [int(s) for s in args.streams.split(",")])
             return 0
