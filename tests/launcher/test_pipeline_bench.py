@@ -3,6 +3,7 @@ from /proc; and the in-process limit's CPU per decode step that it is compared w
 
 import subprocess
 import sys
+import time
 
 from launcher.bench import pipeline
 
@@ -30,8 +31,12 @@ def test_process_tree_names_roles_and_reads_cpu():
     try:
         roles = pipeline.process_tree(child.pid)
         assert roles == {child.pid: "json.tool"}
-        cpu, switches = pipeline.cpu_and_switches(child.pid)
-        assert cpu >= 0.0 and switches > 0  # it started, so it was switched in at least once
+        # once it blocks reading stdin it has been switched out at least once (until then it may have run unbroken)
+        deadline = time.monotonic() + 30
+        while (reading := pipeline.cpu_and_switches(child.pid))[1] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cpu, switches = reading
+        assert cpu > 0.0 and switches > 0
     finally:
         child.communicate(b"{}")
     assert pipeline.cpu_and_switches(child.pid) == (0.0, 0)  # gone (reaped)
