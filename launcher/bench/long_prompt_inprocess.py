@@ -32,10 +32,10 @@ def chunk_sweep(model_dir: Path, dtype: str, caps: list[str], streams: int, long
     runner = ModelRunner(str(model_dir), num_blocks=num_blocks, block_size=block, dtype=getattr(torch, dtype))
     vocab = runner.model.config.get_text_config().vocab_size
     rng = np.random.default_rng(0)
-    # max_waiting_tokens 0: the long prompt joins at once (TGI would first wait up to 20 steps; not measured here);
-    # the step budget fits the whole prompt beside the decodes, so cap 0 feeds it in one step
+    # the long prompt joins at the next step (the Batcher's default, as in the server); the step budget fits the
+    # whole prompt beside the decodes, so cap 0 feeds it in one step
     b = Batcher(num_blocks, max_batch_size=streams + 1, max_batch_prefill_tokens=long_tokens + streams,
-                eos_ids=set(), max_waiting_tokens=0, prefix_caching=False, block_size=block)  # fmt: skip
+                eos_ids=set(), prefix_caching=False, block_size=block)  # fmt: skip
     step = 0
 
     def request(rid: str, n: int, max_new: int) -> TokenizedRequest:

@@ -62,8 +62,9 @@ class Settings:
     tokenizer_workers: int = 1
     detokenizer_workers: int = 1
     http_workers: int = 1  # http processes sharing the port (SO_REUSEPORT)
-    max_waiting_tokens: int = 20  # TGI: decode steps a waiting request may wait before a prefill is forced in
-    waiting_served_ratio: float = 1.2  # TGI: waiting/running ratio above which prefills join early
+    # TGI's flags, accepted and ignored as TGI v3 ignores them when it chunks: waiting requests join at the next step
+    max_waiting_tokens: int = 20
+    waiting_served_ratio: float = 1.2
     max_top_n_tokens: int = 5
     payload_limit: int = 2_000_000  # bytes of a request body; larger → 413
     api_key: str = ""  # when set, generation routes need `Authorization: Bearer <key>`
