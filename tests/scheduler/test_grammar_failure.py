@@ -4,20 +4,12 @@ bus of its own; no model, no router: this test binds the event proxy's input its
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import tempfile
-
 import pytest
-import zmq
 
-from libs.protocol import Addresses, codec, topics
+from libs.protocol import codec, topics
 from libs.protocol.messages import RequestError
-from libs.runtime import metrics
-from libs.runtime.settings import Settings
-from services.scheduler.__main__ import SchedulerService
-from tests.scheduler.test_batcher import EOS, result
+from tests.scheduler.service_bus import scheduler_on_own_bus
+from tests.scheduler.test_batcher import result
 from tests.scheduler.test_grammar_rows import req as unrouted
 
 
@@ -29,23 +21,8 @@ def req(rid: str, prompt_len: int, max_new: int, grammar: str = ""):
 
 @pytest.fixture
 def service():
-    with tempfile.TemporaryDirectory(prefix="sy-gf-", dir="/tmp") as run:
-        model = f"{run}/model"
-        os.mkdir(model)
-        with open(f"{model}/config.json", "w") as f:
-            json.dump({"model_type": "llama", "eos_token_id": EOS}, f)
-        settings = Settings(bus=f"ipc://{run}", model_path=model)
-        metrics.init("scheduler", 0, settings)  # as service.run does before the service starts
-        ctx = zmq.Context.instance()
-        events = ctx.socket(zmq.SUB)  # where the router's proxy would take every service's events
-        events.bind(Addresses.parse(settings.bus).events_in)
-        events.setsockopt(zmq.SUBSCRIBE, topics.out(0))
-        svc = SchedulerService(settings)
-        svc.log = logging.getLogger("test.scheduler")
+    with scheduler_on_own_bus(topics.out(0)) as (svc, events):
         yield svc, events
-        events.close(linger=0)
-        for sock in (svc.inbox, svc.plans, svc.results, svc.events.pub, svc.events.sub, svc.shard_watch):
-            sock.close(linger=0)
 
 
 def wait_subscribed(svc, events) -> None:

@@ -9,45 +9,22 @@ its published batches fed to a real Detokenizer; no model, no router."""
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import tempfile
-
 import pytest
-import zmq
 
-from libs.protocol import Addresses, codec, topics
+from libs.protocol import codec, topics
 from libs.protocol.messages import FINISH_ABORTED, Abort, Accepted, RequestError, Resync, TokenBatch
-from libs.runtime import metrics
-from libs.runtime.settings import Settings
 from services.detokenizer.__main__ import Detokenizer
-from services.scheduler.__main__ import SchedulerService
 from tests.detokenizer.test_incremental import build_tokenizer
-from tests.scheduler.test_batcher import EOS, req, result
+from tests.scheduler.service_bus import scheduler_on_own_bus
+from tests.scheduler.test_batcher import req, result
 
 
 @pytest.fixture
 def service():
     """A SchedulerService on an ipc bus of its own, and a SUB bound where the router's proxy would take its events
     (its token batches and the ingress topic)."""
-    with tempfile.TemporaryDirectory(prefix="sy-ro-", dir="/tmp") as run:
-        model = f"{run}/model"
-        os.mkdir(model)
-        with open(f"{model}/config.json", "w") as f:
-            json.dump({"model_type": "llama", "eos_token_id": EOS}, f)
-        settings = Settings(bus=f"ipc://{run}", model_path=model)
-        metrics.init("scheduler", 0, settings)  # as service.run does before the service starts
-        events = zmq.Context.instance().socket(zmq.SUB)
-        events.bind(Addresses.parse(settings.bus).events_in)
-        events.subscribe(topics.out(0))
-        events.subscribe(topics.tok(0))
-        svc = SchedulerService(settings)
-        svc.log = logging.getLogger("test.scheduler")
+    with scheduler_on_own_bus(topics.out(0), topics.tok(0)) as (svc, events):
         yield svc, events
-        events.close(linger=0)
-        for sock in (svc.inbox, svc.plans, svc.results, svc.events.pub, svc.events.sub, svc.shard_watch):
-            sock.close(linger=0)
 
 
 def step(svc, n: int, token: int) -> None:
