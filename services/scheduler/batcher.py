@@ -7,6 +7,8 @@ chunking path, plus what TGI lacks):
 - Chunked prefill: one step feeds at most `max_batch_prefill_tokens` tokens (decodes count one each); a prompt
   that does not fit is fed in chunks over several steps, in the same forward as the running decodes. While any
   sequence decodes, a step's prefill is capped in tokens and/or step time (prefill_pacing.py; TGI has no cap).
+  And a step takes no further prompt once its prefill holds `prefill_saturation_tokens` (TGI fills the budget):
+  on CPU the products are at full speed by then, and a burst of long prompts gets its first tokens one by one.
 - Prefix caching: full blocks are indexed by chain hashes of their tokens once computed; a new prompt takes the
   blocks of its longest cached prefix (shared, reference counted) and is fed only from there. Unheld cached
   blocks are reused LRU when blocks run out. No lookup for requests that want prompt logprobs (TGI), since the
@@ -59,12 +61,14 @@ class Batcher:
         block_size: int = BLOCK_SIZE,
         max_prefill_tokens_while_decoding: int = 0,
         max_prefill_ms_while_decoding: float = 0.0,
+        prefill_saturation_tokens: int = 0,
         speculate: int = 0,
     ):
         self.allocator = BlockAllocator(num_blocks)
         self.max_batch_size = max_batch_size
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.pacing = PrefillPacing(max_prefill_tokens_while_decoding, max_prefill_ms_while_decoding)
+        self.prefill_saturation_tokens = prefill_saturation_tokens
         self.eos_ids = eos_ids
         self.max_waiting_tokens = max_waiting_tokens
         self.waiting_served_ratio = waiting_served_ratio
@@ -100,6 +104,7 @@ class Batcher:
             "lora_generated": 0,  # tokens generated with a LoRA adapter
             "preemptions": 0,
             "chunked_prefills": 0,  # prefill rows that fed only part of what remained
+            "saturated_steps": 0,  # steps that left waiting prompts for later: their prefill was saturated
             "constrained_rows": 0,  # sampled rows whose request has a grammar (the shard masks them)
             "draft_tokens": 0,  # speculative decoding: tokens drafted (and verified)
             "accepted_tokens": 0,  # of them, accepted
@@ -135,7 +140,7 @@ class Batcher:
             if left > 1:
                 budget -= n
             rows.append((s, n))
-        new, blocks = self._admit(rows, budget)
+        new, blocks = self._admit(rows, budget, sum(n for s, n in rows if n > 1))
         if not rows:
             return None
         drafts = self.drafter.draft(self, rows, step) if self.drafter else {}
@@ -207,12 +212,16 @@ class Batcher:
         self.counters["preemptions"] += 1
         self.waiting.appendleft(s)
 
-    def _admit(self, rows: list[tuple[Sequence, int]], budget: int) -> tuple[list[NewSequence], dict]:
-        """Move waiting sequences that fit into the running batch, with a row each; FIFO, all-or-none gating."""
+    def _admit(self, rows: list[tuple[Sequence, int]], budget: int, prefill: int) -> tuple[list[NewSequence], dict]:
+        """Move waiting sequences that fit into the running batch, with a row each; FIFO, all-or-none gating.
+        `prefill`: the prompt tokens the step's running rows feed already."""
         # the watermark keeps room for running decodes to grow; with none running, the whole cache is there
         picks, free = [], self.allocator.free - (self.watermark if self.running else 0)
         for s in self.waiting:
             if len(self.running) + len(picks) >= self.max_batch_size or budget <= 0:
+                break
+            if self.prefill_saturation_tokens and prefill >= self.prefill_saturation_tokens:
+                self.counters["saturated_steps"] += 1  # the rest wait a step: the first prompts finish sooner
                 break
             cached = self._lookup(s)
             n = min(s.total - len(cached) * self.block_size, budget)
@@ -223,6 +232,7 @@ class Batcher:
             picks.append((s, cached, n))
             free -= need
             budget -= n
+            prefill += n
             if n < s.total - len(cached) * self.block_size:
                 break  # a partial (chunked) prefill ends the batch, as in TGI
         if self.running and self.max_waiting_tokens:

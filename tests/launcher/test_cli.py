@@ -34,6 +34,10 @@ def test_derived_defaults(model_dir):
     assert s.max_total_tokens == 2048  # min(4096, max_position_embeddings)
     assert s.max_batch_prefill_tokens == 4096 and s.max_batch_total_tokens == 65536
     assert s.num_blocks == 65536 // 16
+    assert (
+        s.prefill_saturation_tokens == 512
+        and settings_from(parse("--prefill-saturation-tokens", "0"), model_dir).prefill_saturation_tokens == 0
+    )
 
 
 @pytest.mark.parametrize(
@@ -44,6 +48,7 @@ def test_derived_defaults(model_dir):
         (["--max-input-tokens", "900", "--max-batch-prefill-tokens", "100"], "max_batch_prefill_tokens"),
         (["--max-total-tokens", "1000", "--max-batch-total-tokens", "500"], "max_batch_total_tokens"),
         (["--num-shard", "0"], "num-shard"),
+        (["--prefill-saturation-tokens", "-1"], "prefill-saturation-tokens must be >= 0"),
         (["--num-shard", "2", "--sharded", "false"], "incompatible"),
     ],
 )

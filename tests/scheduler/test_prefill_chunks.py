@@ -1,6 +1,8 @@
 """The prefill cap while decodes run (`max_prefill_tokens_while_decoding`): a long prompt that arrives among
 running streams is fed in chunks of at most the cap, in the same steps as every running decode; with no stream
-decoding the whole `max_batch_prefill_tokens` budget is used; the greedy output is the same as without the cap."""
+decoding the whole `max_batch_prefill_tokens` budget is used; the greedy output is the same as without the cap.
+And the saturation rule (`prefill_saturation_tokens`): a step whose prefill holds that many tokens takes no
+further prompt."""
 
 import numpy as np
 import pytest
@@ -83,3 +85,39 @@ def test_the_cap_does_not_apply_when_nothing_decodes():
     b.add(req("alone", 1000, 1))
     plan = b.plan(1)
     assert plan.num_tokens.tolist() == [1000] and b.counters["chunked_prefills"] == 0
+
+
+def burst(saturation: int, prompts: list[int]) -> tuple[Batcher, list[list[int]]]:
+    """Prompts of `prompts` tokens arriving at once (one new token each); per step, the prompt tokens of each row."""
+    b = Batcher(
+        4000, max_batch_size=16, max_batch_prefill_tokens=4096, eos_ids={EOS}, prefill_saturation_tokens=saturation
+    )
+    for i, n in enumerate(prompts):
+        b.add(req(f"p{i}", n, 1, first=10 + 3000 * i))
+    steps = []
+    while b.has_work():
+        plan = b.plan(len(steps) + 1)
+        steps.append(plan.num_tokens.tolist())
+        sample_all(b, plan)
+    return b, steps
+
+
+def test_a_saturated_step_takes_no_further_prompt():
+    # TGI's packing fills the 4096 budget: the first prompt's token waits for two prompts and a chunk of a third
+    b, steps = burst(0, [2000] * 4)
+    assert steps == [[2000, 2000, 96], [1904, 2000]] and b.counters["saturated_steps"] == 0
+    # saturated at 512 prompt tokens: one 2k prompt a step, the first one's token after one prefill, not two
+    b, steps = burst(512, [2000] * 4)
+    assert steps == [[2000]] * 4 and b.counters["saturated_steps"] == 3
+    # short prompts still share a step until it holds 512 tokens; a prompt that starts is never cut by the rule
+    b, steps = burst(512, [200, 200, 200, 200, 100])
+    assert steps == [[200, 200, 200], [200, 100]] and b.counters["saturated_steps"] == 1
+
+
+def test_saturation_counts_a_running_chunked_prefill():
+    # a 6k prompt is chunked by the 4096 budget; its second chunk (1904 tokens) saturates that step: the waiting
+    # prompt starts after it instead of taking the 2k left beside it
+    b, steps = burst(512, [6000, 300])
+    assert steps == [[4096], [1904], [300]]
+    b, steps = burst(0, [6000, 300])
+    assert steps == [[4096], [1904, 300]]
