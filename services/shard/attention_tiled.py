@@ -179,7 +179,10 @@ def half_tile(q, k, v, q_pos: int, k_pos: int, window: int, scaling: float) -> t
     heads, tq, head_dim = q.shape
     kv_heads, keys = k.shape[0], k.shape[1]
     if math.frexp(scaling)[0] == 0.5:  # a power of two (1/8, 1/16): scaling q first rounds nothing, and is tq x D
-        scores = torch.bmm((q * scaling).reshape(kv_heads, -1, head_dim), k.transpose(1, 2))
+        # written straight into a contiguous [heads, tq, D] (q is a strided view of the token-major queries: `q *
+        # scaling` would keep its strides and the reshape copy it again)
+        scaled = torch.empty(heads, tq, head_dim, dtype=q.dtype, device=q.device)
+        scores = torch.bmm(torch.mul(q, scaling, out=scaled).view(kv_heads, -1, head_dim), k.transpose(1, 2))
     else:  # after the product, in place, where transformers' eager attention rounds it (q first: other roundings)
         scores = torch.bmm(q.reshape(kv_heads, -1, head_dim), k.transpose(1, 2)).mul_(scaling)
     grid = scores.view(kv_heads, heads // kv_heads, tq, keys)

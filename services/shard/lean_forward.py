@@ -130,14 +130,14 @@ class LeanDecoder:
         x = _norm(h, s.norm_in)
         h.add_(s.o_proj(self._attention(s, x, rope, paged)))
         x = _norm(h, s.norm_mid)
-        h.add_(s.down_proj(s.act(s.gate_proj(x)) * s.up_proj(x)))
+        h.add_(s.down_proj(_gated(s, x)))
         return h
 
     def _gemma_layer(self, s: _Layer, h: torch.Tensor, rope, paged: PagedBatch) -> torch.Tensor:
         x = _norm(h, s.norm_in)
         h.add_(_norm(s.o_proj(self._attention(s, x, rope, paged)), s.norm_attn_out))
         x = _norm(h, s.norm_mid)
-        h.add_(_norm(s.down_proj(s.act(s.gate_proj(x)) * s.up_proj(x)), s.norm_mlp_out))
+        h.add_(_norm(s.down_proj(_gated(s, x)), s.norm_mlp_out))
         return h
 
     def _attention(self, s: _Layer, x: torch.Tensor, rope, paged: PagedBatch) -> torch.Tensor:
@@ -189,6 +189,13 @@ def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 def _qk_norm(qk: torch.Tensor, spec: tuple | None, heads: int) -> torch.Tensor:
     """Gemma-3's q and k norms in one pass over q and k side by side (spec[2]: one weight row per head)."""
     return qk if spec is None else _head_norm(qk, spec[2], spec[3])
+
+
+def _gated(s: _Layer, x: torch.Tensor) -> torch.Tensor:
+    """act(gate(x)) * up(x), the product written into the activation's own fresh tensor (no third [T, inter]
+    buffer: a 2k-token prefill of SmolLM2 ran ~3-6 % faster in CPU time with this and `half_tile`'s contiguous
+    query, alternated in one process; the same values)."""
+    return s.act(s.gate_proj(x)).mul_(s.up_proj(x))
 
 
 def _rotate(x: torch.Tensor, rope) -> torch.Tensor:
