@@ -13,7 +13,7 @@ def test_long_prompt_bench_smoke(tmp_path):
 
     out = tmp_path / "bench"
     argv = ["bench", "--workload", "long-prompt", "--model", "tiny", "--long-prompts", "300,600"]
-    argv += ["--long-concurrency", "1,3", "--long-repeats", "2", "--long-streams", "4", "--long-stream-tokens", "500"]
+    argv += ["--long-concurrency", "1,3", "--long-repeats", "2", "--long-streams", "4", "--long-stream-tokens", "1500"]
     argv += ["--long-memory-prompt", "300", "--long-memory-chunk", "128"]
     argv += ["--long-itl-prompt", "500", "--long-chunks", "0,128", "--long-engines", "switchyard", "--out", str(out)]
     assert main(argv) == 0

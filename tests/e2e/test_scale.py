@@ -206,9 +206,15 @@ def test_every_request_is_answered_and_the_work_spreads(scale_server, tap, tiny_
     # the processes' own counters (heartbeats, once a second) say the same, once every heartbeat has come
     tokenized = tap.wait_for(lambda: (d := grew("tokenizer", "handled")) and sum(d.values()) >= 16 and d)
     assert sum(tokenized.values()) == 16
-    router = tap.counters("router")[0]
-    placed = {r: router[f"placed_replica_{r}"] - before["router"][0].get(f"placed_replica_{r}", 0) for r in (0, 1)}
-    assert sum(placed.values()) == 16 and all(placed.values()), placed
+
+    def placed() -> dict[int, int]:  # the router's heartbeat may come after the tokenizers' (a second apart)
+        router = tap.counters("router")[0]
+        was = before["router"][0]
+        got = {r: router.get(f"placed_replica_{r}", 0) - was.get(f"placed_replica_{r}", 0) for r in (0, 1)}
+        return got if sum(got.values()) >= 16 else {}
+
+    by_replica = tap.wait_for(placed)
+    assert sum(by_replica.values()) == 16 and all(by_replica.values()), by_replica
 
 
 def test_a_detokenizer_started_by_hand_takes_work_and_leaves_cleanly(scale_server, tap, tiny_model_dir, tokenizer):
