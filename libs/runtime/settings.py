@@ -53,7 +53,7 @@ class Settings:
     # a step takes no further prompt once its prefill holds this many tokens (0: it fills max_batch_prefill_tokens,
     # as TGI). On CPU the products already run at full speed over ~512 rows, so a second long prompt in the same
     # step only makes the first one wait for both: 8 prompts of 2k tokens at once, one per step, first tokens at
-    # 1, 2, ... 8 prefill times instead of 2, 2, 4, 4, ... (p50 -12 %, the last one unchanged)
+    # 1, 2, ... 8 prefill times instead of about 2, 2, 4, 4, ... (measured: p50 14.1 → 11.5 s, the last unchanged)
     prefill_saturation_tokens: int = 512
     max_batch_total_tokens: int = 65536
     max_batch_size: int = 256

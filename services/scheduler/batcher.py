@@ -39,10 +39,10 @@ from libs.protocol.messages import (
     StepResult,
     TokenizedRequest,
 )
-from libs.protocol.prefix_hash import extend_hashes
 from libs.runtime.settings import BLOCK_SIZE
 from services.scheduler.block_allocator import BlockAllocator, blocks_for
 from services.scheduler.prefill_pacing import PrefillPacing
+from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.sequence import Emitted, Sequence
 from services.scheduler.speculative import Drafter
 
@@ -72,16 +72,12 @@ class Batcher:
         self.eos_ids = eos_ids
         self.max_waiting_tokens = max_waiting_tokens
         self.waiting_served_ratio = waiting_served_ratio
-        self.prefix_caching = prefix_caching
         self.block_size = block_size
         # blocks kept free at admission, so the running decodes can grow a while before anything is preempted
         self.watermark = max(1, num_blocks // 100)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.by_request: dict[str, Sequence] = {}
-        # adapter name → what seeds its prefix hashes, for adapters loaded at run time (name + load generation):
-        # a reloaded adapter of the same name must not hit the blocks of the one before
-        self.hash_keys: dict[str, str] = {}
         self._to_drop: list[int] = []  # finished or preempted seqs the shard has not been told about
         self._handles = itertools.count(1)
         # per planned step not applied yet: its rows as (seq, handle, computed after, drafts), to index the blocks
@@ -109,6 +105,8 @@ class Batcher:
             "draft_tokens": 0,  # speculative decoding: tokens drafted (and verified)
             "accepted_tokens": 0,  # of them, accepted
         }
+        self.prefix = PrefixIndex(self.allocator, block_size, prefix_caching, self.counters)
+        self.hash_keys = self.prefix.hash_keys  # LoRA control re-keys adapters here (services/scheduler/adapters.py)
 
     def add(self, req: TokenizedRequest) -> None:
         if req.request_id in self.by_request:
@@ -140,7 +138,7 @@ class Batcher:
             if left > 1:
                 budget -= n
             rows.append((s, n))
-        new, blocks = self._admit(rows, budget, sum(n for s, n in rows if n > 1))
+        new, blocks = self._admit(rows, budget)
         if not rows:
             return None
         drafts = self.drafter.draft(self, rows, step) if self.drafter else {}
@@ -212,18 +210,18 @@ class Batcher:
         self.counters["preemptions"] += 1
         self.waiting.appendleft(s)
 
-    def _admit(self, rows: list[tuple[Sequence, int]], budget: int, prefill: int) -> tuple[list[NewSequence], dict]:
-        """Move waiting sequences that fit into the running batch, with a row each; FIFO, all-or-none gating.
-        `prefill`: the prompt tokens the step's running rows feed already."""
+    def _admit(self, rows: list[tuple[Sequence, int]], budget: int) -> tuple[list[NewSequence], dict]:
+        """Move waiting sequences that fit into the running batch, with a row each; FIFO, all-or-none gating."""
         # the watermark keeps room for running decodes to grow; with none running, the whole cache is there
         picks, free = [], self.allocator.free - (self.watermark if self.running else 0)
+        prefill = sum(n for _, n in rows if n > 1)  # prompt tokens the running rows feed in this step
         for s in self.waiting:
             if len(self.running) + len(picks) >= self.max_batch_size or budget <= 0:
                 break
             if self.prefill_saturation_tokens and prefill >= self.prefill_saturation_tokens:
                 self.counters["saturated_steps"] += 1  # the rest wait a step: the first prompts finish sooner
                 break
-            cached = self._lookup(s)
+            cached = self.prefix.lookup(s)
             n = min(s.total - len(cached) * self.block_size, budget)
             need = blocks_for(len(cached) * self.block_size + n, self.block_size) - len(cached)
             need += self.allocator.unheld(cached)  # held now, they no longer count as free
@@ -248,7 +246,7 @@ class Batcher:
             self.allocator.acquire(cached)
         for s, cached, n in picks:
             self.waiting.popleft()
-            self._count_lookup(s, cached)
+            self.prefix.count(s, cached)
             s.seq = next(self._handles)
             s.blocks = cached + self.allocator.allocate(
                 blocks_for(len(cached) * self.block_size + n, self.block_size) - len(cached)
@@ -268,24 +266,6 @@ class Batcher:
             self.counters["chunked_prefills"] += n < s.total - s.computed
             rows.append((s, n))
         return new, blocks
-
-    def _lookup(self, s: Sequence) -> list[int]:
-        """The cached blocks of the longest prefix of `s` (always leaving at least one token to feed)."""
-        if not self.prefix_caching or (s.req.sampling.prompt_logprobs and not s.opened):
-            return []
-        usable = s.total - 1  # the last token must be fed: its logits give the next token
-        if not s.hashes:
-            extend_hashes(s.hashes, s.tokens(0, usable), usable, self.block_size, self._hash_key(s))
-        return self.allocator.lookup(s.hashes[: usable // self.block_size])
-
-    def _count_lookup(self, s: Sequence, cached: list[int]) -> None:
-        """The prefix counters, once per admitted sequence (a step that admits nothing looks its head up again)."""
-        if not s.hashes or s.preempted:  # no lookup was made, or a recompute: not a query of the prompt's prefix
-            return
-        self.counters["prefix_queried_tokens"] += (s.total - 1) // self.block_size * self.block_size
-        self.counters["prefix_hit_tokens"] += len(cached) * self.block_size
-        if s.req.adapter:
-            self.counters["lora_prefix_hit_tokens"] += len(cached) * self.block_size
 
     # ---- results --------------------------------------------------------------------------------
     def apply(self, result: StepResult) -> list[Emitted]:
@@ -332,7 +312,7 @@ class Batcher:
                 self.step_accepted.append(n - 1)
             if finish:
                 ended.append(s)
-        self._register_blocks(inflight)
+        self.prefix.register(inflight, self.running)
         for s in ended:
             self._release(s)
         for s, handle, _, k in inflight:
@@ -348,21 +328,6 @@ class Batcher:
             s.blocks = s.blocks[:keep]
             s.planned_blocks = min(s.planned_blocks, keep)
             self._trim[s.seq] = keep
-
-    def _register_blocks(self, rows: list[tuple[Sequence, int, int, int]]) -> None:
-        """A step wrote its rows' KV: index every block it filled (a drafted row: its accepted tokens only)."""
-        if not self.prefix_caching:
-            return
-        bs = self.block_size
-        for s, handle, _, _ in rows:
-            full = s.computed // bs  # its own handle: what the step computed (drafts: as accepted)
-            if s.seq != handle or handle not in self.running or full <= s.registered:
-                continue
-            if len(s.hashes) < full:
-                extend_hashes(s.hashes, s.tokens(0, full * bs), full * bs, bs, self._hash_key(s))
-            for i in range(s.registered, full):
-                self.allocator.register(s.blocks[i], s.hashes[i])
-            s.registered = full
 
     def _gather_prompt_logprobs(self, result: StepResult) -> None:
         """Append each fed prompt chunk's logprobs to its sequence (only sequences that asked send any)."""
@@ -384,9 +349,6 @@ class Batcher:
             self.waiting.remove(s)
             del self.by_request[request_id]
         return Emitted(s, len(s.output), -1, 0.0, code)
-
-    def _hash_key(self, s: Sequence) -> str | None:
-        return self.hash_keys.get(s.req.adapter, s.req.adapter) if s.req.adapter else None
 
     def forget_plans(self) -> None:
         """The plans in flight will not be applied (their step failed or the shard lost its KV)."""
