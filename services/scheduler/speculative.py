@@ -14,15 +14,17 @@ A draft must pay for the position it costs in the step's forward (attention, MLP
   drafts before it were, its j-th draft adds p**j tokens. p is the acceptance of drafts from matches of that length
   (MatchStats: decayed counts over every row, greedy and sampled rows apart), times the row's own record (RowStats:
   its accepted drafts over what their match lengths predicted, so a sampled row at a high temperature counts less);
-- the step's time comes from a model fitted on the step results' `forward_s` (StepCost: fixed + per position,
-  plus what verifying any draft at all costs, once and per row);
+- the step's time comes from the step results' `forward_s` (StepCost: per batch size, a fixed part, a row and a
+  drafted position, fitted on decode-only steps);
 - only drafts worth (1 + MARGIN) times the tokens their position costs at the plain step's rate are weighed (the
   model is fitted on a noisy machine, and a draft costs beyond the forward too: lookup, a longer result); of
   those the best are taken first, as many as give the most predicted tokens per second, and none unless that
-  beats the same step without drafts. A batch of one on a CPU, whose step is mostly the weights' read, drafts
-  freely; a large batch, whose step grows with every position, drafts only long matches (SmolLM2 at 16 rows: a
-  drafted position costs ~1/34 of the plain step, so a draft right 47 % of the time breaks even, as the 49 % of
-  free writing's drafts under the round-5 rule did; with the margin a draft must be right ~70 % of the time).
+  beats the same step without drafts by GAIN_MARGIN. A batch of one on a CPU, whose step is mostly the weights'
+  read, drafts freely; a large batch, whose step grows with every position, drafts only where a drafted position is
+  cheap enough (SmolLM2 at 16 rows, bf16, served: a drafted position cost 0.83 of a row's share of the step, so
+  a draft breaks even at 83 % acceptance and only long matches are taken: free writing drafted 981 positions in a
+  run, 76 % accepted, and kept 1.02× the plain rate; a batch size that stopped drafting tries again after a few
+  hundred steps, when its measured price has faded back toward the prior).
   When not even sure drafts would be taken, nothing is looked up;
 - grammar-constrained rows never draft (a seam: drafts are not checked against the grammar's mask yet), and
   every draft fits the row's max_new_tokens (the bonus token included), the step's token budget and the KV
@@ -31,8 +33,6 @@ The shard's verification (services/shard/speculative.py) keeps outputs exactly w
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 import numpy as np
 
@@ -48,12 +48,17 @@ MAX_P = 0.98  # no draft is ever sure
 ROW_DECAY = 0.8  # weight of a row's older record at each drafted step
 ROW_PRIOR = 1.0  # the row's record starts as this many drafts that did as predicted
 REVERT = 0.97  # per step without drafts, a row's record shrinks by this factor (back toward "as predicted")
-MARGIN = 0.5  # a draft must bring this much more than its position costs (model error, costs it misses)
-FIXED_POSITIONS = 16.0  # prior of the step's time model: the fixed part of a step costs as much as 16 positions
-PRIOR_STRENGTH = 4.0  # the prior slope counts as this much spread of positions (positions²) in the fit
-DRAFTING_CAP = 4.0  # positions a step that verifies drafts may cost beyond its positions, once (+ 1 a row)
-RIDGE_DRAFTING = 0.5  # pull of the drafting terms toward 0 (one drafted step outweighs it)
-WINDOW = 64  # decode steps in the time model
+MARGIN = 0.25  # a draft must bring this much more than its position costs (a measured price, on a noisy machine)
+GAIN_MARGIN = 0.1  # and a step's drafts together must promise this much more than the plain step's tokens/s: how
+# a step's time splits between "verifying at all" and "a position" is poorly known on a machine whose step times
+# wander ±10 ms (measured: drafts chosen at a predicted 0–5 % gain lost 4 % end to end)
+FIXED_POSITIONS = 16.0  # prior of the step's time model: the fixed part of a step costs as much as 16 rows
+PRIOR_STRENGTH = 4.0  # the prior per-row slope counts as this much spread of rows (rows²) in the fit
+DECAY = 0.98  # weight of a batch size's older steps in its time model at each new step (~50 steps' memory)
+PLAIN_EVERY = 32  # at least one decode step in this many goes without drafts (anchors the plain step's time)
+DRAFT_PRIOR = 4.0  # the prior price of a drafted position counts as one step with this many drafts
+RIDGE_ONCE = 1.0  # pull of the once-per-drafted-step term toward 0 (one drafted step's worth)
+OUTLIER = 2.0  # a step counts as at most this many times its predicted time
 
 
 _CLASS_OF = [max(0, sum(length >= c for c in LENGTH_CLASSES) - 1) for length in range(MAX_MATCH + 1)]
@@ -173,55 +178,77 @@ class RowStats:
 
 
 class StepCost:
-    """What a decode step's forward takes: t ≈ fixed + per_position × P + (drafting: once + per_row × R), fitted
-    by least squares over the last WINDOW decode-only steps (P positions, R rows).
+    """What a decode-only step's forward takes, learnt from the step results' `forward_s`, per size of the batch
+    (rows 1, 2–3, 4–7, 8–15, …: at one row a step is mostly the weights' read and a drafted position is nearly
+    free, at 16 it is mostly compute): t ≈ fixed + per_row × R + (once + per_draft × D if D drafts), fitted by
+    least squares over that size's steps, older ones weighing DECAY less at each new one. `once` is what verifying
+    any draft costs (measured in process: 16 drafts of one cost 35.6 ms at 16 rows, 64 of them 127 ms: ~5 ms once
+    and 1.9 ms each), pulled toward 0 (RIDGE_ONCE).
 
-    The drafting terms are there because a step that verifies drafts may run slower paths than a plain decode step
-    (a drafted row is a short chunk in attention's general path; once, attention left its one-query path for every
-    row of such a step: +23 % at 16 rows). Measured now (SmolLM2-135M, 16 rows, bf16, one thread): 16 drafts of one
-    cost what 16 more rows do, 4 rows × 4 drafts ~10 % more than that. They are pulled toward 0 and the slope toward
-    the prior (the fixed part worth FIXED_POSITIONS positions: measured ~18-20 at 16 rows), so the model answers
-    before anything varied, a noisy machine cannot run it off, and once the drafted steps leave the window drafting
-    is tried again."""
+    - Priors: the fixed part costs FIXED_POSITIONS rows (PRIOR_STRENGTH rows² of evidence), and a drafted position
+      what a row does by that split (DRAFT_PRIOR² drafts²), so the model answers before anything varied; in steady
+      serving R hardly varies, so the per-row slope stays near its prior, which matters little as the step is
+      predicted at the R it was measured at.
+    - A drafted position is priced from the same fit as the plain step, so the two cannot drift apart (a price
+      measured against a separate plain model went to zero once that model held a few cold first steps: a
+      batch size then drafted everything, 17 % of it right, at 0.74× the plain rate). At least one decode step in
+      PLAIN_EVERY goes without drafts, anchoring the fixed part.
+    - A step slower than OUTLIER times the prediction (a cold kernel: oneDNN's first call of a shape) counts as
+      that much; as the evidence for D fades when a size stops drafting, its price goes back toward the prior and
+      drafting is tried again after a few hundred steps.
+
+    Measured end to end (SmolLM2-135M, 16 streams, bf16, 2 threads): a drafted position costs 3.3 ms against
+    4.0 ms a row, so free writing's drafts (37–69 % accepted) lost on every step that carried them."""
 
     def __init__(self) -> None:
-        self._rows: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)  # (P, R, drafted, t)
-        self._fit: np.ndarray | None = None  # [fixed, per position, drafting once, drafting per row]
+        self._sums: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # size class → (XᵀX, Xᵀt, steps seen)
+        self._fits: dict[int, np.ndarray] = {}  # size class → [fixed, per row, once, per draft]
+        self.since_plain = 0  # decode-only steps with drafts timed since the last one without
 
     def observe(self, positions: int, rows: int, drafted: bool, seconds: float) -> None:
-        self._rows.append((positions, rows, float(drafted), seconds))
-        self._fit = None
+        """A decode-only step of `rows` rows and `positions` positions (its drafts: positions − rows) took `seconds`."""
+        self.since_plain = self.since_plain + 1 if drafted else 0
+        cls = int(rows).bit_length()
+        x = np.array([1.0, rows, float(drafted), positions - rows])
+        xtx, xty, seen = self._sums.get(cls, (np.zeros((4, 4)), np.zeros(4), 0))
+        if seen >= 4:  # one cold step must not carry the fit
+            predicted = float(self._fit(cls) @ x)
+            seconds = min(seconds, OUTLIER * predicted)
+        self._sums[cls] = (DECAY * xtx + np.outer(x, x), DECAY * xty + x * seconds, seen + 1)
+        self._fits.pop(cls, None)
 
-    def model(self) -> np.ndarray | None:
-        """[fixed, per position, drafting once, drafting per row] in seconds, or None before any step was timed."""
-        if not self._rows:
-            return None
-        if self._fit is None:
-            obs = np.asarray(self._rows)
-            p, r, d, t = obs.T
-            mt, mp = t.mean(), p.mean()
-            x = np.stack([np.ones_like(p), p, d, d * r], 1)
-            prior = np.array([0.0, mt / (FIXED_POSITIONS + mp), 0.0, 0.0])
-            ridge = np.diag([0.0, PRIOR_STRENGTH, RIDGE_DRAFTING, RIDGE_DRAFTING])
-            fit = np.linalg.solve(x.T @ x + ridge + 1e-9 * np.eye(4), x.T @ t + ridge @ prior)
-            fit[1] = min(max(fit[1], 0.0), mt / mp)  # between free and "the step is all positions"
-            # drafting costs at most DRAFTING_CAP more positions once and one per row: a few slow steps on a busy
-            # machine must not price drafting out for a whole window (measured: a drafted step costs its positions)
-            fit[2:] = np.clip(fit[2:], 0.0, [DRAFTING_CAP * fit[1], fit[1]])
-            fit[0] = max(fit[0], 0.0)
-            self._fit = fit
-        return self._fit
+    def _fit(self, cls: int) -> np.ndarray:
+        if cls not in self._fits:
+            xtx, xty, _ = self._sums[cls]
+            mean_t, mean_r = xty[0] / xtx[0, 0], xtx[0, 1] / xtx[0, 0]
+            row = mean_t / (FIXED_POSITIONS + mean_r)
+            prior = np.array([FIXED_POSITIONS * row, row, 0.0, row])
+            ridge = np.diag([0.0, PRIOR_STRENGTH, RIDGE_ONCE, DRAFT_PRIOR**2])
+            fit = np.linalg.solve(xtx + ridge + 1e-9 * np.eye(4), xty + ridge @ prior)
+            fit[2:] = np.maximum(fit[2:], 0.0)  # the fixed part may come out negative: R hardly varies, and the
+            # intercept only has to make fixed + per_row × R right near the R measured
+            self._fits[cls] = fit
+        return self._fits[cls]
 
-    def time(self, positions: int, rows: int, drafted: bool) -> float:
-        """Predicted seconds of a decode step (relative units before any step was timed)."""
-        m = self.model()
-        if m is None:
-            return FIXED_POSITIONS + positions
-        return float(m[0] + m[1] * positions + drafted * (m[2] + m[3] * rows)) or 1e-9
+    def model(self, rows: int) -> np.ndarray | None:
+        """[fixed, per row, once, per draft] in seconds for a batch of `rows` rows, or None before any step of its
+        size."""
+        cls = int(rows).bit_length()
+        return self._fit(cls) if cls in self._sums else None
 
-    def per_position(self) -> float:
-        m = self.model()
-        return 1.0 if m is None else float(m[1])
+    def time(self, rows: int) -> float:
+        """Predicted seconds of a plain decode step of `rows` rows (relative units before any was timed)."""
+        m = self.model(rows)
+        return FIXED_POSITIONS + rows if m is None else max(float(m[0] + m[1] * rows), 1e-6)
+
+    def drafting(self, rows: int) -> tuple[float, float]:
+        """Predicted seconds that verifying drafts adds to a decode step of `rows` rows (once, per drafted position)."""
+        m = self.model(rows)
+        return (0.0, 1.0) if m is None else (float(m[2]), float(m[3]))
+
+    def wants_plain(self) -> bool:
+        """Whether the next decode-only step should go without drafts: none of the last PLAIN_EVERY did."""
+        return self.since_plain >= PLAIN_EVERY
 
 
 class Drafter:
@@ -240,31 +267,30 @@ class Drafter:
         if len(self._planned) > 64:  # steps that never came back (forgotten plans)
             self._planned.clear()
 
-    def _plain(self, sampled: int, base: int, rows: int) -> tuple[float, float, np.ndarray]:
-        """(the plain step's tokens per second, the least a draft must be worth, the time model: [fixed, per position,
-        drafting once, drafting per row]): a draft must bring (1 + MARGIN) times the tokens its position costs at
-        the plain step's rate."""
-        m = self.cost.model()
-        if m is None:
-            m = np.array([FIXED_POSITIONS, 1.0, 0.0, 0.0])
-        plain = sampled / max(m[0] + m[1] * base, 1e-9)
-        return plain, (1 + MARGIN) * plain * m[1], m
+    def _plain(self, sampled: int, base: int, rows: int) -> tuple[float, float, float, float, float]:
+        """(the plain step's tokens per second, the least a draft must be worth, the plain step's time, what a drafted
+        position adds): a draft must bring (1 + MARGIN) times the tokens its position costs at the plain rate."""
+        # a step with a prompt chunk is priced as the decode step of its rows: its chunk would make drafts look
+        # cheaper than anything measured says (only decode-only steps are timed)
+        t0, (once, per_draft) = self.cost.time(rows), self.cost.drafting(rows)
+        plain = sampled / max(t0, 1e-9)
+        return plain, (1 + MARGIN) * plain * per_draft, t0, once, per_draft
 
     def choose(self, worth: list[float], owner: list[int], sampled: int, base: int, rows: int) -> dict[int, int]:
         """Row index → how many of its drafts to take: of the drafts worth the margin (`worth`: expected tokens, a
         row's j-th draft never worth more than its (j-1)-th), the best first, as many as maximise the step's
-        predicted tokens per second; none when no number of them beats the step without drafts."""
+        predicted tokens per second; none when no number of them beats the step without drafts by GAIN_MARGIN."""
         self.gain = 0.0
-        plain, least, m = self._plain(sampled, base, rows)
+        plain, least, t0, once, per_draft = self._plain(sampled, base, rows)
         order = [j for j in np.argsort(worth, kind="stable")[::-1].tolist() if worth[j] >= least]
         if not order or plain <= 0:
             return {}
         tokens = sampled + np.cumsum(np.asarray(worth)[order])
-        times = m[0] + m[1] * (base + np.arange(1, len(order) + 1)) + m[2] + m[3] * rows
+        times = t0 + once + per_draft * np.arange(1, len(order) + 1)
         rates = tokens / times
         best = int(np.argmax(rates))
         self.gain = float(rates[best] / plain)
-        if self.gain <= 1.0:
+        if self.gain <= 1.0 + GAIN_MARGIN:
             return {}
         out: dict[int, int] = {}
         for j in order[: best + 1]:
@@ -274,11 +300,11 @@ class Drafter:
     def could_pay(self, sampled: int, base: int, rows: int, most: int) -> bool:
         """Whether sure drafts (MAX_P each) would be taken in this step, one of them or `most`: when not, no row is
         looked up (tokens per second over the drafts taken is monotone in their number, so the two ends tell)."""
-        plain, least, m = self._plain(sampled, base, rows)
+        plain, least, t0, once, per_draft = self._plain(sampled, base, rows)
         if not most or MAX_P < least:
             return False
-        a, b, once, per_row = (float(v) for v in m)
-        return any((sampled + k * MAX_P) / (a + b * (base + k) + once + per_row * rows) > plain for k in (1, most))
+        rate = [(sampled + k * MAX_P) / (t0 + once + per_draft * k) for k in (1, most)]
+        return max(rate) > plain * (1 + GAIN_MARGIN)
 
     def draft(self, batcher, rows: list, step: int = 0) -> dict[int, list[int]]:
         """Row index → drafts, for the decode rows of a planned step whose drafts pay, within the step's leftover
@@ -286,7 +312,9 @@ class Drafter:
         base = sum(n for _, n in rows)
         sampled = sum(s.computed + n == s.total for s, n in rows)
         decodes = [i for i, (s, n) in enumerate(rows) if n == 1 and s.computed + 1 == s.total]
+        decode_only = sampled == len(rows) and base == len(rows)  # its time teaches the model
         could = self.could_pay(sampled, base, len(rows), len(decodes) * self.speculate)
+        could = could and not (decode_only and self.cost.wants_plain())
         proposed, worth, owner = {}, [], []
         for i in decodes:
             s = rows[i][0]
@@ -320,7 +348,7 @@ class Drafter:
             out[i] = drafts
             budget -= len(drafts)
             batcher.counters["draft_tokens"] += len(drafts)
-        if sampled == len(rows) and base == len(rows):  # decode-only: its time teaches the model
+        if decode_only:
             self._planned[step] = (base + sum(len(d) for d in out.values()), len(rows), bool(out))
         return out
 

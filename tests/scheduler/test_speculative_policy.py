@@ -80,16 +80,24 @@ def run(rows: int, copying: bool, steps: int, max_new: int = 400) -> tuple[Batch
     return b, shard
 
 
-def test_the_time_model_learns_a_step_and_the_price_of_drafting():
+def test_the_time_model_learns_a_step_and_the_price_of_a_drafted_position_per_batch_size():
     cost = StepCost()
-    assert cost.model() is None and cost.time(1, 1, False) > 0  # answers before any step was timed
+    assert cost.model(16) is None and cost.time(16) > 0 and cost.drafting(16)[1] > 0  # answers before any step
     rng = np.random.default_rng(1)
-    for _ in range(speculative.WINDOW):
-        d = int(rng.choice([0, 0, 1, 4, 8]))
+    for _ in range(100):  # 16 rows, with and without drafts
+        d = int(rng.choice([0, 0, 1, 4, 8, 16]))
         cost.observe(16 + d, 16, bool(d), cpu_step(16 + d, 16, bool(d)) + rng.normal(0, 0.002))
-    fixed, per_position, once, per_row = cost.model()
-    assert abs(per_position - 0.008) < 0.002 and abs(once + 16 * per_row - 0.048) < 0.01
-    assert abs(fixed - 0.1) < 0.03
+    # cpu_step: 0.1 + 8 ms a position, + 3 ms a row once any draft is verified: at 16 rows a plain step is 0.228 s,
+    # and a drafted position 8 ms plus its share of the 48 ms
+    assert abs(cost.time(16) - 0.228) < 0.01
+    once, per_draft = cost.drafting(16)
+    assert abs(per_draft - 0.008) < 0.002 and abs(once - 0.048) < 0.015
+    assert cost.model(1) is None  # one row is another size: nothing learnt for it
+    cost.observe(16, 16, False, 5.0)  # a cold first call of some shape: counted as twice the prediction at most
+    assert abs(cost.time(16) - 0.228) < 0.02
+    for _ in range(400):  # no drafts for a long while: the price goes back toward the prior (drafting is retried)
+        cost.observe(16, 16, False, cpu_step(16, 16, False))
+    assert cost.drafting(16)[0] < 0.01  # what verifying costs fades: drafting is tried again
 
 
 def test_acceptance_is_learnt_per_match_length_and_the_row_record_scales_it():
@@ -114,14 +122,15 @@ def test_acceptance_is_learnt_per_match_length_and_the_row_record_scales_it():
 def test_one_copying_stream_drafts_fully():
     b, shard = run(rows=1, copying=True, steps=40)
     assert b.counters["draft_tokens"] > 0 and b.counters["accepted_tokens"] == b.counters["draft_tokens"]
-    assert shard.drafted_steps[-20:] == [4] * 20  # the whole N every step, with the step's cost learnt
+    last = shard.drafted_steps[-20:]  # the whole N every step, with the step's cost learnt, but one plain step in
+    assert last.count(4) >= 19 and last.count(4) + last.count(0) == 20  # PLAIN_EVERY keeps the plain model current
     assert b.counters["generated"] > 4 * 40  # ~5 tokens a step
 
 
 def test_sixteen_free_writing_streams_do_not_draft():
     b, shard = run(rows=16, copying=False, steps=200)
     assert sum(shard.drafted_steps) <= 0.02 * 16 * len(shard.drafted_steps)  # at most a rare probe
-    assert b.drafter.gain <= 1.0  # found not to pay
+    assert b.drafter.gain <= 1.0 + speculative.GAIN_MARGIN  # found not to pay
 
 
 def test_sixteen_copying_streams_draft_where_it_pays():
@@ -144,11 +153,11 @@ def test_sixteen_copying_streams_draft_where_it_pays():
 def test_a_row_that_turns_to_copying_drafts_again():
     """A row whose drafts failed for a while (short matches, learnt to fail); when its text turns to a copy it is
     noticed (its matches grow long, and its drafts are right) and it drafts the whole N again."""
-    b, shard = run(rows=1, copying=False, steps=60)
+    b, shard = run(rows=1, copying=False, steps=100)
     s = next(iter(b.running.values()))
     assert max(b.drafter.matches.p(False, n) for n in (1, 2, 3)) < 0.3  # short matches were learnt to fail
     shard.copying.add(s.req.request_id)  # from now on the row repeats its loop
-    for step in range(61, 121):
+    for step in range(101, 161):
         shard.step(step)
     assert shard.drafted_steps[-10:] == [4] * 10 and s.drafting.factor > 0.9
 
@@ -179,7 +188,7 @@ def test_on_measured_costs_free_writing_at_16_rows_drafts_nothing_and_a_copy_at_
 
     assert taken(16, 0.49, 1) == 0 and drafter.gain <= 1.0
     assert taken(16, 0.49, 4) == 0 and taken(16, 0.19, 4) == 0
-    assert taken(16, 0.55, 1) == 0  # a hair past break-even on the model: within its error, left alone
+    assert taken(16, 0.5, 1) == 0  # a hair past break-even (0.48 on these costs): within the margin, left alone
     assert taken(16, 0.97, 4) == 64 and drafter.gain > 1.3
     assert taken(1, 0.97, 4) == 4 and drafter.gain > 2.5
     assert taken(1, 0.19, 4) >= 1  # even a poor draft pays where the step is the weights' read

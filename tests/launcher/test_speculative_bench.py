@@ -1,0 +1,16 @@
+"""The speculative bench's steady rate (launcher/bench/speculative.py): tokens counted only while every client of a
+closed-loop turn was busy, so a turn's tail (rows that finished early leave the batch smaller) is not in the ratio."""
+
+from launcher.bench.loadgen import Sample
+from launcher.bench.speculative import steady
+
+
+def test_the_steady_rate_counts_tokens_until_the_last_request_was_sent():
+    first = Sample(sent=0.0, events=[1.0, 2.0, 3.0, 4.0], tokens=4)
+    second = Sample(sent=2.0, events=[2.5, 5.0, 9.0], tokens=6)  # the last one sent: every client busy until t=2
+    tokens, seconds = steady([first, second], started=0.0)
+    assert seconds == 2.0
+    assert tokens == 2 + 0  # first's events at 1 and 2; second's first event (at 2.5) came after
+    late = Sample(sent=3.0, events=[3.5], tokens=1)
+    tokens, seconds = steady([first, second, late], started=0.0)
+    assert seconds == 3.0 and tokens == 3 + 2  # events of 2 tokens each for `second` (6 tokens in 3 events)
