@@ -1,9 +1,10 @@
 """`switchyard bench --workload structured`: grammar-constrained vs unconstrained output tokens per second.
 
-Requests go to one server twice per concurrency level: first with a grammar (a JSON schema, or a regex), then
-without one, each unconstrained twin asked for exactly as many new tokens as its constrained answer took, with a
-prompt of the same length but its own (the same prompts again would hit the prefix cache and skip their prefills:
-the table shows both sides' prefix-cache hits, steps, tokens per step and the shard's step time). A constrained
+Requests go to one server twice per concurrency level, in rounds of one request per stream (so that the host's
+drift hits both sides alike): each round first with a grammar (a JSON schema, or a regex), then without one, each
+unconstrained twin asked for exactly as many new tokens as its constrained answer took, with a prompt of the same
+length but its own (the same prompts again would hit the prefix cache and skip their prefills: the table shows both
+sides' prefix-cache hits, steps, tokens per step and the shard's step time). A constrained
 answer ends when its grammar is complete (EOS is then the only choice), so without that pairing the unconstrained
 side would generate different lengths and pay for its prefills at another rate: the ratio would measure request
 length, not the masks. The model is served from its own folder (with its EOS ids: a grammar ends on them), not the
@@ -121,30 +122,52 @@ def paired(jobs: list[loadgen.Job], samples: list[loadgen.Sample], prompts) -> l
     return out
 
 
+def _add(total: dict, before: dict, after: dict) -> None:
+    """Accumulate what changed between two readings (metrics or grammar totals) into `total`."""
+    for k, v in after.items():
+        total[k] = total.get(k, 0.0) + v - before.get(k, 0.0)
+
+
 def _level(url: str, kind: str, jobs: list[loadgen.Job], twins, streams: int, log: Path | None = None) -> dict:
-    """One (kind, streams) pair: the constrained run, then the paired unconstrained one (`twins`: the Prompts that
-    give the unconstrained side its own prompts). `log`: the server's log, where the shard writes its grammar
-    totals (those of a run's last rows when the next run's first step drops them)."""
+    """One (kind, streams) pair, in rounds of `streams` requests: each round's constrained run, then its paired
+    unconstrained one (`twins`: the Prompts that give the unconstrained side its own prompts), so that the host's
+    drift over the level hits both sides alike (one constrained run then one unconstrained run of the whole level
+    put minutes between them). `log`: the server's log, where the shard writes its grammar totals (those of a
+    run's last rows when the next run's first step drops them)."""
+    con, free = [], []
+    walls = [0.0, 0.0]
+    seen: list[dict] = [{}, {}]  # per side: the server's metrics deltas
+    grammar: dict = {}
+    cut, invalid = [], []
     m0 = settled(url, ROWS)
-    g0 = grammar_totals(log)
-    con, c0, c1 = asyncio.run(loadgen.drive(url, _GrammarDialect(KINDS[kind]), jobs, streams))
-    # every token of a constrained answer was sampled from a masked row, the first one in its prefill step
-    expected = sum(s.tokens for s in con if s.error is None)
-    m1 = settled(url, ROWS, at_least=m0.get(ROWS, 0.0) + expected)
-    # an answer cut by max_new_tokens is a prefix, not a violation (a random-weight model may fill a schema's free
-    # whitespace until the limit): those are counted apart; every answer the grammar ended must validate
-    cut = [s for s in con if s.error is None and getattr(s, "finish", None) == "length"]
-    ended = [s for s in con if s.error is None and getattr(s, "finish", None) != "length"]
-    invalid = [why for s in ended for why in [check(kind, getattr(s, "text", None))] if why]
-    free, u0, u1 = asyncio.run(loadgen.drive(url, _GrammarDialect(None), paired(jobs, con, twins), streams))
-    m2 = settled(url, STEPS, at_least=m1.get(STEPS, 0.0) + max(s.tokens for s in free))  # a step per token at least
-    c, u = loadgen.summarize(con, c0, c1), loadgen.summarize(free, u0, u1)
+    for start in range(0, len(jobs), streams):
+        part = jobs[start : start + streams]
+        g0 = grammar_totals(log)
+        got, c0, c1 = asyncio.run(loadgen.drive(url, _GrammarDialect(KINDS[kind]), part, streams))
+        # every token of a constrained answer was sampled from a masked row, the first one in its prefill step
+        expected = sum(s.tokens for s in got if s.error is None)
+        m1 = settled(url, ROWS, at_least=m0.get(ROWS, 0.0) + expected)
+        _add(grammar, g0, grammar_totals(log))
+        # an answer cut by max_new_tokens is a prefix, not a violation (a random-weight model may fill a schema's
+        # free whitespace until the limit): those are counted apart; every answer the grammar ended must validate
+        cut += [s for s in got if s.error is None and getattr(s, "finish", None) == "length"]
+        ended = [s for s in got if s.error is None and getattr(s, "finish", None) != "length"]
+        invalid += [why for s in ended for why in [check(kind, getattr(s, "text", None))] if why]
+        plain, u0, u1 = asyncio.run(loadgen.drive(url, _GrammarDialect(None), paired(part, got, twins), streams))
+        m2 = settled(url, STEPS, at_least=m1.get(STEPS, 0.0) + max(s.tokens for s in plain))  # a step per token
+        _add(seen[0], m0, m1)
+        _add(seen[1], m1, m2)
+        m0 = m2  # settled: the next round starts from it
+        con, free = con + got, free + plain
+        walls[0] += c1 - c0
+        walls[1] += u1 - u0
+    c, u = loadgen.summarize(con, 0.0, walls[0]), loadgen.summarize(free, 0.0, walls[1])
     done = [s for s in con if s.error is None]
     server = {
-        "constrained": server_side(m0, m1, c["output_tokens"]),
-        "unconstrained": server_side(m1, m2, u["output_tokens"]),
+        "constrained": server_side({}, seen[0], c["output_tokens"]),
+        "unconstrained": server_side({}, seen[1], u["output_tokens"]),
     }
-    server["constrained"]["grammar"] = grammar_side(g0, grammar_totals(log))
+    server["constrained"]["grammar"] = grammar_side({}, grammar)
     return {
         "kind": kind,
         "streams": streams,
