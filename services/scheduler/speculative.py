@@ -267,21 +267,21 @@ class Drafter:
         if len(self._planned) > 64:  # steps that never came back (forgotten plans)
             self._planned.clear()
 
-    def _plain(self, sampled: int, base: int, rows: int) -> tuple[float, float, float, float, float]:
+    def _plain(self, sampled: int, rows: int) -> tuple[float, float, float, float, float]:
         """(the plain step's tokens per second, the least a draft must be worth, the plain step's time, what a drafted
         position adds): a draft must bring (1 + MARGIN) times the tokens its position costs at the plain rate."""
-        # a step with a prompt chunk is priced as the decode step of its rows: its chunk would make drafts look
-        # cheaper than anything measured says (only decode-only steps are timed)
+        # a step with a prompt chunk is priced as the decode step of its rows (its chunk left out): the chunk would
+        # make drafts look cheaper than anything measured says (only decode-only steps are timed)
         t0, (once, per_draft) = self.cost.time(rows), self.cost.drafting(rows)
         plain = sampled / max(t0, 1e-9)
         return plain, (1 + MARGIN) * plain * per_draft, t0, once, per_draft
 
-    def choose(self, worth: list[float], owner: list[int], sampled: int, base: int, rows: int) -> dict[int, int]:
+    def choose(self, worth: list[float], owner: list[int], sampled: int, rows: int) -> dict[int, int]:
         """Row index → how many of its drafts to take: of the drafts worth the margin (`worth`: expected tokens, a
         row's j-th draft never worth more than its (j-1)-th), the best first, as many as maximise the step's
         predicted tokens per second; none when no number of them beats the step without drafts by GAIN_MARGIN."""
         self.gain = 0.0
-        plain, least, t0, once, per_draft = self._plain(sampled, base, rows)
+        plain, least, t0, once, per_draft = self._plain(sampled, rows)
         order = [j for j in np.argsort(worth, kind="stable")[::-1].tolist() if worth[j] >= least]
         if not order or plain <= 0:
             return {}
@@ -297,10 +297,10 @@ class Drafter:
             out[owner[j]] = out.get(owner[j], 0) + 1
         return out
 
-    def could_pay(self, sampled: int, base: int, rows: int, most: int) -> bool:
+    def could_pay(self, sampled: int, rows: int, most: int) -> bool:
         """Whether sure drafts (MAX_P each) would be taken in this step, one of them or `most`: when not, no row is
         looked up (tokens per second over the drafts taken is monotone in their number, so the two ends tell)."""
-        plain, least, t0, once, per_draft = self._plain(sampled, base, rows)
+        plain, least, t0, once, per_draft = self._plain(sampled, rows)
         if not most or MAX_P < least:
             return False
         rate = [(sampled + k * MAX_P) / (t0 + once + per_draft * k) for k in (1, most)]
@@ -313,7 +313,7 @@ class Drafter:
         sampled = sum(s.computed + n == s.total for s, n in rows)
         decodes = [i for i, (s, n) in enumerate(rows) if n == 1 and s.computed + 1 == s.total]
         decode_only = sampled == len(rows) and base == len(rows)  # its time teaches the model
-        could = self.could_pay(sampled, base, len(rows), len(decodes) * self.speculate)
+        could = self.could_pay(sampled, len(rows), len(decodes) * self.speculate)
         could = could and not (decode_only and self.cost.wants_plain())
         proposed, worth, owner = {}, [], []
         for i in decodes:
@@ -330,7 +330,7 @@ class Drafter:
             proposed[i] = drafts
             worth += [p**j for j in range(1, len(drafts) + 1)]
             owner += [i] * len(drafts)
-        wants = self.choose(worth, owner, sampled, base, len(rows))
+        wants = self.choose(worth, owner, sampled, len(rows))
         budget = batcher.max_batch_prefill_tokens - base
         out, bs, allocator = {}, batcher.block_size, batcher.allocator
         for i, drafts in proposed.items():

@@ -184,7 +184,7 @@ def test_on_measured_costs_free_writing_at_16_rows_drafts_nothing_and_a_copy_at_
         drafter.cost = measured(rows)
         worth = [p**j for _ in range(rows) for j in range(1, drafts + 1)]
         owner = [i for i in range(rows) for _ in range(drafts)]
-        return sum(drafter.choose(worth, owner, rows, rows, rows).values())
+        return sum(drafter.choose(worth, owner, rows, rows).values())
 
     assert taken(16, 0.49, 1) == 0 and drafter.gain <= 1.0
     assert taken(16, 0.49, 4) == 0 and taken(16, 0.19, 4) == 0
