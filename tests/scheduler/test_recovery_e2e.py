@@ -29,7 +29,9 @@ REQUESTS, CONCURRENT = 72, 36
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = build_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", "qwen2")
+    # tiny Gemma-2: its output falls into loops that prompt lookup predicts (~86 % of one-token lookups right, against
+    # ~3 % for tiny Qwen2), so the rule that turns drafting down under load still drafts and rows carry several tokens
+    model = build_model(tmp_path_factory.mktemp("models") / "tiny-gemma2", "gemma2")
     log = tmp_path_factory.mktemp("logs") / "resync-server.log"
     # 48 KV blocks of 16 tokens for 36 streams, a third of them ~200 tokens long: running streams are preempted
     flags = ("--max-total-tokens", "512", "--max-batch-total-tokens", "768", "--speculate", "2")
@@ -50,8 +52,8 @@ def counters(url: str) -> dict[str, float]:
     }
     m = re.search(r'^switchyard_scheduler_preemptions_total\{index="0"\} (\S+)$', text, re.M)
     out["preemptions"] = float(m.group(1)) if m else 0.0
-    m = re.search(r"^switchyard_speculative_draft_tokens_total (\S+)$", text, re.M)
-    out["drafted"] = float(m.group(1)) if m else 0.0
+    m = re.search(r"^switchyard_speculative_accepted_tokens_total (\S+)$", text, re.M)
+    out["accepted"] = float(m.group(1)) if m else 0.0
     return out
 
 
@@ -106,7 +108,7 @@ def test_no_resync_under_load_and_whole_streams_when_a_detokenizer_loses_rows(se
     seen = settled(server.url)
     left = ends.count("left")
     assert left >= REQUESTS // 3 and ends.count("stop_sequence") > 0, ends
-    assert seen["preemptions"] > 0 and seen["drafted"] > 0, seen  # the small KV and speculation did act
+    assert seen["preemptions"] > 0 and seen["accepted"] > 0, seen  # the small KV and multi-token rows did act
     # no detokenizer saw a gap (http's watchdog may still ask, on a busy machine, for a row in flight: "replayed")
     assert not seen.get("resyncs_gap") and not seen.get("resyncs_unopened"), seen
     assert "stream gap" not in server.log_path.read_text(errors="replace")
