@@ -170,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument(f"--{name}", action="store_true", default=_env_bool(name), help=help)
 
     switch("disable-grammar-support", "refuse requests with a `grammar`")
+    switch(
+        "disable-lora-fold",
+        "keep LoRA's shrink out of the base oneDNN product: saves the adapted linears' second packing (their size "
+        "in memory) at the cost of slower mixed steps",
+    )
     switch("json-output", "log one JSON object per line")
     switch(
         "enable-prefill-logprobs",

@@ -147,6 +147,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         lora_adapters=lora_adapters,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        lora_fold=not args.disable_lora_fold,
     )
 
 

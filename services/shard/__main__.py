@@ -49,6 +49,7 @@ class ShardService:
                 lora_adapters=dict(entry.split("=", 1) for entry in settings.lora_adapters.split(",") if entry),
                 max_loras=settings.max_loras,
                 max_lora_rank=settings.max_lora_rank,
+                lora_fold=settings.lora_fold,
                 quantize=settings.quantize,
                 grammar=not settings.disable_grammar_support,
             )

@@ -98,6 +98,7 @@ def use_onednn(model: torch.nn.Module, fuse: bool = True) -> int:
             continue
         packed = _pack(module.weight)
         module.forward = _packed_forward(packed, module.bias, module.out_features)
+        module.onednn_packed = True  # LoRA folds its shrink into such a product (services/shard/lora_fused.py)
         switched.add(id(module))
     return len(switched)
 
@@ -165,4 +166,5 @@ def _fuse(members: list[torch.nn.Linear]) -> None:
     product = _FusedProduct(members)
     for i, module in enumerate(members):
         module.forward = lambda x, i=i: product.columns_for(i, x)
-        module.fused_product = product  # for tests and debugging: which group it belongs to
+        module.fused_product = product  # which group it belongs to (tests, and LoRA's folded products)
+        module.fused_member = i

@@ -50,6 +50,7 @@ import torch
 
 from services.shard.cpu_linear import FUSED_GROUPS
 from services.shard.lora_adapter import AdapterError, LoraAdapter, load_adapter
+from services.shard.lora_fused import FoldedProduct, group_of
 from services.shard.lora_products import (  # noqa: F401  (BASE, RowGroups, Stack: the names callers import from here)
     BASE,
     STACKED_MAX_TOKENS,
@@ -74,7 +75,7 @@ class SharedShrink:
     for an input and handed to the others while they are called with that same tensor in that step (as
     cpu_linear's fused product); a member called again, or with another input, computes it anew."""
 
-    def __init__(self, members: list[LoraLayer]) -> None:
+    def __init__(self, members: list[LoraLayer], fold: bool = True) -> None:
         self.members = members
         self.reduce = _all_reduce if members[0].split == "row" else None
         self.a: dict[int, torch.Tensor] = {}
@@ -99,15 +100,23 @@ class SharedShrink:
         device = parts[0].device
         self.stack = Stack(tuple(column_slots), torch.cat(parts), torch.tensor(column_slots, device=device))
         self.width = -(-col // len(members))  # stacked columns per member: what the masked products cost
+        modules = group_of(members) if fold else None  # the stack folded into the base product (lora_fused.py)
+        fold = modules is not None and self.stack.a.dtype == modules[0].weight.dtype
+        columns = {id(m.module): m.stacked_columns for m in members}
+        self.folded = FoldedProduct(modules, self.stack, columns) if fold else None
         self._key: tuple | None = None  # (input, step grouping) the held shrink was computed for
         self._shrunk = None
         self._unserved: set[int] = set()
+
+    def stacked(self, groups: RowGroups) -> bool:
+        """Whether this step takes the stacked form in this family (small steps; module docstring)."""
+        return groups.token_slots is not None and groups.num_tokens * self.width <= STACKED_MAX_WORK
 
     def shrunk_for(self, member: int, x: torch.Tensor, groups: RowGroups):
         """The family's shrink of x: a masked [tokens, C] tensor in small steps, else slot → [rows, r]."""
         key = self._key
         if key is None or key[0] is not x or key[1] is not groups or member not in self._unserved:
-            if groups.token_slots is not None and groups.num_tokens * self.width <= STACKED_MAX_WORK:
+            if self.stacked(groups):
                 shrunk = self.stack.shrink(x, groups, self.reduce)
             else:
                 shrunk = shrink(x, groups, self.a, self.reduce)
@@ -167,11 +176,13 @@ class LoraLayer:
         self.weights.pop(slot, None)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        groups, shared = self.registry.step_groups, self.shared
+        if groups is not None and shared is not None and shared.folded is not None and shared.stacked(groups):
+            return shared.folded.columns_for(self.module, x, groups)  # base product, shrink and expand in one
         y = self.inner(x, *args, **kwargs)
-        groups = self.registry.step_groups
-        if groups is None or self.shared is None:
+        if groups is None or shared is None:
             return y
-        shrunk = self.shared.shrunk_for(self.member, x, groups)
+        shrunk = shared.shrunk_for(self.member, x, groups)
         if isinstance(shrunk, torch.Tensor):  # the stacked form
             return expand_stacked(y, shrunk, self.stacked_columns)
         return expand(y, groups, shrunk, self.expand_weights)
@@ -191,9 +202,16 @@ class LoraRegistry:
     """The adapters resident on one model (one shard rank): load / unload by name into `max_loras` slots."""
 
     def __init__(
-        self, model: torch.nn.Module, *, max_loras: int = 8, max_rank: int = 64, dtype: torch.dtype | None = None
+        self,
+        model: torch.nn.Module,
+        *,
+        max_loras: int = 8,
+        max_rank: int = 64,
+        dtype: torch.dtype | None = None,
+        fold: bool = True,
     ) -> None:
         self.model = model
+        self.fold = fold  # small steps' shrink folded into the base product where it applies (lora_fused.py)
         self.max_loras, self.max_rank = max_loras, max_rank
         self.dtype = dtype  # the adapters' weights and products (None: the model's; module docstring)
         self.slots: list[str | None] = [None] * max_loras
@@ -253,7 +271,7 @@ class LoraRegistry:
             if layer.weights:
                 families.setdefault(_siblings_key(key, layer), []).append(layer)
         for members in families.values():
-            shared = SharedShrink(members)
+            shared = SharedShrink(members, self.fold)
             for i, layer in enumerate(members):
                 layer.shared, layer.member = shared, i
 

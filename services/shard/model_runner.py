@@ -107,6 +107,7 @@ class ModelRunner:
         lora_adapters: dict[str, str] | None = None,
         max_loras: int = 8,
         max_lora_rank: int = 64,
+        lora_fold: bool = True,  # LoRA's stacked shrink folded into the base product (services/shard/lora_fused.py)
         quantize: str = "",
         grammar: bool = True,  # structured output (off with --disable-grammar-support: no matcher is ever built)
         lean: bool = True,  # the lean decoder walk where the architecture has one (services/shard/lean_forward.py)
@@ -131,7 +132,7 @@ class ModelRunner:
         if onednn_linear and self.device.type == "cpu":
             use_onednn(self.model)
         # after use_onednn, which replaces the linears' forward: the LoRA hooks wrap whatever is installed
-        self.lora = LoraRegistry(self.model, max_loras=max_loras, max_rank=max_lora_rank)
+        self.lora = LoraRegistry(self.model, max_loras=max_loras, max_rank=max_lora_rank, fold=lora_fold)
         for name, folder in (lora_adapters or {}).items():
             self.lora.load(name, folder)
         self.lora.check_hooks()

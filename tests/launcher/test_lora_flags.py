@@ -101,7 +101,8 @@ def test_serve_resolves_adapters_into_settings(tmp_path, model_dir, monkeypatch)
         _serve_args("--lora-adapters", f"a={tmp_path / 'a'},b={tmp_path / 'b'}", "--max-loras", "3"), model_dir
     )
     assert s.lora_adapters == f"a={(tmp_path / 'a').resolve()},b={(tmp_path / 'b').resolve()}"
-    assert (s.lora_names, s.max_loras, s.max_lora_rank) == (["a", "b"], 3, 64)
+    assert (s.lora_names, s.max_loras, s.max_lora_rank, s.lora_fold) == (["a", "b"], 3, 64, True)
+    assert not settings_from(_serve_args("--disable-lora-fold"), model_dir).lora_fold
     assert settings_from(_serve_args(), model_dir).lora_names == []
     monkeypatch.setenv("LORA_ADAPTERS", f"c={tmp_path / 'a'}")  # the variable, when no flag is given
     assert settings_from(_serve_args(), model_dir).lora_names == ["c"]

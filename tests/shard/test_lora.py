@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.shard import lora, lora_products
+from services.shard import lora, lora_fused, lora_products
 from services.shard.cpu_linear import use_onednn
 from services.shard.lora import STACKED_MAX_TOKENS, LoraRegistry
 from services.shard.lora_adapter import AdapterError, load_adapter
@@ -128,16 +128,22 @@ def test_mixed_batch_equals_peft(tiny_dirs, adapters, reference, arch, onednn, f
         monkeypatch.setattr(lora_products, "STACKED_MAX_TOKENS", 0)
     if form == "grouped by work":  # per-token slots built, but every layer's masked products judged too large
         monkeypatch.setattr(lora, "STACKED_MAX_WORK", 12)
-    calls = {"stacked": 0, "grouped": 0}  # which form each layer ran
+    calls = {"stacked": 0, "grouped": 0, "folded": 0}  # which form each layer ran
     for fn, key in ((lora.expand_stacked, "stacked"), (lora.expand, "grouped")):
         monkeypatch.setattr(
             lora, fn.__name__, lambda *a, fn=fn, key=key: calls.__setitem__(key, calls[key] + 1) or fn(*a)
         )
+    product = lora_fused.FoldedProduct._product
+    monkeypatch.setattr(
+        lora_fused.FoldedProduct, "_product", lambda *a: calls.__setitem__("folded", calls["folded"] + 1) or product(*a)
+    )
     groups = registry.set_step(ROWS, [12] * len(ROWS))
     assert (groups.token_slots is not None) == (form != "grouped")
     with torch.no_grad():
         ours = registry.model(input_ids=input_ids).logits
-    assert (calls["stacked"] > 0, calls["grouped"] > 0) == ((True, False) if form == "stacked" else (False, True))
+    # small steps: the stacked form, folded into the base product where that is oneDNN's (every projection here)
+    ran = (calls["stacked"] > 0, calls["folded"] > 0, calls["grouped"] > 0)
+    assert ran == ((not onednn, onednn, False) if form == "stacked" else (False, False, True)), calls
     worst = 0.0
     for name in set(ROWS):
         rows = [i for i, r in enumerate(ROWS) if r == name]
@@ -189,18 +195,59 @@ def test_siblings_share_one_shrink(tiny_dirs, adapters, tokens, adapter_dtype):
     assert (registry.step_groups.token_slots is not None) == (tokens * len(rows) <= STACKED_MAX_TOKENS)
     calls = []
     q.shared.reduce = lambda t: calls.append(t.shape) or t  # counts each shrink computed (a no-op sum)
+    folded = q.shared.folded  # small steps in the model's dtype: the shrink is folded into the base product
+    assert (folded is not None) == (adapter_dtype is None)
+
+    def shrinks() -> int:
+        return len(calls) + (folded.calls if folded is not None and registry.step_groups.token_slots is not None else 0)
+
     x = torch.randn(tokens * len(rows), attn.q_proj.in_features, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         together = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
-        assert len(calls) == 1
+        assert shrinks() == 1
         alone = [attn.q_proj(x.clone()), attn.k_proj(x.clone()), attn.v_proj(x.clone())]
-        assert len(calls) == 4
+        assert shrinks() == 4
         base = [layer.inner(x) for layer in (q, k, v)]
     registry.clear_step()
     slots = np.repeat([registry.slot_of(r) for r in rows], tokens).tolist()
     for got, got_alone, layer, b in zip(together, alone, (q, k, v), base):
         torch.testing.assert_close(got, got_alone, atol=0, rtol=0)
         torch.testing.assert_close(got, b + reference_delta(x, slots, layer.weights), atol=1e-5, rtol=1e-5)
+
+
+def test_folded_only_where_the_family_is_a_whole_packed_product(tiny_dirs, adapters, reference):
+    """With q/v adapted but not k, the q/k/v family keeps its own shrink (k's fused columns would be computed
+    again); the MLP's gate/up (and down alone) fold. Base rows of a folded step are the base model's bit for bit,
+    adapter rows peft's."""
+    model = _base(tiny_dirs["llama"])
+    use_onednn(model)
+    registry = LoraRegistry(model)
+    registry.load("qv_rs", adapters["llama", "qv_rs"])
+    registry.load("mlp", adapters["llama", "mlp"])
+    layer = "model.layers.0"
+    assert registry.layers[f"{layer}.self_attn.q_proj"].shared.folded is None
+    up, down = registry.layers[f"{layer}.mlp.up_proj"].shared, registry.layers[f"{layer}.mlp.down_proj"].shared
+    assert up.folded is not None and down.folded is not None and up is not down
+    input_ids = torch.randint(3, 500, (3, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        base = model(input_ids=input_ids).logits
+        registry.set_step([None, "mlp", "qv_rs"], [10, 10, 10])
+        ours = model(input_ids=input_ids).logits
+    registry.clear_step()
+    assert up.folded.calls > 0 and down.folded.calls > 0
+    assert torch.equal(ours[0], base[0])
+    unfolded = LoraRegistry(model, fold=False)  # --disable-lora-fold: nothing folds, the same outputs
+    registry.unload("qv_rs")
+    registry.unload("mlp")
+    unfolded.load("mlp", adapters["llama", "mlp"])
+    assert all(layer.shared.folded is None for layer in unfolded.layers.values())
+    with torch.no_grad():
+        unfolded.set_step([None, "mlp", "mlp"], [10, 10, 10])
+        torch.testing.assert_close(model(input_ids=input_ids).logits[:2], ours[:2], atol=1e-5, rtol=0)
+    for i, name in ((1, "mlp"), (2, "qv_rs")):
+        torch.testing.assert_close(
+            ours[i : i + 1], _peft_logits(reference["llama"], name, input_ids[i : i + 1]), atol=ATOL, rtol=0
+        )
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------

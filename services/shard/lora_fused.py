@@ -1,0 +1,89 @@
+"""The stacked form's shrink folded into the base model's own oneDNN product, and a family's expands into one.
+
+In the stacked form (services/shard/lora.py) a family of projections that read the same input (q/k/v, gate/up, or
+one linear alone) costs, besides its base product, one shrink, one mask and one expand per member. On a CPU these
+products of a few rows are decided by their count, not their arithmetic (bf16, 16 rows, AMD EPYC: a [16, 64] x
+[64, 576] expand takes ~25 µs, the base q/k/v product ~110 µs). So where the family's base product is
+services/shard/cpu_linear.py's packed one, the family gets a second packed weight, [W; A]: the base weights with
+every adapter's A stacked under them. One product then gives the base output and the shrink (the extra columns;
+the first columns equal the base product bit for bit, tested), the mask keeps each token's own adapter's columns,
+and one expand against B laid out block-diagonally ([C, out]: each member's B.T in its own columns, zeros
+elsewhere) adds every member's delta at once. Per layer of SmolLM2's shape: 4 products + 4 masks + 4 expands
+instead of 4 + 4 shrinks + 4 masks + 7 expands (`python -m launcher.bench.lora_step`).
+
+Cost: the family's linear weights are packed twice while adapters target it (the plain packing serves steps
+without adapter rows, which must not pay for the adapters' columns): the adapted linears' size once more in memory,
+rebuilt at every load and unload. Used only where it applies exactly: every member of the family is a packed
+oneDNN linear (a whole fused group, or a lone packed linear), unsharded, in the adapters' dtype; anything else
+(tensor parallel, quantized layers, float32 adapters over a bf16 model, q/v adapted but not k) keeps lora.py's
+products.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.shard.cpu_linear import _linear, _pack
+from services.shard.lora_products import RowGroups, Stack
+
+
+def group_of(layers) -> list | None:
+    """The family's modules in the order of their packed product (a fused group's order, or the one linear), when
+    `layers` (lora.py's LoraLayer) are exactly that product's members and can fold; else None."""
+    modules = [layer.module for layer in layers]
+    if any(layer.split is not None for layer in layers):
+        return None
+    product = getattr(modules[0], "fused_product", None)
+    if product is None:
+        return modules if len(modules) == 1 and getattr(modules[0], "onednn_packed", False) else None
+    if len(product.columns) != len(modules) or any(getattr(m, "fused_product", None) is not product for m in modules):
+        return None  # part of a fused group adapted (q and v, not k): its other members would compute it again
+    return sorted(modules, key=lambda m: m.fused_member)
+
+
+class FoldedProduct:
+    """[W; A] packed for one family, B block-diagonal, and the step's output shared by its members like
+    cpu_linear's fused product: the first member called with an input computes it, each takes its columns."""
+
+    def __init__(self, modules: list[torch.nn.Linear], stack: Stack, columns: dict[int, tuple]) -> None:
+        """`columns`: id(module) → that member's (c0, c1, B.T) in the stack's columns (lora.py's stacked_columns)."""
+        weights = [m.weight.detach() for m in modules]
+        width = sum(w.shape[0] for w in weights)
+        c = stack.a.shape[0]
+        self.packed = _pack(torch.cat([*weights, stack.a.to(weights[0].dtype)]))
+        bias = modules[0].bias
+        self.bias = None if bias is None else torch.cat([m.bias.detach() for m in modules] + [bias.new_zeros(c)])
+        self.base_width, self.width, self.stack = width, width + c, stack
+        self.expand_t = weights[0].new_zeros(c, width)  # [C, out]: each member's B.T in its own block
+        self.slices, start = {}, 0
+        for m in modules:
+            c0, c1, b_t = columns[id(m)]
+            self.expand_t[c0:c1, start : start + m.out_features] = b_t
+            self.slices[id(m)] = (start, start + m.out_features)
+            start += m.out_features
+        self.input: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
+        self.unserved: set[int] = set()
+        self.calls = 0  # folded products computed (tests: the fold fired)
+
+    def columns_for(self, module: torch.nn.Module, x: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        key = id(module)
+        if x is not self.input or key not in self.unserved:
+            self.input, self.output = x, self._product(x, groups)
+            self.unserved = set(self.slices)
+        start, end = self.slices[key]
+        out = self.output[..., start:end]
+        self.unserved.discard(key)
+        if not self.unserved:  # every member has its part: let the activations go
+            self.input = self.output = None
+        return out
+
+    def _product(self, x: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        groups.check(flat)
+        z = _linear(flat, self.packed, self.bias, self.width)
+        y, shrunk = z[:, : self.base_width], z[:, self.base_width :]
+        shrunk.mul_(groups.mask(self.stack.layout, self.stack.column_slots, shrunk.dtype))
+        y.addmm_(shrunk, self.expand_t)  # base tokens' masked columns are exact zeros: their rows stay the base's
+        self.calls += 1
+        return y.view(*x.shape[:-1], self.base_width)
