@@ -6,11 +6,12 @@ projection, r 16, built with peft) loaded into a `LoraRegistry`. A step is one f
 rows (a decode step's linear work: every projection and the LM head over `rows` tokens; no KV cache, so
 attention is trivial). The mixed step spreads the rows round robin over the base model and the adapters, as the
 serving bench does (`--base-share` of them on the base model); `--adapter-dtypes model,float32` adds a mixed
-step with the adapters in float32 over the same base. All steps are timed interleaved, `rounds`
+step with the adapters in float32 over the same base, and `unfolded` one with the adapters' shrink kept out of the
+base product (`--disable-lora-fold`; services/shard/lora_fused.py). All steps are timed interleaved, `rounds`
 times, and the medians compared: the ratio is what the LoRA rows cost a step, without the servers around it.
 
     python -m launcher.bench.lora_step [--rows 16,64] [--threads N] [--dtype bfloat16] [--rounds 7] [--cpu-clock]
-        [--adapter-dtypes model,float32]
+        [--adapter-dtypes model,float32,unfolded]
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ def measure(
         )
         model.eval()
         use_onednn(model)
-        lora_dtype = None if adapter_dtype == "model" else getattr(torch, adapter_dtype)
-        registry = LoraRegistry(model, max_loras=len(adapters), max_rank=16, dtype=lora_dtype)
+        lora_dtype = None if adapter_dtype in ("model", "unfolded") else getattr(torch, adapter_dtype)
+        registry = LoraRegistry(
+            model, max_loras=len(adapters), max_rank=16, dtype=lora_dtype, fold=adapter_dtype != "unfolded"
+        )
         for name, folder in adapters.items():
             registry.load(name, folder)
         registry.check_hooks()
@@ -139,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="steps per timing (median of rounds)")
     parser.add_argument("--base-share", type=float, default=0.2, help="fraction of rows on the base model")
     parser.add_argument("--cpu-clock", action="store_true", help="time by this process's CPU time (busy machine)")
-    parser.add_argument("--adapter-dtypes", default="model", help="adapter weights' dtypes to compare: model,float32")
+    parser.add_argument(
+        "--adapter-dtypes", default="model", help="adapters to compare: model,float32 (their dtype), unfolded"
+    )
     args = parser.parse_args(argv)
     import torch
 
