@@ -7,11 +7,11 @@ every few seconds and stop the whole server in that case, with a non-zero exit, 
 whose model does not load says so at once (the run directory's `cannot-load` file): no retry would mend it, so
 a starting server stops at its first failure (one that has served keeps supervisord's retries).
 
-Lifetime: supervisord runs in its own session (a terminal's Ctrl-C reaches only us, and we stop it in
-order), so nothing would stop it if we were killed outright. On Linux it is started with the
-parent-death signal (prctl PR_SET_PDEATHSIG) set to SIGTERM: when the launcher dies, by any signal,
-SIGKILL included, the kernel sends supervisord SIGTERM and it stops every program as on Ctrl-C
-(SIGKILL after stopwaitsecs). We chose this over the launcher exec'ing supervisord because the
+Lifetime: supervisord runs in its own session (a terminal's Ctrl-C reaches only us, and we stop it: every
+program signalled at once over its socket, then supervisord), so nothing would stop it if we were killed
+outright. On Linux it is started with the parent-death signal (prctl PR_SET_PDEATHSIG) set to SIGTERM: when the
+launcher dies, by any signal, SIGKILL included, the kernel sends supervisord SIGTERM and it stops every program
+(in order, one a second: SIGKILL after stopwaitsecs). We chose this over the launcher exec'ing supervisord because the
 launcher must outlive supervisord: it watches for FATAL programs, announces readiness and removes the
 run directory, none of which supervisord does. Caveats, both met here: the signal fires when the
 *thread* that forked the child exits (we fork from the main thread, which Python ends last), and it is
@@ -27,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 import xmlrpc.client
@@ -48,6 +49,20 @@ def fatal_programs(socket_path: Path) -> list[str]:
         return sorted({p["group"] for p in infos if p["statename"] == "FATAL"})
     except (OSError, xmlrpc.client.Error):
         return []
+    finally:
+        transport.close()
+
+
+def stop_all_programs(socket_path: Path) -> None:
+    """Ask supervisord to send every program its stop signal now, without waiting (best effort). Its own shutdown
+    stops one program (group) at a time and notices each exit only on its one-second tick: ~1 s a program, six
+    or more a server; signalled together they are all reaped on one tick."""
+    transport = SupervisorTransport(None, None, f"unix://{socket_path}")
+    try:
+        rpc = xmlrpc.client.ServerProxy("http://localhost", transport=transport)
+        rpc.supervisor.stopAllProcesses(False)
+    except (OSError, xmlrpc.client.Error):
+        pass  # not answering (starting, or gone): its own shutdown stops them in order
     finally:
         transport.close()
 
@@ -127,6 +142,11 @@ def run(
 
     def stop(signum=None, frame=None):
         if proc.poll() is None:
+            # every program signalled at once first (a thread: a hung supervisord must not hang Ctrl-C), then
+            # supervisord itself, which waits for them and exits
+            stopper = threading.Thread(target=stop_all_programs, args=(run_dir / "supervisor.sock",), daemon=True)
+            stopper.start()
+            stopper.join(3.0)
             proc.send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGINT, stop)
