@@ -20,6 +20,8 @@ own adapter's columns (base tokens: none, so they add exact zeros), and one expa
 SmolLM2's shape (30 layers x 7 thin projections, products of a few rows) is decided by the number of products
 and the bytes of adapter weights read, not by their arithmetic: per layer 4 shrinks, 4 masks and 7 expands,
 against 7 x 3 without sharing and ~80 small products and index ops grouped (`python -m launcher.bench.lora_step`).
+Where the base product is cpu_linear's packed one, the shrink is folded into it and a family's expands into one
+(services/shard/lora_fused.py; off with `fold=False`, `--disable-lora-fold`).
 Large steps, where the masked-out columns' arithmetic counts (it grows with every adapter loaded in the layer,
 present in the step or not), stay grouped; the choice is per layer family, by tokens x stacked columns.
 
@@ -100,10 +102,12 @@ class SharedShrink:
         device = parts[0].device
         self.stack = Stack(tuple(column_slots), torch.cat(parts), torch.tensor(column_slots, device=device))
         self.width = -(-col // len(members))  # stacked columns per member: what the masked products cost
-        modules = group_of(members) if fold else None  # the stack folded into the base product (lora_fused.py)
-        fold = modules is not None and self.stack.a.dtype == modules[0].weight.dtype
-        columns = {id(m.module): m.stacked_columns for m in members}
-        self.folded = FoldedProduct(modules, self.stack, columns) if fold else None
+        self.folded: FoldedProduct | None = None  # the stack folded into the base product (lora_fused.py)
+        modules = group_of(members, self.stack.a.dtype) if fold else None
+        if modules is not None:
+            columns = {id(m.module): m.stacked_columns for m in members}
+            registry = members[0].registry
+            self.folded = FoldedProduct(modules, self.stack, columns, lambda: registry.step_groups)
         self._key: tuple | None = None  # (input, step grouping) the held shrink was computed for
         self._shrunk = None
         self._unserved: set[int] = set()
@@ -178,7 +182,8 @@ class LoraLayer:
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         groups, shared = self.registry.step_groups, self.shared
         if groups is not None and shared is not None and shared.folded is not None and shared.stacked(groups):
-            return shared.folded.columns_for(self.module, x, groups)  # base product, shrink and expand in one
+            # base product, shrink and expand in one
+            return shared.folded.columns_for(shared.folded.member[id(self.module)], x)
         y = self.inner(x, *args, **kwargs)
         if groups is None or shared is None:
             return y

@@ -21,17 +21,20 @@ products.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from services.shard.cpu_linear import _linear, _pack
+from services.shard.cpu_linear import SharedInputProduct, _linear, _pack
 from services.shard.lora_products import RowGroups, Stack
 
 
-def group_of(layers) -> list | None:
+def group_of(layers, dtype: torch.dtype) -> list | None:
     """The family's modules in the order of their packed product (a fused group's order, or the one linear), when
-    `layers` (lora.py's LoraLayer) are exactly that product's members and can fold; else None."""
+    `layers` (lora.py's LoraLayer) are exactly that product's members and can fold (adapters in `dtype`, the
+    weights'); else None."""
     modules = [layer.module for layer in layers]
-    if any(layer.split is not None for layer in layers):
+    if any(layer.split is not None for layer in layers) or modules[0].weight.dtype != dtype:
         return None
     product = getattr(modules[0], "fused_product", None)
     if product is None:
@@ -41,44 +44,36 @@ def group_of(layers) -> list | None:
     return sorted(modules, key=lambda m: m.fused_member)
 
 
-class FoldedProduct:
-    """[W; A] packed for one family, B block-diagonal, and the step's output shared by its members like
-    cpu_linear's fused product: the first member called with an input computes it, each takes its columns."""
+class FoldedProduct(SharedInputProduct):
+    """[W; A] packed for one family and B block-diagonal; the step's output is shared by the members as
+    cpu_linear's fused product shares its own (`columns_for(member, x)`, member = index in `modules`)."""
 
-    def __init__(self, modules: list[torch.nn.Linear], stack: Stack, columns: dict[int, tuple]) -> None:
-        """`columns`: id(module) → that member's (c0, c1, B.T) in the stack's columns (lora.py's stacked_columns)."""
+    def __init__(
+        self,
+        modules: list[torch.nn.Linear],
+        stack: Stack,
+        columns: dict[int, tuple],
+        step_groups: Callable[[], RowGroups],
+    ) -> None:
+        """`columns`: id(module) → that member's (c0, c1, B.T) in the stack's columns (lora.py's stacked_columns);
+        `step_groups`: the registry's grouping of the step being run."""
+        super().__init__([m.out_features for m in modules])
         weights = [m.weight.detach() for m in modules]
         width = sum(w.shape[0] for w in weights)
         c = stack.a.shape[0]
-        self.packed = _pack(torch.cat([*weights, stack.a.to(weights[0].dtype)]))
+        self.packed = _pack(torch.cat([*weights, stack.a]))
         bias = modules[0].bias
         self.bias = None if bias is None else torch.cat([m.bias.detach() for m in modules] + [bias.new_zeros(c)])
-        self.base_width, self.width, self.stack = width, width + c, stack
+        self.base_width, self.width, self.stack, self.step_groups = width, width + c, stack, step_groups
         self.expand_t = weights[0].new_zeros(c, width)  # [C, out]: each member's B.T in its own block
-        self.slices, start = {}, 0
-        for m in modules:
+        self.member = {id(m): i for i, m in enumerate(modules)}
+        for m, (start, end) in zip(modules, self.columns):
             c0, c1, b_t = columns[id(m)]
-            self.expand_t[c0:c1, start : start + m.out_features] = b_t
-            self.slices[id(m)] = (start, start + m.out_features)
-            start += m.out_features
-        self.input: torch.Tensor | None = None
-        self.output: torch.Tensor | None = None
-        self.unserved: set[int] = set()
+            self.expand_t[c0:c1, start:end] = b_t
         self.calls = 0  # folded products computed (tests: the fold fired)
 
-    def columns_for(self, module: torch.nn.Module, x: torch.Tensor, groups: RowGroups) -> torch.Tensor:
-        key = id(module)
-        if x is not self.input or key not in self.unserved:
-            self.input, self.output = x, self._product(x, groups)
-            self.unserved = set(self.slices)
-        start, end = self.slices[key]
-        out = self.output[..., start:end]
-        self.unserved.discard(key)
-        if not self.unserved:  # every member has its part: let the activations go
-            self.input = self.output = None
-        return out
-
-    def _product(self, x: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        groups = self.step_groups()
         flat = x.reshape(-1, x.shape[-1])
         groups.check(flat)
         z = _linear(flat, self.packed, self.bias, self.width)

@@ -133,9 +133,9 @@ def test_mixed_batch_equals_peft(tiny_dirs, adapters, reference, arch, onednn, f
         monkeypatch.setattr(
             lora, fn.__name__, lambda *a, fn=fn, key=key: calls.__setitem__(key, calls[key] + 1) or fn(*a)
         )
-    product = lora_fused.FoldedProduct._product
+    product = lora_fused.FoldedProduct.product
     monkeypatch.setattr(
-        lora_fused.FoldedProduct, "_product", lambda *a: calls.__setitem__("folded", calls["folded"] + 1) or product(*a)
+        lora_fused.FoldedProduct, "product", lambda *a: calls.__setitem__("folded", calls["folded"] + 1) or product(*a)
     )
     groups = registry.set_step(ROWS, [12] * len(ROWS))
     assert (groups.token_slots is not None) == (form != "grouped")
