@@ -103,7 +103,8 @@ async def _everywhere(ingress, make, replicas: list[int]) -> dict[int, AdapterDo
     try:
         for r in replicas:
             await ingress.publish(topics.ctl(r), make(op_id, ingress.index))
-        await asyncio.wait_for(w.event.wait(), OP_TIMEOUT_S)
+        async with asyncio.timeout(OP_TIMEOUT_S):  # not wait_for: see ingress.next_event
+            await w.event.wait()
     except TimeoutError:
         silent = sorted(set(replicas) - set(w.done))
         raise Failure(f"replicas {silent} did not answer within {OP_TIMEOUT_S:.0f} s", "unavailable", 503) from None

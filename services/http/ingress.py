@@ -46,6 +46,14 @@ from services.http.timing import Timing
 log = logging.getLogger("switchyard.http")
 
 
+async def next_event(q: asyncio.Queue, seconds: float):
+    """The queue's next event, or TimeoutError after `seconds`. Not asyncio.wait_for: on Python 3.11 it returns
+    the result and swallows a cancel that lands as the event arrives (a client that leaves just as its request
+    is accepted: a batch of them at once), and the request then runs to its end for no one."""
+    async with asyncio.timeout(seconds):
+        return await q.get()
+
+
 @dataclass
 class Pending:
     """A generate request in flight, as the watchdog sees it."""
@@ -199,7 +207,8 @@ class Ingress:
         while (left := self.liveness.wait_left(role)) > 0.0:
             heard = self._heard_now.setdefault(role, asyncio.Event())
             try:
-                await asyncio.wait_for(heard.wait(), left)
+                async with asyncio.timeout(left):
+                    await heard.wait()
             except TimeoutError:
                 pass
         alive = bool(self.liveness.alive(role))
@@ -221,7 +230,7 @@ class Ingress:
         try:
             await self.push.send_multipart(codec.encode(req), copy=False)
             try:
-                event = await asyncio.wait_for(q.get(), ADMIT_TIMEOUT)
+                event = await next_event(q, ADMIT_TIMEOUT)
             except TimeoutError:
                 raise Failure("Request was not admitted in time", "unavailable") from None
         finally:  # the tokenizer forwards nothing in this mode, so there is nothing to abort
@@ -261,7 +270,7 @@ class Ingress:
                 await asyncio.sleep(0)
             await self.push.send_multipart(codec.encode(req), copy=False)
             try:
-                first = await asyncio.wait_for(q.get(), ADMIT_TIMEOUT)
+                first = await next_event(q, ADMIT_TIMEOUT)
             except TimeoutError:
                 record.failure("Request was not admitted in time", "unavailable")
                 raise Failure("Request was not admitted in time", "unavailable") from None
