@@ -26,9 +26,10 @@ A draft must pay for the position it costs in the step's forward (attention, MLP
   run, 76 % accepted, and kept 1.02× the plain rate; a batch size that stopped drafting tries again after a few
   hundred steps, when its measured price has faded back toward the prior).
   When not even sure drafts would be taken, nothing is looked up;
-- grammar-constrained rows never draft (a seam: drafts are not checked against the grammar's mask yet), and
-  every draft fits the row's max_new_tokens (the bonus token included), the step's token budget and the KV
-  blocks that are free without preempting anyone.
+- every draft fits the row's max_new_tokens (the bonus token included), the step's token budget and the KV
+  blocks that are free without preempting anyone. Grammar-constrained rows draft like any other: the shard masks
+  each of their picks by the grammar after the drafts before it (services/shard/constraints.py), so a draft the
+  grammar refuses is rejected like a wrong one.
 The shard's verification (services/shard/speculative.py) keeps outputs exactly what they would be without drafts.
 """
 
@@ -319,8 +320,8 @@ class Drafter:
         for i in decodes:
             s = rows[i][0]
             room = min(self.speculate, s.req.max_new_tokens - len(s.output) - 1) if could else 0
-            drafts, length = self.propose(s, room) if room > 0 and not s.req.grammar else ([], 0)
-            if not drafts:  # grammar rows never draft (a seam); no room, or no match
+            drafts, length = self.propose(s, room) if room > 0 else ([], 0)
+            if not drafts:  # no room, or no match
                 s.drafting.idle()
                 continue
             draws = _draws(s.req.sampling)

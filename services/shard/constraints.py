@@ -6,8 +6,11 @@ tool schema shared by many requests compiles once). Per step:
 
     open(seq, grammar, replay)   a new sequence with a grammar; `replay` = the tokens it generated already
                                  (preemption and recompute, a restarted shard): the matcher is rebuilt from them
-    apply(logits, keys)          after the penalties, before temperature / top-k / top-p (TGI's order): every
-                                 token the grammar does not allow → -inf; returns the rows that have none left
+    apply(logits, keys, drafts)  after the penalties, before temperature / top-k / top-p (TGI's order): every
+                                 token the grammar does not allow → -inf; returns the rows that have none left.
+                                 A drafted row (speculative decoding) has a pick per position: its mask at pick j
+                                 is the grammar's after drafts d1..dj (llguidance fills them all in one call and
+                                 rolls the matcher back); picks past a draft the grammar refuses are never kept
     advance(keys, tokens)        the sampled tokens move the matchers on; the masks of the next step are then
                                  filled on a worker thread while the next forward pass runs (llguidance releases
                                  the GIL and fills rows in parallel)
@@ -36,6 +39,7 @@ from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from services.shard.token_masks import mask_rows, unpack
 
 Key = Hashable  # the shard's sequence handle
+Pick = tuple[Sequence[int], int]  # a drafted row's pick j: (the row's drafts, j); its mask follows drafts[:j]
 log = logging.getLogger("switchyard.shard.grammar")
 REPORT_S = 10.0  # how often the shard logs its grammar totals while constrained rows run
 
@@ -86,6 +90,7 @@ class Constraints:
             "ahead_rows": 0,
             "inline_rows": 0,
             "sparse_rows": 0,
+            "draft_rows": 0,  # picks past a drafted row's first, masked after its drafts (speculative decoding)
         }
         self.seconds = {"open": 0.0, "apply": 0.0, "advance": 0.0, "fill_ahead": 0.0}
 
@@ -186,6 +191,7 @@ class Constraints:
                 if state.error is not None:
                     errors.append(RowError(row, key, state.error))
             moved.append(key)
+        moved = list(dict.fromkeys(moved))  # a drafted row moves by each of its accepted tokens
         if moved and self.ahead:  # the states are taken here: the worker never reads the dict, which the caller changes
             self._ahead = self._worker.submit(self._fill_ahead, moved, [self._states[k] for k in moved])
         self.seconds["advance"] += time.perf_counter() - t0
@@ -211,15 +217,21 @@ class Constraints:
         self.seconds["fill_ahead"] += time.perf_counter() - t0
         return masks, {k: (i, s.version, s) for i, (k, s) in enumerate(zip(keys, states))}
 
-    def masks(self, keys: Sequence[Key]) -> np.ndarray:
+    def masks(self, keys: Sequence[Key], drafts: Sequence[Pick | None] | None = None) -> np.ndarray:
         """[len(keys), words] int32 bitmasks (bit t of the row = token t allowed); the ones filled ahead are
-        reused when their matcher has not moved since, the rest are filled now."""
+        reused when their matcher has not moved since, the rest are filled now. `drafts`, per row: None, or the
+        (drafts, j) of pick j of a drafted row, whose picks are consecutive rows: its masks are filled now."""
         states = [self._states[k] for k in keys]
         out = np.zeros((len(keys), self.words), dtype=np.int32)
         ahead, where = (None, {}) if self._ahead is None else self._ahead.result()
         self._ahead = None
-        missing = []
+        missing, chains = [], []
         for i, (key, state) in enumerate(zip(keys, states)):
+            pick = drafts[i] if drafts is not None else None
+            if pick is not None:
+                if pick[1] == 0 and state.error is None:  # a drafted row's first pick: its chain starts here
+                    chains.append((state.matcher, i, list(pick[0])))
+                continue
             hit = where.get(key)
             if hit is not None and hit[1] == state.version and hit[2] is state:
                 out[i] = ahead[hit[0]]
@@ -227,7 +239,15 @@ class Constraints:
                 missing.append(i)
         if missing:
             out[missing] = self._fill([states[i] for i in missing])
-        self.stats["ahead_rows"] += len(keys) - len(missing)
+        if chains:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(chains, out.ctypes.data, self.words * 4, len(keys))
+            for _, i, chain in chains:  # past a refused draft nothing was written: those picks are never kept,
+                for j in range(i + 1, i + 1 + len(chain)):  # but they are sampled, so they get a mask that allows
+                    if not out[j].any():  # what the last one allowed (an empty row would report an error)
+                        out[j] = out[j - 1]
+            self.stats["draft_rows"] += sum(len(c[2]) for c in chains)
+        picks = 0 if drafts is None else sum(d is not None for d in drafts)
+        self.stats["ahead_rows"] += len(keys) - len(missing) - picks
         self.stats["inline_rows"] += len(missing)
         return out
 
@@ -237,6 +257,7 @@ class Constraints:
         keys: Sequence[Key | None],
         sparse_ok: Sequence[int] = (),
         sparse: dict[int, np.ndarray] | None = None,
+        drafts: Sequence[Pick | None] | None = None,
     ) -> list[RowError]:
         """Mask `logits` [rows, vocab] in place: each row whose key is constrained keeps only the tokens its
         grammar allows. Rows of None (or an unconstrained key) are untouched. Returns the rows left with nothing
@@ -244,7 +265,7 @@ class Constraints:
 
         The rows of `sparse_ok` whose grammar allows few tokens (under half the vocabulary) are left unwritten on
         CPU: their allowed ids go into `sparse` instead ({row: ascending int64 ids}), for a caller that chooses
-        among those ids alone and never reads the rest of the row."""
+        among those ids alone and never reads the rest of the row. `drafts`: per row, see masks()."""
         rows = [i for i, k in enumerate(keys) if k is not None and k in self._states]
         if not rows:
             return []
@@ -252,7 +273,8 @@ class Constraints:
         self.stats["steps"] += 1
         self.stats["rows"] += len(rows)
         try:
-            errors, few = self._apply(logits, keys, rows, set(sparse_ok) if sparse is not None else set())
+            ok = set(sparse_ok) if sparse is not None else set()
+            errors, few = self._apply(logits, keys, rows, ok, None if drafts is None else [drafts[i] for i in rows])
             if few:
                 sparse.update(few)
                 self.stats["sparse_rows"] += len(few)
@@ -261,10 +283,15 @@ class Constraints:
             self.seconds["apply"] += time.perf_counter() - t0
 
     def _apply(
-        self, logits: torch.Tensor, keys: Sequence[Key | None], rows: list[int], sparse_ok: set[int]
+        self,
+        logits: torch.Tensor,
+        keys: Sequence[Key | None],
+        rows: list[int],
+        sparse_ok: set[int],
+        drafts: list[Pick | None] | None,
     ) -> tuple[list[RowError], dict[int, np.ndarray]]:
         self._settle()
-        bits = self.masks([keys[i] for i in rows]).view(np.uint32)
+        bits = self.masks([keys[i] for i in rows], drafts).view(np.uint32)
         errors = []
         for j in np.flatnonzero(~bits.any(axis=1)).tolist():  # checked on the packed words: 32x less to read
             key = keys[rows[j]]
@@ -283,15 +310,17 @@ class GrammarMask:
     """One step's `constrain` for sampling: called with the scores, it masks every constrained row; `split` leaves
     the rows that may be chosen among their allowed ids alone (sampling.choose's sparse rows) and returns those ids."""
 
-    def __init__(self, cons: Constraints, keys: list[int | None], errors: dict[int, str]) -> None:
-        self._cons, self._keys, self._errors = cons, keys, errors
+    def __init__(
+        self, cons: Constraints, keys: list[int | None], errors: dict[int, str], drafts: list[Pick | None] | None = None
+    ) -> None:
+        self._cons, self._keys, self._errors, self._drafts = cons, keys, errors, drafts
 
     def __call__(self, scores: torch.Tensor) -> None:
         self.split(scores, ())
 
     def split(self, scores: torch.Tensor, sparse_ok: Sequence[int]) -> dict[int, np.ndarray]:
         sparse: dict[int, np.ndarray] = {}
-        for e in self._cons.apply(scores, self._keys, sparse_ok, sparse):
+        for e in self._cons.apply(scores, self._keys, sparse_ok, sparse, self._drafts):
             self._errors[int(e.key)] = e.message
         return sparse
 
@@ -359,9 +388,12 @@ class ShardGrammars:
         keys = [s if s in cons else None for s in seqs]
         return keys if any(k is not None for k in keys) else None
 
-    def mask(self, keys: list[int | None], errors: dict[int, str]) -> GrammarMask:
-        """The `constrain` step of sampling: masks the rows' scores, and records the rows left with no token."""
-        return GrammarMask(self._cons, keys, errors)
+    def mask(
+        self, keys: list[int | None], errors: dict[int, str], drafts: list[Pick | None] | None = None
+    ) -> GrammarMask:
+        """The `constrain` step of sampling: masks the rows' scores (a drafted row's picks after their drafts), and
+        records the rows left with no token."""
+        return GrammarMask(self._cons, keys, errors, drafts)
 
     def advance(self, keys: list[int | None], tokens: Sequence[int], errors: dict[int, str]) -> None:
         """The sampled tokens move the matchers on (and the next masks start filling on the worker)."""

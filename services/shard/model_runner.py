@@ -11,7 +11,6 @@ the architecture has one, else transformers' forward with it as the `paged` kwar
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,7 +18,6 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 from libs.protocol.messages import StepPlan, StepResult
-from libs.protocol.params import SamplingParams
 from libs.runtime import model_store
 from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch, allocate_pages
 from services.shard.constraints import ShardGrammars
@@ -30,66 +28,7 @@ from services.shard.prompt_logprobs import chunk_logprobs
 from services.shard.quant_linear import from_pretrained as quantized_from_pretrained
 from services.shard.sampling import Choice, choose, samples
 from services.shard.speculative import PickGenerators, accept, expand_picks, kept_positions, select
-
-
-class _History:
-    """A sequence's fed token ids, in a buffer that doubles (amortised O(1) appends, one contiguous view)."""
-
-    def __init__(self) -> None:
-        self._buf = np.zeros(64, dtype=np.int64)
-        self._n = 0
-
-    def extend(self, tokens: np.ndarray) -> None:
-        need = self._n + len(tokens)
-        if need > len(self._buf):
-            self._buf = np.resize(self._buf, max(need, 2 * len(self._buf)))
-        self._buf[self._n : need] = tokens
-        self._n = need
-
-    def view(self) -> np.ndarray:
-        return self._buf[: self._n]
-
-    def drop(self, n: int) -> None:
-        """Forget the last `n` tokens (drafts that were rejected)."""
-        self._n -= n
-
-
-@dataclass
-class _Sequence:
-    sampling: SamplingParams
-    generator: torch.Generator
-    blocks: list[int] = field(default_factory=list)
-    # every fed token (prompt chunks, then each decode's fed token), only for penalties and the watermark
-    history: _History | None = None
-    prefilling: bool = True  # until its first sampled row: only prefill rows report prompt logprobs
-    # prompt logprobs: the log-softmax at the previous chunk's last position (scores this chunk's first token)
-    carried: torch.Tensor | None = None
-    adapter: str | None = None  # the LoRA adapter its rows run with (None: the base model)
-
-
-@dataclass
-class _Batch:
-    """One plan's rows laid out for a packed forward (what `_prepare` builds for forward, sample and pack)."""
-
-    seqs: np.ndarray  # per row: sequence handle
-    states: list[_Sequence]  # per row
-    cu: np.ndarray  # row bounds in the packed tokens: row i is [cu[i], cu[i + 1])
-    sample_rows: np.ndarray  # per row: whether it yields a token (bool)
-    drafts: np.ndarray | None  # per row: how many of its fed tokens are drafts (None: no row has any)
-    draw_positions: np.ndarray  # per pick (one per sampled row, 1 + drafts with drafts): the position it draws
-    fed_ids: np.ndarray  # the fed token ids of all rows, concatenated
-    input_ids: torch.Tensor  # the same, on the device
-    position_ids: torch.Tensor
-    paged: PagedBatch
-    keep: torch.Tensor  # positions that reach the LM head
-    prompt_rows: list[int]  # rows that report prompt logprobs
-    prompt_at: list[int]  # where each prompt row's run of logits starts among the kept ones
-    sample_at: np.ndarray  # where each sampled row's logits are among the kept ones
-    keys: list[int | None] | None = None  # per pick: its handle when it has a grammar (None: no row has)
-    pick_states: list[_Sequence] | None = None  # per pick, with drafts (None: one pick per sampled row)
-
-    def sampled_states(self) -> list[_Sequence]:
-        return self.states if self.sample_rows.all() else [st for st, s in zip(self.states, self.sample_rows) if s]
+from services.shard.step_batch import Batch, History, SequenceState
 
 
 class ModelRunner:
@@ -149,7 +88,7 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (self.num_kv_heads, num_blocks, block_size, self.head_dim)
         self.kv_cache, self.kv_flat = allocate_pages(self.num_layers, shape, dtype, self.device)
-        self.seqs: dict[int, _Sequence] = {}
+        self.seqs: dict[int, SequenceState] = {}
         self._pick_pool = PickGenerators(self.device)
         self.grammars = ShardGrammars(model_dir, model_store.model_info(model_dir)["eos_token_ids"], grammar)
 
@@ -168,13 +107,13 @@ class ModelRunner:
             gen.manual_seed(int(new.sampling.seed))
             history = None
             if new.sampling.keeps_history():
-                history = _History()
+                history = History()
                 # a prefix-cache hit (or a recompute after preemption) starts past tokens this shard never fed:
                 # the scheduler sends them so penalties and the watermark see the whole sequence
                 history.extend(np.asarray(new.prefix_ids, dtype=np.int64))
             if new.adapter and new.adapter not in self.lora.adapters:
                 raise ValueError(f"plan asks for LoRA adapter {new.adapter!r}, which this shard has not loaded")
-            self.seqs[new.seq] = _Sequence(new.sampling, gen, history=history, adapter=new.adapter)
+            self.seqs[new.seq] = SequenceState(new.sampling, gen, history=history, adapter=new.adapter)
         for new in plan.new:
             if new.grammar:  # its matcher, with the tokens it generated already replayed (a recompute)
                 self.grammars.open(new.seq, new.grammar, new.grammar_ids)
@@ -202,7 +141,7 @@ class ModelRunner:
         self.seqs.clear()
         self.grammars.clear()
 
-    def _seq(self, seq: int) -> _Sequence:
+    def _seq(self, seq: int) -> SequenceState:
         try:
             return self.seqs[seq]
         except KeyError:
@@ -219,7 +158,7 @@ class ModelRunner:
         choice = self._sample(batch, logits, result)
         self._pack(batch, choice, result)
 
-    def _prepare(self, plan: StepPlan) -> _Batch:
+    def _prepare(self, plan: StepPlan) -> Batch:
         """Check the plan's rows against what we hold; lay them out as one packed batch: positions, slots, tables."""
         seqs = np.asarray(plan.seqs, dtype=np.int64)
         num_tokens = np.asarray(plan.num_tokens, dtype=np.int64)
@@ -275,7 +214,7 @@ class ModelRunner:
             draw_positions = np.repeat(draw_positions - picks, picks) + _ranks(picks) + 1
         if any(st.adapter for st in states):  # rows grouped by adapter once per step; base-only steps skip this
             self.lora.set_step([st.adapter for st in states], num_tokens)
-        return _Batch(
+        return Batch(
             seqs=seqs,
             states=states,
             cu=cu,
@@ -292,7 +231,7 @@ class ModelRunner:
             sample_at=sample_at,
         )
 
-    def _forward(self, batch: _Batch) -> torch.Tensor:
+    def _forward(self, batch: Batch) -> torch.Tensor:
         """One forward over every row; the logits of the kept positions only, [kept, vocab]."""
         if self.lean is not None:
             return self.lean.forward(batch.input_ids, batch.position_ids, batch.keep, batch.paged)
@@ -301,7 +240,7 @@ class ModelRunner:
             input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, paged=batch.paged
         ).logits[0]
 
-    def _sample(self, batch: _Batch, logits: torch.Tensor, result: StepResult) -> Choice:
+    def _sample(self, batch: Batch, logits: torch.Tensor, result: StepResult) -> Choice:
         """Prompt logprobs of the prompt rows (into `result`), then one token per sampled row."""
         cu, states = batch.cu, batch.states
         for i, st in enumerate(states):  # the fed tokens join the history before the choice that reads it
@@ -316,8 +255,8 @@ class ModelRunner:
         # rows with a grammar are masked after the processors, before the warpers (TGI's order)
         batch.keys = self.grammars.keys(batch.seqs[batch.sample_rows].tolist())
         if batch.drafts is not None:  # a pick per position of each drafted row
-            picks = (1 + batch.drafts[batch.sample_rows]).tolist()
-            sampled, generators, histories, batch.keys = expand_picks(sampled, picks, batch.keys, self._pick_pool)
+            picked = expand_picks(sampled, batch.drafted(), batch.keys, self._pick_pool)
+            sampled, generators, histories, batch.keys, batch.chains = picked
         # Each draw is seeded by the request's seed and the position of the token it draws: a sequence preempted
         # and recomputed, or replayed on a restarted shard, or verifying drafts, draws the same tokens again.
         for st, gen, position in zip(sampled, generators, batch.draw_positions.tolist()):
@@ -331,18 +270,16 @@ class ModelRunner:
             histories,
             watermark_gamma=self.watermark_gamma,
             watermark_delta=self.watermark_delta,
-            constrain=None if batch.keys is None else self.grammars.mask(batch.keys, errors),
+            constrain=None if batch.keys is None else self.grammars.mask(batch.keys, errors, batch.chains),
         )
 
-    def _pack(self, batch: _Batch, choice: Choice, result: StepResult) -> None:
+    def _pack(self, batch: Batch, choice: Choice, result: StepResult) -> None:
         """The sampled tokens into the result's frames (drafted rows: the accepted ones); a sampled row ends its
         sequence's prompt."""
         result.seqs = batch.seqs[batch.sample_rows].astype(np.int32)
         if batch.drafts is not None:  # keep each drafted row's accepted picks
             drafts = batch.drafts[batch.sample_rows]
-            ends = batch.cu[1:][batch.sample_rows]
-            drafted = [batch.fed_ids[end - d : end] for end, d in zip(ends.tolist(), drafts.tolist())]
-            keep, result.token_counts = accept(choice.token_ids.cpu().numpy(), drafted)
+            keep, result.token_counts = accept(choice.token_ids.cpu().numpy(), batch.drafted())
             choice = select(choice, keep)
             if batch.keys is not None:
                 batch.keys = [k for k, kept in zip(batch.keys, keep.tolist()) if kept]
@@ -360,7 +297,7 @@ class ModelRunner:
             result.top_ids = choice.top_ids.cpu().numpy().astype(np.int32)
             result.top_logprobs = choice.top_logprobs.cpu().numpy().astype(np.float32)
 
-    def _prompt_logprobs(self, batch: _Batch, logits: torch.Tensor, result: StepResult) -> None:
+    def _prompt_logprobs(self, batch: Batch, logits: torch.Tensor, result: StepResult) -> None:
         """Fill the result's prompt logprobs: one run per prompt row, in row order."""
         cu, runs = batch.cu, []
         for i, at in zip(batch.prompt_rows, batch.prompt_at):

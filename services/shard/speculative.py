@@ -62,15 +62,15 @@ class PickGenerators:
         return self._pool[i]
 
 
-def expand_picks(states: list, picks: list[int], keys: list | None, pool: PickGenerators):
-    """Per pick: (its row's state, a generator, its history, its grammar key) from per-sampled-row lists.
+def expand_picks(states: list, drafted: list[np.ndarray], keys: list | None, pool: PickGenerators):
+    """Per pick: (its row's state, a generator, its history, its grammar key, its grammar chain) from per-sampled-row
+    lists (`drafted`: each row's drafts).
 
     A pick sees the history up to its position (the drafts before it, not the ones after). A drafted row's
-    picks each get a generator of their own; an undrafted row keeps its own. Grammar rows are never drafted
-    (the scheduler's drafter skips them: a seam until drafts are checked against the grammar).
+    picks each get a generator of their own; an undrafted row keeps its own. A grammar row's pick j is masked by
+    the grammar after the row's first j drafts: its chain is (the row's drafts, j) (None: an undrafted row).
     """
-    if keys is not None and any(k is not None and n > 1 for k, n in zip(keys, picks)):
-        raise ValueError("plan drafts tokens for a grammar-constrained row")
+    picks = [1 + len(d) for d in drafted]
     out_states, generators, histories = [], [], []
     for st, n in zip(states, picks):
         view = None if st.history is None else st.history.view()
@@ -78,9 +78,11 @@ def expand_picks(states: list, picks: list[int], keys: list | None, pool: PickGe
             out_states.append(st)
             generators.append(st.generator if n == 1 else pool.get(len(generators)))
             histories.append(None if view is None else view[: len(view) - n + 1 + j])
+    chains = None
     if keys is not None:
+        chains = [None if n == 1 else (d.tolist(), j) for d, n in zip(drafted, picks) for j in range(n)]
         keys = [k for k, n in zip(keys, picks) for _ in range(n)]
-    return out_states, generators, histories, keys
+    return out_states, generators, histories, keys, chains
 
 
 def accept(picks: np.ndarray, drafted: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

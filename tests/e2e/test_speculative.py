@@ -169,3 +169,27 @@ def test_a_quoted_document_is_copied_and_most_drafts_are_accepted(server, folder
         assert time.monotonic() < deadline
     drafted, accepted = (a - b for a, b in zip(stable(server, *names), before))
     assert accepted >= 0.5 * drafted > 0, (drafted, accepted)
+
+
+def test_a_constrained_copy_drafts_and_equals_generate(server, folder):
+    """A grammar row drafts like any other: the quoted document under a regex that allows it (and anything else),
+    so the answer is the model's own greedy one, with drafts accepted for it."""
+    from launcher.bench.speculative import document
+
+    names = ("switchyard_speculative_draft_tokens_total", "switchyard_speculative_accepted_tokens_total")
+    messages = [{"role": "user", "content": f"Say exactly this and nothing else: {document(1)}"}]
+    text = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    before = stable(server, *names)
+    rows_before = counter(server, "switchyard_constrained_rows_sum")
+    grammar = {"type": "regex", "value": r"[\s\S]{1,2000}"}
+    out = generate(server, text, details=True, max_new_tokens=64, grammar=grammar)
+    assert [t["id"] for t in out["details"]["tokens"]] == reference_generate(folder, ids, 64)
+    deadline = time.monotonic() + 60
+    while stable(server, *names)[1] == before[1]:  # this request's heartbeat has not come yet
+        assert time.monotonic() < deadline
+    drafted, accepted = (a - b for a, b in zip(stable(server, *names), before))
+    assert accepted >= 0.5 * drafted > 0, (drafted, accepted)
+    assert counter(server, "switchyard_constrained_rows_sum") > rows_before  # it really ran under its grammar

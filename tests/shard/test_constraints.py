@@ -357,3 +357,35 @@ def test_set_fill_switches_where_the_masks_are_filled(tok_path):
         assert c._ahead is not None
     finally:
         c.close()
+
+
+def test_a_drafted_rows_masks_follow_its_drafts_and_leave_the_matcher_where_it_was(cons):
+    """Speculative decoding: pick j of a drafted row is masked by the grammar after its first j drafts (one
+    llguidance call for the chain); a draft the grammar refuses ends the chain (the picks after it get the last
+    mask, not an empty one, which would report an error); the matcher is rolled back to where it was."""
+    g = grammar({"type": "json", "value": SCHEMAS["nested"]})
+    cons.open("run", g)
+    tokens = generate(cons, ["run"], seed=5)["run"]
+    start = 3
+    cons.open("step", g, replay=tokens[:start])
+    one_by_one = []
+    for t in tokens[start : start + 5]:
+        one_by_one.append(cons.masks(["step"])[0])
+        cons.advance(["step"], [t])
+    one_by_one.append(cons.masks(["step"])[0])
+    cons.open("d", g, replay=tokens[:start])
+    before = cons.masks(["d"])
+    drafts = tokens[start : start + 5]
+    chain = cons.masks(["d"] * 6, [(drafts, j) for j in range(6)])
+    assert (chain == np.stack(one_by_one)).all()
+    assert (cons.masks(["d"]) == before).all()  # rolled back
+    refused = [drafts[0], EOS, drafts[1]]  # EOS is not allowed mid-object
+    chain = cons.masks(["d"] * 4, [(refused, j) for j in range(4)])
+    assert (chain[:2] == np.stack(one_by_one[:2])).all()
+    assert (chain[2] == chain[1]).all() and (chain[3] == chain[1]).all()
+    logits = torch.zeros(5, cons.tokenizer.vocab_size)  # through apply, a plain row beside the drafted one
+    assert cons.apply(logits, ["d", "d", "d", "d", None], drafts=[(refused, j) for j in range(4)] + [None]) == []
+    assert torch.isfinite(logits[4]).all() and not torch.isfinite(logits[0]).all()
+    assert cons.stats["draft_rows"] >= 5 + 3 + 3
+    for k in ("run", "step", "d"):
+        cons.discard(k)

@@ -8,11 +8,15 @@ must drop rejected drafts) must yield the same tokens, logprobs and alternatives
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from libs.protocol import codec
 from libs.protocol.messages import NewSequence, StepPlan
@@ -22,6 +26,7 @@ from services.scheduler.speculative import MAX_MATCH, Drafter
 from services.shard.model_runner import ModelRunner
 from services.shard.sampling import Choice
 from services.shard.speculative import accept, kept_positions, select
+from services.tokenizer.grammar import grammar_text
 from tests.reference import reference_generate
 from tests.shard.driver import prompts_for
 from tests.shard.test_engine_loop import request, serve
@@ -30,9 +35,9 @@ from tests.tiny_models import EOS
 DraftFn = Callable[[int, list[int]], list[int]]  # (seq, its output so far) → drafts
 
 
-def drive_drafted(runner: ModelRunner, prompts, max_new, sampling, drafter: DraftFn | None):
-    """Every sequence joins at step 1; decode rows carry the drafter's tokens. Returns per seq its tokens, logprobs,
-    alternatives, and the (drafted, accepted) totals."""
+def drive_drafted(runner: ModelRunner, prompts, max_new, sampling, drafter: DraftFn | None, grammars=None):
+    """Every sequence joins at step 1 (with its grammar, if `grammars` gives one); decode rows carry the drafter's
+    tokens. Returns per seq its tokens, logprobs, alternatives, and the (drafted, accepted) totals."""
     bs = runner.block_size
     free = list(range(runner.num_blocks))[::-1]
     out = {i: [] for i in range(len(prompts))}
@@ -42,7 +47,7 @@ def drive_drafted(runner: ModelRunner, prompts, max_new, sampling, drafter: Draf
     owned = {i: [] for i in out}
     drafted = accepted = 0
     step, finished = 0, []
-    new = [NewSequence(i, sampling[i]) for i in out]
+    new = [NewSequence(i, sampling[i], grammar=(grammars or {}).get(i, "")) for i in out]
     while ctx:
         step += 1
         rows, blocks = [], {}
@@ -127,6 +132,33 @@ def test_greedy_with_drafts_matches_generate(tiny_dirs, arch):
     got, _, _, (drafted, accepted) = drive_drafted(runner, prompts, max_new, greedy, answer_drafter(want, 4))
     assert got == want
     assert 0 < accepted < drafted  # both paths ran
+
+
+def test_constrained_rows_with_drafts_equal_their_undrafted_answers(tiny_dirs):
+    """Grammar rows verify drafts too: each pick is masked by the grammar after the drafts before it, so greedy and
+    seeded answers are the same with drafts (right and spoiled ones) as without, and every one is valid."""
+    model_dir = tiny_dirs["qwen2"]
+    prompts = prompts_for(model_dir)[1:5]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 12}}}
+    grammars = {
+        0: grammar_text({"type": "json", "value": schema})[1],
+        1: grammar_text({"type": "regex", "value": r"[a-z]{3,9}( [a-z]{2,9}){2,6}\."})[1],
+        2: grammar_text({"type": "json", "value": schema})[1],
+    }  # row 3 unconstrained
+    params = [SamplingParams(), SamplingParams(), SamplingParams(do_sample=True, seed=5), SamplingParams()]
+    runner = ModelRunner(str(model_dir), num_blocks=96, block_size=4)
+    plain, plain_lps, _, _ = drive_drafted(runner, prompts, 40, params, None, grammars)
+    before = runner.grammars.constraints.stats["draft_rows"]
+    got, lps, _, (drafted, accepted) = drive_drafted(runner, prompts, 40, params, answer_drafter(plain, 4), grammars)
+    assert got == plain
+    np.testing.assert_allclose(np.concatenate(list(lps.values())), np.concatenate(list(plain_lps.values())), atol=1e-5)
+    assert 0 < accepted < drafted
+    assert runner.grammars.constraints.stats["draft_rows"] > before  # the grammar rows' picks were masked per draft
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    for i in (0, 2):
+        assert got[i][-1] == EOS
+        jsonschema.validate(json.loads(tok.decode(got[i][:-1])), schema)
+    assert re.fullmatch(r"[a-z]{3,9}( [a-z]{2,9}){2,6}\.", tok.decode(got[1][:-1]))
 
 
 def test_seeded_sampling_is_the_same_with_and_without_drafts(tiny_dirs):
