@@ -6,7 +6,9 @@ its chat template copies well), greedy, every request streamed (TGI's /generate_
   input-copying case prompt lookup is for. (Asked to repeat a small Python module, the default model rewrites it
   instead: its answers were no copies, and most drafts from the prompt were rejected; a list it quotes.);
 - free: "Write a short story about …" (free writing: few drafts match, and the rule in
-  services/scheduler/speculative.py must turn drafting down so that it costs nothing).
+  services/scheduler/speculative.py must turn drafting down so that it costs nothing);
+- json: the copy's documents to be written out as JSON under a JSON schema (`parameters.grammar`): structured
+  extraction, where the titles are copied from the prompt and every pick is masked by the grammar after its drafts.
 Both servers are up at once and run both workloads at each `--spec-concurrency`: an unmeasured wave each, then
 `--spec-waves` turns each of 3 × c requests with c clients (closed loop), the servers taking turns once the host is
 idle, reading the scheduler's draft/accepted counters before and after each level. Requests end at the model's EOS
@@ -35,6 +37,39 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "a city under the sea", "an old
           "a mountain village"]  # fmt: skip
 
 
+# the json workload's grammar: the document's rows as objects (titles copied from the prompt, page counts)
+EXTRACT = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"title": {"type": "string"}, "pages": {"type": "integer"}},
+                "required": ["title", "pages"],
+            },
+            "maxItems": 8,
+        }
+    },
+    "required": ["items"],
+}
+GRAMMARS = {"json": {"type": "json", "value": EXTRACT}}
+
+
+class _Dialect(loadgen.Dialect):
+    """TGI's /generate_stream, with the workload's grammar when it has one."""
+
+    def __init__(self, workload: str) -> None:
+        super().__init__("tgi")
+        self.grammar = GRAMMARS.get(workload)
+
+    def request(self, job: loadgen.Job) -> tuple[str, dict]:
+        path, body = super().request(job)
+        if self.grammar is not None:
+            body["parameters"]["grammar"] = self.grammar
+        return path, body
+
+
 def add_arguments(p) -> None:
     p.add_argument("--spec-model", default="default", help="speculative workload: `default` (the default model) "
                    "or a local folder (a chat model: the prompts go through its chat template)")  # fmt: skip
@@ -43,7 +78,8 @@ def add_arguments(p) -> None:
     p.add_argument("--spec-waves", type=int, default=2,
                    help="speculative workload: turns per server and level (3 × c requests each)")  # fmt: skip
     p.add_argument("--spec-max-new", type=int, default=160, help="speculative workload: max_new_tokens per request")
-    p.add_argument("--spec-workloads", default="copy,free", help="speculative workload: copy, free or both")
+    p.add_argument("--spec-workloads", default="copy,free",
+                   help="speculative workload: copy, free and/or json (comma list)")  # fmt: skip
 
 
 def _say(msg: str) -> None:
@@ -62,8 +98,11 @@ def prompts(model_dir: Path, workload: str, count: int, max_new: int) -> list[lo
     tok = AutoTokenizer.from_pretrained(model_dir)
     jobs = []
     for i in range(count):
-        ask = (f"Say exactly this and nothing else: {document(i)}" if workload == "copy"
-               else f"Write a short story about {TOPICS[i % len(TOPICS)]}.")  # fmt: skip
+        ask = {
+            "copy": f"Say exactly this and nothing else: {document(i)}",
+            "free": f"Write a short story about {TOPICS[i % len(TOPICS)]}.",
+            "json": f"Write this list as JSON, each row an item with its title and pages:\n{document(i)}",
+        }[workload]
         text = tok.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True, tokenize=False)
         jobs.append(loadgen.Job(text, len(tok(text, add_special_tokens=False).input_ids), max_new))
     return jobs
@@ -79,8 +118,9 @@ def counters(url: str) -> dict[str, float]:
     return {k: m.get(f"switchyard_speculative_{k}_tokens_total", 0.0) for k in ("draft", "accepted")}
 
 
-def _generate(url: str, prompt: str, max_new: int) -> str:
-    body = json.dumps({"inputs": prompt, "parameters": {"max_new_tokens": max_new}}).encode()
+def _generate(url: str, prompt: str, max_new: int, grammar: dict | None = None) -> str:
+    params = {"max_new_tokens": max_new, **({"grammar": grammar} if grammar else {})}
+    body = json.dumps({"inputs": prompt, "parameters": params}).encode()
     req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())["generated_text"]
@@ -101,12 +141,11 @@ def steady(samples: list, started: float) -> tuple[float, float]:
     return tokens, last - started
 
 
-async def _alternate(servers_: list, todo: list, c: int, turns: int) -> list[dict]:
+async def _alternate(servers_: list, todo: list, c: int, turns: int, dialect: loadgen.Dialect) -> list[dict]:
     """One level on every server: `turns` turns each of TURN × c requests with c clients, the servers taking turns
     (the order flipped each round) once the host is idle, so that the host's drift over the minutes of a level hits
     both alike (measured: this machine's speed wanders 10 % and more within an hour, and round 6's ratios carried
     ±10 % when the servers ran one after the other)."""
-    dialect = loadgen.Dialect("tgi")
     for srv in servers_:  # unmeasured: first-call costs out
         await loadgen.drive(srv.url, dialect, todo[:c], c)
     await loadgen.settle()
@@ -148,7 +187,7 @@ def _serve(model_dir: Path, out: Path, args, jobs: dict[str, list], checks: list
             srv.wait_healthy(900)
         for workload, todo in jobs.items():
             for c in args.levels:
-                level = asyncio.run(_alternate(running, todo, c, args.spec_waves))
+                level = asyncio.run(_alternate(running, todo, c, args.spec_waves, _Dialect(workload)))
                 for row, r in zip(rows, level):
                     if r["errors"]:
                         raise RuntimeError(f"speculate {row['speculate']} {workload} c={c}: {r['errors']} failed: "
@@ -160,7 +199,7 @@ def _serve(model_dir: Path, out: Path, args, jobs: dict[str, list], checks: list
                          f"ITL p50 {r['itl_p50_ms'] or 0:6.1f} ms  drafted {r['drafted']:.0f} "
                          f"accepted {r['accepted']:.0f}")  # fmt: skip
         for row, srv in zip(rows, running):
-            row["answers"] = [_generate(srv.url, j.prompt, j.max_new_tokens) for j in checks]
+            row["answers"] = [_generate(srv.url, j.prompt, j.max_new_tokens, GRAMMARS.get(w)) for w, j in checks]
     return rows
 
 
@@ -215,10 +254,10 @@ def run(args, out: Path) -> int:
     args.levels = [int(c) for c in args.spec_concurrency.split(",") if c.strip()]
     most = (TURN * args.spec_waves + 1) * max(args.levels)
     workloads = [w.strip() for w in args.spec_workloads.split(",") if w.strip()]
-    if set(workloads) - {"copy", "free"} or args.spec_n < 1:
-        raise SystemExit("error: --spec-workloads takes copy and/or free; --spec-n must be at least 1")
+    if set(workloads) - {"copy", "free", "json"} or args.spec_n < 1:
+        raise SystemExit("error: --spec-workloads takes copy, free and/or json; --spec-n must be at least 1")
     jobs = {w: prompts(model_dir, w, most, args.spec_max_new) for w in workloads}
-    checks = [j for w in workloads for j in jobs[w][:2]]
+    checks = [(w, j) for w in workloads for j in jobs[w][:2]]
     results = {"title": f"{model_dir.name}: --speculate 0 vs {args.spec_n}, greedy, up to {args.spec_max_new} new "
                f"tokens, dtype {args.spec_dtype}", "cpu": cpu.describe(), "command": " ".join(sys.argv),
                "n": args.spec_n, "load_avg_start": os.getloadavg(), "rows": [], "failed": {},
