@@ -1,6 +1,7 @@
 """A pre-quantized checkpoint served end to end: a GPTQ (desc_act) build of the tiny Qwen2 model, its method read
 from config.json, answers concurrent requests with the prompt log-probs and greedy tokens of transformers on its
-dense float32 twin; a --quantize that contradicts the checkpoint stops the launcher with TGI's message."""
+dense float32 twin, and rows of a LoRA adapter over it with peft's on the twin; a --quantize that contradicts the
+checkpoint stops the launcher with TGI's message."""
 
 from __future__ import annotations
 
@@ -32,19 +33,42 @@ def gptq_dirs(tiny_model_dir, tmp_path_factory):
     return out / "quant", out / "twin"
 
 
-def test_a_gptq_checkpoint_is_served_like_its_twin(gptq_dirs, tmp_path):
+def _adapter_reference(twin, adapter, prompts: list[str], max_new: int) -> list[list[int]]:
+    """peft's greedy new tokens over the dense twin with the adapter active (float32, eager attention)."""
+    peft = pytest.importorskip("peft")
+    from tests.shard.test_lora import _base
+
+    tok = AutoTokenizer.from_pretrained(twin)
+    model = peft.PeftModel.from_pretrained(_base(twin), adapter).eval()
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([tok(prompt).input_ids])
+        with torch.inference_mode():
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new)
+        out.append(gen[0, ids.shape[1] :].tolist())
+    return out
+
+
+def test_a_gptq_checkpoint_is_served_like_its_twin_with_and_without_an_adapter(gptq_dirs, tmp_path):
+    """Base rows and rows of a LoRA adapter (built with peft on the twin) over the quantized linears, in one batch."""
+    from tests.shard.test_lora import _build_adapter
+
     quant, twin = gptq_dirs
-    server = Server(quant, tmp_path / "server.log", "--max-total-tokens", "256")
+    adapter = _build_adapter(twin, tmp_path / "adapter", seed=3, r=8, lora_alpha=16, target_modules="all-linear")
+    flags = ("--max-total-tokens", "256", "--lora-adapters", f"ad={adapter}")
+    server = Server(quant, tmp_path / "server.log", *flags)
     try:
         server.wait_healthy()
         assert requests.get(server.url + "/info").json()["quantization"] == "gptq"
 
-        def ask(prompt):
-            body = {"inputs": prompt, "parameters": {"max_new_tokens": 8, "decoder_input_details": True}}
-            return requests.post(server.url + "/generate", json=body, timeout=120).json()
+        def ask(case):
+            prompt, adapter_id = case
+            params = {"max_new_tokens": 8, "decoder_input_details": True, "adapter_id": adapter_id}
+            return requests.post(server.url + "/generate", json={"inputs": prompt, "parameters": params}, timeout=120)
 
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # one mixed batch of prefills and decodes
-            answers = list(pool.map(ask, PROMPTS))
+        cases = [(p, None) for p in PROMPTS] + [(p, "ad") for p in PROMPTS[:2]]
+        with ThreadPoolExecutor(len(cases)) as pool:  # one mixed batch of prefills and decodes, base and adapter
+            answers = [r.json() for r in pool.map(ask, cases)]
     finally:
         server.stop()
     tok, model = AutoTokenizer.from_pretrained(twin), _load(str(twin))
@@ -56,6 +80,10 @@ def test_a_gptq_checkpoint_is_served_like_its_twin(gptq_dirs, tmp_path):
             want = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
         got = [t["logprob"] for t in details["prefill"][1:]]
         assert got == pytest.approx([want[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=TOL)
+    want = _adapter_reference(twin, adapter, PROMPTS[:2], 8)
+    got = [[t["id"] for t in a["details"]["tokens"]] for a in answers[len(PROMPTS) :]]
+    assert got == [w[: len(g)] for w, g in zip(want, got)]
+    assert got != [[t["id"] for t in a["details"]["tokens"]] for a in answers[:2]]  # the adapter changed them
 
 
 def test_a_mismatched_quantize_stops_the_launcher(gptq_dirs):
