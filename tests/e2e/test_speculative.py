@@ -185,8 +185,8 @@ def test_a_constrained_copy_drafts_and_equals_generate(server, folder):
     before = stable(server, *names)
     rows_before = counter(server, "switchyard_constrained_rows_sum")
     grammar = {"type": "regex", "value": r"[\s\S]{1,2000}"}
-    out = generate(server, text, details=True, max_new_tokens=64, grammar=grammar)
-    assert [t["id"] for t in out["details"]["tokens"]] == reference_generate(folder, ids, 64)
+    out = generate(server, text, details=True, max_new_tokens=32, grammar=grammar)
+    assert [t["id"] for t in out["details"]["tokens"]] == reference_generate(folder, ids, 32)
     deadline = time.monotonic() + 60
     while stable(server, *names)[1] == before[1]:  # this request's heartbeat has not come yet
         assert time.monotonic() < deadline
