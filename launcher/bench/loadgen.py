@@ -111,14 +111,17 @@ def summarize(samples: list[Sample], started: float, ended: float) -> dict:
 class Dialect:
     """How to ask one server for a streamed generation and read its events."""
 
-    def __init__(self, kind: str, model: str = "bench"):
-        if kind not in ("tgi", "openai"):
+    def __init__(self, kind: str, model: str = "bench", grammar: dict | None = None):
+        """`grammar`: TGI's `parameters.grammar` for every request (tgi only; None: unconstrained)."""
+        if kind not in ("tgi", "openai") or (grammar is not None and kind != "tgi"):
             raise ValueError(kind)
-        self.kind, self.model = kind, model
+        self.kind, self.model, self.grammar = kind, model, grammar
 
     def request(self, job: Job) -> tuple[str, dict]:
         if self.kind == "tgi":  # greedy ({} parameters), details for the server's own token count
             params = {"max_new_tokens": job.max_new_tokens, "details": True}
+            if self.grammar is not None:
+                params["grammar"] = self.grammar
             return "/generate_stream", {"inputs": job.prompt, "parameters": params}
         body = {
             "model": self.model,

@@ -56,18 +56,9 @@ EXTRACT = {
 GRAMMARS = {"json": {"type": "json", "value": EXTRACT}}
 
 
-class _Dialect(loadgen.Dialect):
+def dialect(workload: str) -> loadgen.Dialect:
     """TGI's /generate_stream, with the workload's grammar when it has one."""
-
-    def __init__(self, workload: str) -> None:
-        super().__init__("tgi")
-        self.grammar = GRAMMARS.get(workload)
-
-    def request(self, job: loadgen.Job) -> tuple[str, dict]:
-        path, body = super().request(job)
-        if self.grammar is not None:
-            body["parameters"]["grammar"] = self.grammar
-        return path, body
+    return loadgen.Dialect("tgi", grammar=GRAMMARS.get(workload))
 
 
 def add_arguments(p) -> None:
@@ -187,7 +178,7 @@ def _serve(model_dir: Path, out: Path, args, jobs: dict[str, list], checks: list
             srv.wait_healthy(900)
         for workload, todo in jobs.items():
             for c in args.levels:
-                level = asyncio.run(_alternate(running, todo, c, args.spec_waves, _Dialect(workload)))
+                level = asyncio.run(_alternate(running, todo, c, args.spec_waves, dialect(workload)))
                 for row, r in zip(rows, level):
                     if r["errors"]:
                         raise RuntimeError(f"speculate {row['speculate']} {workload} c={c}: {r['errors']} failed: "

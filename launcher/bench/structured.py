@@ -66,14 +66,7 @@ class _GrammarDialect(loadgen.Dialect):
     """TGI's /generate_stream with `parameters.grammar` (None: unconstrained); keeps each answer's text."""
 
     def __init__(self, grammar: dict | None):
-        super().__init__("tgi")
-        self.grammar = grammar
-
-    def request(self, job: loadgen.Job) -> tuple[str, dict]:
-        path, body = super().request(job)
-        if self.grammar is not None:
-            body["parameters"]["grammar"] = self.grammar
-        return path, body
+        super().__init__("tgi", grammar=grammar)
 
     def read(self, event: dict, sample: loadgen.Sample, now: float) -> None:
         super().read(event, sample, now)

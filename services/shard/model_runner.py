@@ -20,13 +20,13 @@ from transformers.distributed import DistributedConfig
 from libs.protocol.messages import StepPlan, StepResult
 from libs.runtime import model_store
 from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch, allocate_pages
-from services.shard.constraints import ShardGrammars
 from services.shard.cpu_linear import use_onednn
 from services.shard.lean_forward import build as build_lean
 from services.shard.lora import LoraRegistry
 from services.shard.prompt_logprobs import chunk_logprobs
 from services.shard.quant_linear import from_pretrained as quantized_from_pretrained
 from services.shard.sampling import Choice, choose, samples
+from services.shard.shard_grammars import ShardGrammars
 from services.shard.speculative import PickGenerators, accept, expand_picks, kept_positions, select
 from services.shard.step_batch import Batch, History, SequenceState
 
@@ -255,7 +255,7 @@ class ModelRunner:
         # rows with a grammar are masked after the processors, before the warpers (TGI's order)
         batch.keys = self.grammars.keys(batch.seqs[batch.sample_rows].tolist())
         if batch.drafts is not None:  # a pick per position of each drafted row
-            picked = expand_picks(sampled, batch.drafted(), batch.keys, self._pick_pool)
+            picked = expand_picks(sampled, batch.drafted, batch.keys, self._pick_pool)
             sampled, generators, histories, batch.keys, batch.chains = picked
         # Each draw is seeded by the request's seed and the position of the token it draws: a sequence preempted
         # and recomputed, or replayed on a restarted shard, or verifying drafts, draws the same tokens again.
@@ -279,7 +279,7 @@ class ModelRunner:
         result.seqs = batch.seqs[batch.sample_rows].astype(np.int32)
         if batch.drafts is not None:  # keep each drafted row's accepted picks
             drafts = batch.drafts[batch.sample_rows]
-            keep, result.token_counts = accept(choice.token_ids.cpu().numpy(), batch.drafted())
+            keep, result.token_counts = accept(choice.token_ids.cpu().numpy(), batch.drafted)
             choice = select(choice, keep)
             if batch.keys is not None:
                 batch.keys = [k for k, kept in zip(batch.keys, keep.tolist()) if kept]

@@ -80,7 +80,8 @@ def expand_picks(states: list, drafted: list[np.ndarray], keys: list | None, poo
             histories.append(None if view is None else view[: len(view) - n + 1 + j])
     chains = None
     if keys is not None:
-        chains = [None if n == 1 else (d.tolist(), j) for d, n in zip(drafted, picks) for j in range(n)]
+        rows = [d.tolist() for d in drafted]
+        chains = [None if n == 1 else (d, j) for d, n in zip(rows, picks) for j in range(n)]
         keys = [k for k, n in zip(keys, picks) for _ in range(n)]
     return out_states, generators, histories, keys, chains
 

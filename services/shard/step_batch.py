@@ -4,6 +4,7 @@ packed forward (services/shard/model_runner.py builds them; sampling and verific
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -67,12 +68,12 @@ class Batch:
     sample_at: np.ndarray  # where each sampled row's logits are among the kept ones
     keys: list[int | None] | None = None  # per pick: its handle when it has a grammar (None: no row has)
     chains: list | None = None  # per pick of a drafted row with a grammar: (its row's drafts, j) (expand_picks)
-    pick_states: list[SequenceState] | None = None  # per pick, with drafts (None: one pick per sampled row)
 
     def sampled_states(self) -> list[SequenceState]:
         return self.states if self.sample_rows.all() else [st for st, s in zip(self.states, self.sample_rows) if s]
 
+    @cached_property
     def drafted(self) -> list[np.ndarray]:
-        """Per sampled row, the drafts it fed (after its last token)."""
+        """Per sampled row, the drafts it fed (after its last token); read by sampling and by acceptance."""
         ends, drafts = self.cu[1:][self.sample_rows].tolist(), self.drafts[self.sample_rows].tolist()
         return [self.fed_ids[end - d : end] for end, d in zip(ends, drafts)]

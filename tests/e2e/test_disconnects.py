@@ -152,7 +152,7 @@ def test_abort_before_placement_never_runs_to_the_end(tiny_server):
     after = settled(url)
     assert_no_ghosts(after)
     # none ran to its end: a cancel that landed with the request's Accepted was once swallowed (ingress.next_event)
-    finished = re.findall(r"^\S+ \w+ http\.\d+ .*Success: .*$", new_log(tiny_server, mark), re.M)
+    finished = logged_ids(new_log(tiny_server, mark), "http", "Success:")
     assert not finished, finished
     generated = after["generated"] - before["generated"]
     assert generated < n * 300 // 10, f"requests whose client left ran on: {generated} tokens"

@@ -148,48 +148,53 @@ def stable(server: Server, *names: str) -> tuple[float, ...]:
         time.sleep(1.2)
 
 
+DRAFT_COUNTERS = ("switchyard_speculative_draft_tokens_total", "switchyard_speculative_accepted_tokens_total")
+
+
+def quote_prompt(folder, i: int) -> tuple[str, list[int]]:
+    """The bench's copy request for document i (launcher/bench/speculative.py), as text and as ids."""
+    from launcher.bench.speculative import document
+
+    messages = [{"role": "user", "content": f"Say exactly this and nothing else: {document(i)}"}]
+    text = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    return text, Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+
+
+def drafts_since(server: Server, before: tuple[float, ...]) -> tuple[float, float]:
+    """(drafted, accepted) since `before`, once the heartbeat that carries the last request's drafts has come."""
+    deadline = time.monotonic() + 60
+    while stable(server, *DRAFT_COUNTERS)[1] == before[1]:  # that request's heartbeat has not come yet
+        assert time.monotonic() < deadline
+    drafted, accepted = (a - b for a, b in zip(stable(server, *DRAFT_COUNTERS), before))
+    return drafted, accepted
+
+
 def test_a_quoted_document_is_copied_and_most_drafts_are_accepted(server, folder):
     """The bench's copy workload (launcher/bench/speculative.py): the model quotes the document, so the drafts from
     the prompt are its own next tokens. (Asked to repeat a Python module instead, this model rewrote it: its answer
     was no copy and most drafts were rejected, which is what the bench's 1-stream "copy" figure measured.)"""
     from launcher.bench.speculative import document
 
-    names = ("switchyard_speculative_draft_tokens_total", "switchyard_speculative_accepted_tokens_total")
-    messages = [{"role": "user", "content": f"Say exactly this and nothing else: {document(2)}"}]
-    text = AutoTokenizer.from_pretrained(folder).apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False
-    )
-    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
-    before = stable(server, *names)
+    text, ids = quote_prompt(folder, 2)
+    before = stable(server, *DRAFT_COUNTERS)
     out = generate(server, text, details=True, max_new_tokens=96)
     assert [t["id"] for t in out["details"]["tokens"]] == reference_generate(folder, ids, 96)
     assert document(2) in out["generated_text"]
-    deadline = time.monotonic() + 60
-    while stable(server, *names)[1] == before[1]:  # this request's heartbeat has not come yet
-        assert time.monotonic() < deadline
-    drafted, accepted = (a - b for a, b in zip(stable(server, *names), before))
+    drafted, accepted = drafts_since(server, before)
     assert accepted >= 0.5 * drafted > 0, (drafted, accepted)
 
 
 def test_a_constrained_copy_drafts_and_equals_generate(server, folder):
     """A grammar row drafts like any other: the quoted document under a regex that allows it (and anything else),
     so the answer is the model's own greedy one, with drafts accepted for it."""
-    from launcher.bench.speculative import document
-
-    names = ("switchyard_speculative_draft_tokens_total", "switchyard_speculative_accepted_tokens_total")
-    messages = [{"role": "user", "content": f"Say exactly this and nothing else: {document(1)}"}]
-    text = AutoTokenizer.from_pretrained(folder).apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False
-    )
-    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
-    before = stable(server, *names)
+    text, ids = quote_prompt(folder, 1)
+    before = stable(server, *DRAFT_COUNTERS)
     rows_before = counter(server, "switchyard_constrained_rows_sum")
     grammar = {"type": "regex", "value": r"[\s\S]{1,2000}"}
     out = generate(server, text, details=True, max_new_tokens=32, grammar=grammar)
     assert [t["id"] for t in out["details"]["tokens"]] == reference_generate(folder, ids, 32)
-    deadline = time.monotonic() + 60
-    while stable(server, *names)[1] == before[1]:  # this request's heartbeat has not come yet
-        assert time.monotonic() < deadline
-    drafted, accepted = (a - b for a, b in zip(stable(server, *names), before))
+    drafted, accepted = drafts_since(server, before)
     assert accepted >= 0.5 * drafted > 0, (drafted, accepted)
     assert counter(server, "switchyard_constrained_rows_sum") > rows_before  # it really ran under its grammar

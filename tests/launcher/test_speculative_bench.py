@@ -18,11 +18,11 @@ def test_the_steady_rate_counts_tokens_until_the_last_request_was_sent():
 
 def test_the_json_workload_sends_its_grammar_and_the_others_none():
     from launcher.bench.loadgen import Job
-    from launcher.bench.speculative import EXTRACT, GRAMMARS, _Dialect
+    from launcher.bench.speculative import EXTRACT, GRAMMARS, dialect
     from services.tokenizer.grammar import grammar_text
 
     job = Job("Write this list as JSON", 5, 32)
-    path, body = _Dialect("json").request(job)
+    path, body = dialect("json").request(job)
     assert path == "/generate_stream" and body["parameters"]["grammar"] == {"type": "json", "value": EXTRACT}
-    assert all("grammar" not in _Dialect(w).request(job)[1]["parameters"] for w in ("copy", "free"))
+    assert all("grammar" not in dialect(w).request(job)[1]["parameters"] for w in ("copy", "free"))
     assert grammar_text(GRAMMARS["json"])[1]  # the tokenizer accepts it (it raises on a bad grammar)

@@ -9,7 +9,8 @@ import torch
 
 from libs.protocol.params import SamplingParams
 from services.shard import sampling
-from services.shard.constraints import Constraints, GrammarMask
+from services.shard.constraints import Constraints
+from services.shard.shard_grammars import GrammarMask
 from services.tokenizer.grammar import grammar_text
 from tests.tiny_models import EOS, build_tokenizer
 
