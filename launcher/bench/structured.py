@@ -126,7 +126,7 @@ def _level(url: str, kind: str, jobs: list[loadgen.Job], twins, streams: int, lo
     unconstrained one (`twins`: the Prompts that give the unconstrained side its own prompts), so that the host's
     drift over the level hits both sides alike (one constrained run then one unconstrained run of the whole level
     put minutes between them). `log`: the server's log, where the shard writes its grammar totals (those of a
-    run's last rows when the next run's first step drops them)."""
+    run's last rows when the next run's first step drops them: read once the paired unconstrained run is done)."""
     con, free = [], []
     walls = [0.0, 0.0]
     seen: list[dict] = [{}, {}]  # per side: the server's metrics deltas
@@ -140,7 +140,6 @@ def _level(url: str, kind: str, jobs: list[loadgen.Job], twins, streams: int, lo
         # every token of a constrained answer was sampled from a masked row, the first one in its prefill step
         expected = sum(s.tokens for s in got if s.error is None)
         m1 = settled(url, ROWS, at_least=m0.get(ROWS, 0.0) + expected)
-        _add(grammar, g0, grammar_totals(log))
         # an answer cut by max_new_tokens is a prefix, not a violation (a random-weight model may fill a schema's
         # free whitespace until the limit): those are counted apart; every answer the grammar ended must validate
         cut += [s for s in got if s.error is None and getattr(s, "finish", None) == "length"]
@@ -148,6 +147,9 @@ def _level(url: str, kind: str, jobs: list[loadgen.Job], twins, streams: int, lo
         invalid += [why for s in ended for why in [check(kind, getattr(s, "text", None))] if why]
         plain, u0, u1 = asyncio.run(loadgen.drive(url, _GrammarDialect(None), paired(part, got, twins), streams))
         m2 = settled(url, STEPS, at_least=m1.get(STEPS, 0.0) + max(s.tokens for s in plain))  # a step per token
+        # the shard writes the constrained run's last totals when its last rows are dropped, at the unconstrained
+        # run's first step: read after that run (which adds nothing to them), or the run's tail is never counted
+        _add(grammar, g0, grammar_totals(log))
         _add(seen[0], m0, m1)
         _add(seen[1], m1, m2)
         m0 = m2  # settled: the next round starts from it

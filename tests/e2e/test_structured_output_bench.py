@@ -25,6 +25,11 @@ def test_structured_bench_smoke(tmp_path):
         assert r["errors"] == 0 and r["valid"] + r["cut_by_length"] == r["requests"]
         assert r["constrained"]["output_tokens"] == r["unconstrained_tokens"]  # paired lengths
         assert r["constrained_rows"] >= r["constrained"]["output_tokens"] > 0
+        # the shard's grammar totals cover the whole run, its last rows too: a mask per constrained row (no
+        # drafts here), a matcher per request
+        g = r["server"]["constrained"]["grammar"]
+        assert g["ahead_rows"] + g["inline_rows"] == r["server"]["constrained"]["constrained_rows"], g
+        assert g["compiled"] + g["reused"] == r["requests"], g
     step = results["in_process"]
     assert step["batch"] == 2 and all(run["constrained"]["apply_ms_per_step"] > 0 for run in step["runs"])
     assert all(run["unconstrained"]["apply_ms_per_step"] == 0 for run in step["runs"])
