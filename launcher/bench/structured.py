@@ -132,10 +132,9 @@ def _level(url: str, kind: str, jobs: list[loadgen.Job], twins, streams: int, lo
     seen: list[dict] = [{}, {}]  # per side: the server's metrics deltas
     grammar: dict = {}
     cut, invalid = [], []
-    m0 = settled(url, ROWS)
+    m0, g0 = settled(url, ROWS), grammar_totals(log)
     for start in range(0, len(jobs), streams):
         part = jobs[start : start + streams]
-        g0 = grammar_totals(log)
         got, c0, c1 = asyncio.run(loadgen.drive(url, _GrammarDialect(KINDS[kind]), part, streams))
         # every token of a constrained answer was sampled from a masked row, the first one in its prefill step
         expected = sum(s.tokens for s in got if s.error is None)
@@ -149,10 +148,11 @@ def _level(url: str, kind: str, jobs: list[loadgen.Job], twins, streams: int, lo
         m2 = settled(url, STEPS, at_least=m1.get(STEPS, 0.0) + max(s.tokens for s in plain))  # a step per token
         # the shard writes the constrained run's last totals when its last rows are dropped, at the unconstrained
         # run's first step: read after that run (which adds nothing to them), or the run's tail is never counted
-        _add(grammar, g0, grammar_totals(log))
+        g1 = grammar_totals(log)
+        _add(grammar, g0, g1)
         _add(seen[0], m0, m1)
         _add(seen[1], m1, m2)
-        m0 = m2  # settled: the next round starts from it
+        m0, g0 = m2, g1  # settled: the next round starts from them
         con, free = con + got, free + plain
         walls[0] += c1 - c0
         walls[1] += u1 - u0
