@@ -271,7 +271,7 @@ def table(results: dict) -> str:
     lines += ["", "Server side per run (from /metrics; prefix-cache hits must be alike, or one side skipped prefills):",
               "", "| grammar | streams | steps free / constrained | tokens per step | shard step ms "
               "| prefix-cache hit tokens | grammar ms/step on path + beside | matchers compiled / copied "
-              "| masks ahead / inline |", "|---|---:|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| masks ahead / inline (of them remembered) |", "|---|---:|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results["levels"]:
         u, c = r["server"]["unconstrained"], r["server"]["constrained"]
         g = c.get("grammar", {})
@@ -282,7 +282,7 @@ def table(results: dict) -> str:
             f"| {u['prefix_hit_tokens']:.0f} / {c['prefix_hit_tokens']:.0f} "
             f"| {_f(g.get('path_ms_per_step'), 2)} + {_f(g.get('fill_ahead_ms_per_step'), 2)} "
             f"| {g.get('compiled', 0):.0f} / {g.get('reused', 0):.0f} "
-            f"| {g.get('ahead_rows', 0):.0f} / {g.get('inline_rows', 0):.0f} |"
+            f"| {g.get('ahead_rows', 0):.0f} / {g.get('inline_rows', 0):.0f} ({g.get('cached_rows', 0):.0f}) |"
         )
     for r in results["levels"]:
         for why in r["invalid"]:

@@ -78,4 +78,5 @@ def grammar_side(before: dict, after: dict) -> dict:
         "ahead_rows": d.get("ahead_rows", 0.0),
         "inline_rows": d.get("inline_rows", 0.0),
         "sparse_rows": d.get("sparse_rows", 0.0),  # chosen among their few allowed ids (no full-row pass)
+        "cached_rows": d.get("cached_rows", 0.0),  # masks copied from a regex state seen before (regex_states.py)
     }

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
+from services.shard.regex_states import RegexStates
 from services.shard.token_masks import mask_rows, unpack
 
 Key = Hashable  # the shard's sequence handle
@@ -49,13 +50,18 @@ class RowError(NamedTuple):
 
 
 class _State:
-    __slots__ = ("grammar", "matcher", "version", "error")
+    __slots__ = ("grammar", "matcher", "version", "error", "regex", "at", "trail")
 
-    def __init__(self, grammar: str, matcher: LLMatcher, error: str | None) -> None:
+    def __init__(self, grammar: str, matcher: LLMatcher, error: str | None, regex: RegexStates | None) -> None:
         self.grammar = grammar
         self.matcher = matcher
         self.version = 0  # bumped on every change, so a mask computed ahead is used only for the state it saw
         self.error = error
+        # a one-regex grammar: its DFA state (masks remembered per state, regex_states.py), and the states
+        # before each consumed token (a rollback restores them)
+        self.regex = regex
+        self.at = None if regex is None else regex.initial
+        self.trail: list[int | None] = []
 
 
 class Constraints:
@@ -75,6 +81,8 @@ class Constraints:
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="masks")
         self._states: dict[Key, _State] = {}
         self._fresh: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar text → a compiled, unused matcher
+        self._regexes: OrderedDict[str, RegexStates | None] = OrderedDict()  # grammar text → its DFA, if one regex
+        self._texts: dict[int, str | None] = {}  # token id → its text, for the DFAs
         self._cache_size = cache_size
         self._ahead: concurrent.futures.Future | None = None  # (masks, {key: (row, version)}) for the next step
         # what the grammar work cost and whether its shortcuts fired: matchers compiled vs copied from the cache,
@@ -87,6 +95,7 @@ class Constraints:
             "reused": 0,
             "ahead_rows": 0,
             "inline_rows": 0,
+            "cached_rows": 0,  # masks copied from a regex state seen before (of the rows above, none walked the trie)
             "sparse_rows": 0,
             "draft_rows": 0,  # picks past a drafted row's first, masked after its drafts (speculative decoding)
         }
@@ -133,12 +142,20 @@ class Constraints:
         t0 = time.perf_counter()
         self._settle()
         matcher = self._matcher(grammar)
-        state = _State(grammar, matcher, matcher.get_error() or None)
+        state = _State(grammar, matcher, matcher.get_error() or None, self._regex(grammar))
         self._states[key] = state
         if replay and state.error is None:
             self._consume(state, [int(t) for t in replay])
         self.seconds["open"] += time.perf_counter() - t0
         return state.error
+
+    def _regex(self, grammar: str) -> RegexStates | None:
+        if grammar not in self._regexes:
+            self._regexes[grammar] = RegexStates.for_grammar(grammar, self.tokenizer, self._texts)
+            if len(self._regexes) > self._cache_size:
+                self._regexes.popitem(last=False)
+        self._regexes.move_to_end(grammar)
+        return self._regexes[grammar]
 
     def rebuild(self, key: Key, tokens: Sequence[int]) -> str | None:
         """Back to the grammar's start, then replay `tokens` (a recompute from the scheduler's token list)."""
@@ -149,7 +166,11 @@ class Constraints:
         self._settle()
         state = self._states[key]
         state.version += 1
-        return state.error is None and state.matcher.rollback(num_tokens)
+        ok = state.error is None and state.matcher.rollback(num_tokens)
+        if state.regex is not None:
+            state.at = state.trail[-num_tokens] if ok and 0 < num_tokens <= len(state.trail) else None
+            del state.trail[len(state.trail) - num_tokens if ok else 0 :]
+        return ok
 
     def discard(self, key: Key) -> None:
         self._states.pop(key, None)  # a mask being filled ahead holds its own reference to the matcher
@@ -167,7 +188,11 @@ class Constraints:
     def _consume(self, state: _State, tokens: list[int]) -> None:
         state.version += 1
         matcher = state.matcher
+        regex = state.regex
         for token in tokens:
+            if regex is not None:
+                state.trail.append(state.at)
+                state.at = regex.step(state.at, token)
             if matcher.is_stopped() and token in self.eos_ids:
                 return  # EOS after a complete answer: the sequence ends here
             if not matcher.consume_token(token):
@@ -202,9 +227,30 @@ class Constraints:
 
     def _fill(self, states: list[_State]) -> np.ndarray:
         masks = np.zeros((len(states), self.words), dtype=np.int32)
-        jobs = [(s.matcher, i) for i, s in enumerate(states) if s.error is None]
+        jobs, twins = [], []  # twins: (row, the row of the same regex state being filled)
+        filling: dict[tuple[int, int], int] = {}
+        for i, s in enumerate(states):
+            if s.error is not None:
+                continue
+            if s.regex is None or s.at is None:
+                jobs.append((s.matcher, i))
+                continue
+            seen = s.regex.masks.get(s.at)
+            if seen is not None:
+                masks[i] = seen
+            elif (id(s.regex), s.at) in filling:
+                twins.append((i, filling[id(s.regex), s.at]))
+            else:
+                filling[id(s.regex), s.at] = i
+                jobs.append((s.matcher, i))
+                continue
+            self.stats["cached_rows"] += 1
         if jobs:
             self._executor.unsafe_compute_mask_ptr(jobs, masks.ctypes.data, self.words * 4, len(states))
+            for i in filling.values():
+                states[i].regex.remember(states[i].at, masks[i])
+            for i, j in twins:
+                masks[i] = masks[j]
         return masks
 
     def _fill_ahead(
