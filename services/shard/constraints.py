@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
-from services.shard.regex_states import RegexStates
+from services.shard.regex_states import MaskBudget, RegexStates
 from services.shard.token_masks import mask_rows, unpack
 
 Key = Hashable  # the shard's sequence handle
@@ -68,7 +68,13 @@ class Constraints:
     """The constrained sequences of one shard and their token masks."""
 
     def __init__(
-        self, tokenizer: LLTokenizer, *, threads: int | None = None, cache_size: int = 64, ahead: bool = True
+        self,
+        tokenizer: LLTokenizer,
+        *,
+        threads: int | None = None,
+        cache_size: int = 64,
+        ahead: bool = True,
+        regex_mask_bytes: int = 64 << 20,
     ) -> None:
         self.tokenizer = tokenizer
         # ahead: advance() starts the next masks on the worker, beside the forward pass (llguidance's default pool:
@@ -83,6 +89,7 @@ class Constraints:
         self._fresh: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar text → a compiled, unused matcher
         self._regexes: OrderedDict[str, RegexStates | None] = OrderedDict()  # grammar text → its DFA, if one regex
         self._texts: dict[int, str | None] = {}  # token id → its text, for the DFAs
+        self._mask_budget = MaskBudget(regex_mask_bytes // (4 * self.words))  # masks all regexes may remember
         self._cache_size = cache_size
         self._ahead: concurrent.futures.Future | None = None  # (masks, {key: (row, version)}) for the next step
         # what the grammar work cost and whether its shortcuts fired: matchers compiled vs copied from the cache,
@@ -151,9 +158,11 @@ class Constraints:
 
     def _regex(self, grammar: str) -> RegexStates | None:
         if grammar not in self._regexes:
-            self._regexes[grammar] = RegexStates.for_grammar(grammar, self.tokenizer, self._texts)
+            self._regexes[grammar] = RegexStates.for_grammar(grammar, self.tokenizer, self._texts, self._mask_budget)
             if len(self._regexes) > self._cache_size:
-                self._regexes.popitem(last=False)
+                _, dropped = self._regexes.popitem(last=False)
+                if dropped is not None:
+                    dropped.close()
         self._regexes.move_to_end(grammar)
         return self._regexes[grammar]
 

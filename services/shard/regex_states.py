@@ -27,7 +27,6 @@ import interegular
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
-MAX_STATES = 4096  # masks kept per regex (~33 KB each on a 262k vocabulary); states past it are filled each time
 _LARK = re.compile(r"start: /(.*)/", re.S)
 # escaped ASCII punctuation is a literal in both syntaxes (Rust refuses \< and \>: word boundaries there)
 _ESCAPABLE = set(string.punctuation + " ") - set("<>")
@@ -117,26 +116,42 @@ def _class_end(rx: str, start: int) -> int:
     return -1
 
 
+class MaskBudget:
+    """How many more masks the regexes of one shard may remember, all together (a mask of Gemma's 262k vocabulary
+    is 32 KiB: a regex of thousands of states, or many regexes, must not grow the shard without bound)."""
+
+    def __init__(self, masks: int) -> None:
+        self.left = masks
+
+
 class RegexStates:
     """One regex's DFA over the served vocabulary's tokens, and the masks seen per state (shared by every
     sequence of that grammar). A state is an int; None means "not tracked" (never cached)."""
 
-    def __init__(self, rx: str, tokenizer: LLTokenizer, texts: dict[int, str | None]) -> None:
+    def __init__(self, rx: str, tokenizer: LLTokenizer, texts: dict[int, str | None], budget: MaskBudget) -> None:
         fsm = interegular.parse_pattern(rx).to_fsm()
         self.initial: int | None = fsm.initial
         self._map, self._alphabet = fsm.map, fsm.alphabet
         self._tokenizer, self._texts = tokenizer, texts  # token id → its text (None: not whole characters)
         self.masks: dict[int, np.ndarray] = {}
+        self._budget, self._closed = budget, False
 
     @classmethod
-    def for_grammar(cls, grammar: str, tokenizer: LLTokenizer, texts: dict) -> RegexStates | None:
+    def for_grammar(cls, grammar: str, tokenizer: LLTokenizer, texts: dict, budget: MaskBudget) -> RegexStates | None:
         rx = regex_of(grammar)
         if rx is None:
             return None
         try:
-            return cls(rx, tokenizer, texts)
+            return cls(rx, tokenizer, texts, budget)
         except Exception:  # interegular refuses a construct it does not model
             return None
+
+    def close(self) -> None:
+        """Forget the masks and remember no more (the grammar left the shard's cache; sequences still running on
+        it get their masks from llguidance alone)."""
+        self._closed = True
+        self._budget.left += len(self.masks)
+        self.masks.clear()
 
     def _text(self, token: int) -> str | None:
         text = self._texts.get(token, "")
@@ -162,5 +177,8 @@ class RegexStates:
         return state
 
     def remember(self, state: int | None, mask: np.ndarray) -> None:
-        if state is not None and len(self.masks) < MAX_STATES and mask.any():  # an empty one: a matcher's error
-            self.masks[state] = mask.copy()
+        if state is None or self._closed or self._budget.left <= 0 or not mask.any():  # empty: a matcher's error
+            return
+        if state not in self.masks:
+            self._budget.left -= 1
+        self.masks[state] = mask.copy()

@@ -130,3 +130,32 @@ def test_rollback_restores_the_regex_state(tok_path):
     want = reference_mask(cons, grammar, tokens[:1]).view(np.uint32)
     assert np.array_equal(cons.masks(["k"]).view(np.uint32)[0], want)
     cons.close()
+
+
+def test_the_shard_remembers_masks_within_its_budget(tok_path):
+    probe = Constraints.from_file(tok_path, [EOS], ahead=False)
+    words = probe.words
+    probe.close()
+    cons = Constraints.from_file(tok_path, [EOS], ahead=False, cache_size=2, regex_mask_bytes=5 * 4 * words)
+    first = LLMatcher.grammar_from_regex(r"[a-c]{1,8}(,[a-c]{1,8}){0,4}")
+    cons.open("a", first)
+    regex = cons._states["a"].regex
+    rng = np.random.default_rng(1)
+    tokens = []
+    for _ in range(12):  # more states than the budget's five masks
+        mask = cons.masks(["a"]).view(np.uint32)[0]
+        assert np.array_equal(mask, reference_mask(cons, first, tokens).view(np.uint32))
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        allowed = allowed[allowed != EOS]
+        if not len(allowed):
+            break
+        tokens.append(int(rng.choice(allowed)))
+        cons.advance(["a"], tokens[-1:])
+    assert len(regex.masks) == 5 and cons._mask_budget.left == 0
+    # two other regexes push the first out of the shard's cache: its masks go back to the budget
+    cons.open("b", LLMatcher.grammar_from_regex(r"(yes|no)!"))
+    cons.open("c", LLMatcher.grammar_from_regex(r"[0-9]{2}"))
+    assert regex.masks == {} and cons._mask_budget.left == 5
+    cons.masks(["a"])  # still served, by llguidance alone, and no longer remembered
+    assert regex.masks == {}
+    cons.close()
