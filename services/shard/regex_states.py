@@ -14,7 +14,9 @@ syntax and llguidance Rust's, so the cache is used only for regexes whose meanin
 greedy or lazy quantifiers. Anything else (`\\d`, `\\w` and the other classes whose Unicode extent differs, `\\p{…}`,
 set operations, anchors, flags) leaves the masks to llguidance alone. A row whose output ends inside a UTF-8
 character, or holds a special token, leaves the cache for the rest of its sequence. tests/shard/test_regex_states.py
-compares every cached mask with llguidance's own along random walks.
+compares every cached mask with llguidance's own along random walks. The masks all regexes remember are bounded by
+one budget per shard (`MaskBudget`; Constraints' `regex_mask_bytes`, 64 MiB: 2,048 of Gemma's masks); a regex that
+leaves the shard's grammar cache gives its masks back.
 """
 
 from __future__ import annotations
