@@ -86,8 +86,8 @@ class Constraints:
         self._executor = LLExecutor(num_threads=threads)
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="masks")
         self._states: dict[Key, _State] = {}
-        self._fresh: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar text → a compiled, unused matcher
-        self._regexes: OrderedDict[str, RegexStates | None] = OrderedDict()  # grammar text → its DFA, if one regex
+        # grammar text → a compiled, unused matcher, and the grammar's DFA if it is one regex (regex_states.py)
+        self._fresh: OrderedDict[str, tuple[LLMatcher, RegexStates | None]] = OrderedDict()
         self._texts: dict[int, str | None] = {}  # token id → its text, for the DFAs
         self._mask_budget = MaskBudget(regex_mask_bytes // (4 * self.words))  # masks all regexes may remember
         self._cache_size = cache_size
@@ -128,43 +128,36 @@ class Constraints:
         self._worker.shutdown(wait=True, cancel_futures=True)
 
     # ---- sequences ---------------------------------------------------------------------------------------
-    def _matcher(self, grammar: str) -> LLMatcher:
-        fresh = self._fresh.get(grammar)
-        if fresh is None:
+    def _matcher(self, grammar: str) -> tuple[LLMatcher, RegexStates | None]:
+        cached = self._fresh.get(grammar)
+        if cached is None:
             fresh = LLMatcher(self.tokenizer, grammar, log_level=0)
             self.stats["compiled"] += 1
             if fresh.is_error():
-                return fresh  # not cached: the error is reported for this sequence
-            self._fresh[grammar] = fresh
+                return fresh, None  # not cached: the error is reported for this sequence
+            regex = RegexStates.for_grammar(grammar, self.tokenizer, self._texts, self._mask_budget)
+            cached = self._fresh[grammar] = (fresh, regex)
             if len(self._fresh) > self._cache_size:
-                self._fresh.popitem(last=False)
+                _, (_, dropped) = self._fresh.popitem(last=False)
+                if dropped is not None:
+                    dropped.close()  # its masks go back to the budget
         else:
             self.stats["reused"] += 1
             self._fresh.move_to_end(grammar)
-        return fresh.deep_copy()
+        return cached[0].deep_copy(), cached[1]
 
     def open(self, key: Key, grammar: str, replay: Sequence[int] = ()) -> str | None:
         """Start constraining `key`; replay the tokens it generated already. Returns the error, if any (it is
         reported again by apply(), where the scheduler learns of it)."""
         t0 = time.perf_counter()
         self._settle()
-        matcher = self._matcher(grammar)
-        state = _State(grammar, matcher, matcher.get_error() or None, self._regex(grammar))
+        matcher, regex = self._matcher(grammar)
+        state = _State(grammar, matcher, matcher.get_error() or None, regex)
         self._states[key] = state
         if replay and state.error is None:
             self._consume(state, [int(t) for t in replay])
         self.seconds["open"] += time.perf_counter() - t0
         return state.error
-
-    def _regex(self, grammar: str) -> RegexStates | None:
-        if grammar not in self._regexes:
-            self._regexes[grammar] = RegexStates.for_grammar(grammar, self.tokenizer, self._texts, self._mask_budget)
-            if len(self._regexes) > self._cache_size:
-                _, dropped = self._regexes.popitem(last=False)
-                if dropped is not None:
-                    dropped.close()
-        self._regexes.move_to_end(grammar)
-        return self._regexes[grammar]
 
     def rebuild(self, key: Key, tokens: Sequence[int]) -> str | None:
         """Back to the grammar's start, then replay `tokens` (a recompute from the scheduler's token list)."""
@@ -176,9 +169,13 @@ class Constraints:
         state = self._states[key]
         state.version += 1
         ok = state.error is None and state.matcher.rollback(num_tokens)
-        if state.regex is not None:
-            state.at = state.trail[-num_tokens] if ok and 0 < num_tokens <= len(state.trail) else None
-            del state.trail[len(state.trail) - num_tokens if ok else 0 :]
+        if state.regex is not None and num_tokens:
+            if ok and num_tokens <= len(state.trail):
+                state.at = state.trail[-num_tokens]
+                del state.trail[-num_tokens:]
+            else:  # the regex state is unknown from here: llguidance alone fills this row's masks
+                state.at = None
+                state.trail.clear()
         return ok
 
     def discard(self, key: Key) -> None:

@@ -8,8 +8,8 @@ changes with every token, as a bounded count's does; its own cache keeps one ent
 states: after the first rows, a grammar's masks are copies. llguidance still computes every mask it is asked for
 and moves every matcher; only the fill of a state seen before is skipped.
 
-The DFA is `interegular`'s (the regex library outlines builds its token indexes on). It parses Python's regex
-syntax and llguidance Rust's, so the cache is used only for regexes whose meaning the two agree on
+The DFA is `interegular`'s (the regex library outlines builds its token indexes on). interegular reads Python's
+regex syntax and llguidance reads Rust's, so the cache is used only for regexes whose meaning the two agree on
 (`shared_syntax`): literals, `.`, classes of literals and ranges (negated or not), groups, alternation and
 greedy or lazy quantifiers. Anything else (`\\d`, `\\w` and the other classes whose Unicode extent differs, `\\p{…}`,
 set operations, anchors, flags) leaves the masks to llguidance alone. A row whose output ends inside a UTF-8
@@ -30,6 +30,7 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 _LARK = re.compile(r"start: /(.*)/", re.S)
+_COUNT = re.compile(r"\{(\d+)(,(\d+)?)?\}")  # {m}, {m,}, {m,n}: read alike ({,n} is not)
 # escaped ASCII punctuation is a literal in both syntaxes (Rust refuses \< and \>: word boundaries there)
 _ESCAPABLE = set(string.punctuation + " ") - set("<>")
 
@@ -80,7 +81,7 @@ def shared_syntax(rx: str) -> bool:
                 return False  # possessive (Python) or a repeated quantifier
             quant, i = c != "?" or not prev_quant, i + 1
         elif c == "{":
-            m = re.compile(r"\{(\d+)(,(\d+)?)?\}").match(rx, i)
+            m = _COUNT.match(rx, i)
             if m is None or prev_quant:
                 return False
             quant, i = True, m.end()
@@ -156,8 +157,7 @@ class RegexStates:
         self.masks.clear()
 
     def _text(self, token: int) -> str | None:
-        text = self._texts.get(token, "")
-        if text == "":
+        if token not in self._texts:
             text = None
             if not self._tokenizer.is_special_token(token):
                 try:
@@ -165,7 +165,7 @@ class RegexStates:
                 except UnicodeDecodeError:
                     pass
             self._texts[token] = text
-        return text
+        return self._texts[token]
 
     def step(self, state: int | None, token: int) -> int | None:
         """The state after `token`, or None (the token leaves the regex, or is not whole characters)."""
