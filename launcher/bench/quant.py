@@ -97,14 +97,18 @@ def _w8a8_ways(k: int, n: int):
 
     import torch
 
-    from services.shard.cpu_linear import PACK_FOR_BATCH
+    from services.shard.cpu_linear import PACK_FOR_BATCH, dtype_supported
     from services.shard.quant_layers import w8a8_product
 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
     scales = w.abs().amax(1) / 127
     levels = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-    dense = torch.ops.mkldnn._reorder_linear_weight((levels.float() * scales[:, None]).bfloat16(), PACK_FOR_BATCH)
-    ways = {"bf16 oneDNN": lambda x: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [None], "")}
+    dense = (levels.float() * scales[:, None]).bfloat16()
+    if dtype_supported(torch.bfloat16):
+        packed_dense = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_FOR_BATCH)
+        ways = {"bf16 oneDNN": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed_dense, None, "none", [None], "")}
+    else:  # AVX2-only CPUs: oneDNN packs no bf16, so the baseline is torch's own bf16 product
+        ways = {"bf16 torch": lambda x: torch.nn.functional.linear(x, dense)}
     ways["W8A8 served"] = lambda x: w8a8_product(x, levels, scales)
     quantized: dict[int, torch.Tensor] = {}  # the activations quantized once per row count: the kernel alone
 

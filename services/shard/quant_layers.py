@@ -123,7 +123,8 @@ class Int4Linear(_QuantLinear):
         self.scales_zeros = torch.stack([scales, (8 - zeros) * scales], -1).transpose(0, 1).contiguous()
         # [N, K/kgroup] views of the same floats for the scratch dequantization (no second copy resident)
         self._group_scales, self._group_offsets = self.scales_zeros.transpose(0, 1).unbind(-1)
-        self.plain = None if _reads_int4pack(self.packed, qw.levels) else _nibbles(qw.levels)
+        self.pack_block = _reads_int4pack(self.packed, qw.levels)
+        self.plain = None if self.pack_block else _nibbles(qw.levels)
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -131,7 +132,7 @@ class Int4Linear(_QuantLinear):
         )
 
     def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
-        levels = _unpack_int4pack(self.packed) if self.plain is None else _unnibble(self.plain)
+        levels = _unpack_int4pack(self.packed, self.pack_block) if self.plain is None else _unnibble(self.plain)
         n, k = out.shape
         grouped = out.view(n, k // self.kgroup, self.kgroup)
         grouped.copy_(levels.view(n, k // self.kgroup, self.kgroup))
@@ -140,20 +141,28 @@ class Int4Linear(_QuantLinear):
         return out
 
 
-def _unpack_int4pack(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 levels [N, K] from the CPU int4 packing: per block of 64 output channels, byte (k % 2)·32 + n % 32 of
-    pair row k // 2, low nibble for n % 64 < 32. Checked against torch's packing at every layer build."""
+# Output channels per block of torch's CPU int4 packing: 64 where its kernel is built for AVX-512, 32 for AVX2.
+INT4PACK_BLOCKS = (64, 32)
+
+
+def _unpack_int4pack(packed: torch.Tensor, block: int) -> torch.Tensor:
+    """uint8 levels [N, K] from the CPU int4 packing: per block of `block` output channels and per k, block/2 bytes,
+    byte n % (block/2), low nibble for n % block < block/2. Checked against torch's packing at every layer build."""
     n, half = packed.shape
-    k = half * 2
-    nib = torch.stack([packed & 15, packed >> 4], 0).view(2, n // 64, half, 2, 32)
-    return nib.permute(1, 0, 4, 2, 3).reshape(n, k)
+    k, b2 = half * 2, block // 2
+    nib = torch.stack([packed & 15, packed >> 4], 0).view(2, n // block, k, b2)
+    return nib.permute(1, 0, 3, 2).reshape(n, k)
 
 
-def _reads_int4pack(packed: torch.Tensor, levels: torch.Tensor) -> bool:
-    """Whether this torch's int4 packing is the one _unpack_int4pack reads (else the layer keeps its own copy)."""
-    if packed.shape[0] % 64 or packed.shape != (levels.shape[0], levels.shape[1] // 2):
-        return False
-    return torch.equal(_unpack_int4pack(packed), levels)
+def _reads_int4pack(packed: torch.Tensor, levels: torch.Tensor) -> int | None:
+    """The block size with which _unpack_int4pack reads this torch's int4 packing on this CPU, or None (then the
+    layer keeps its own copy of the levels)."""
+    if packed.shape != (levels.shape[0], levels.shape[1] // 2):
+        return None
+    for block in INT4PACK_BLOCKS:
+        if packed.shape[0] % block == 0 and torch.equal(_unpack_int4pack(packed, block), levels):
+            return block
+    return None
 
 
 def _nibbles(levels: torch.Tensor) -> torch.Tensor:

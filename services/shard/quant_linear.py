@@ -16,6 +16,7 @@ from services.shard.quant_formats import QuantWeight, shard_for_rank
 from services.shard.quant_layers import (  # noqa: F401  (re-exported)
     INT4_DENSE_FROM,
     INT4_GROUPS,
+    INT4PACK_BLOCKS,
     INT8_DENSE_FROM,
     DequantLinear,
     Int4Linear,
