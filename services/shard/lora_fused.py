@@ -1,4 +1,4 @@
-"""The stacked form's shrink folded into the base model's own oneDNN product, and a family's expands into one.
+"""The stacked form's shrink folded into the base model's own oneDNN product, and in bf16 a family's expands into one.
 
 In the stacked form (services/shard/lora.py) a family of projections that read the same input (q/k/v, gate/up, or
 one linear alone) costs, besides its base product, one shrink, one mask and one expand per member. On a CPU these
@@ -7,9 +7,10 @@ products of a few rows are decided by their count, not their arithmetic (bf16, 1
 services/shard/cpu_linear.py's packed one, the family gets a second packed weight, [W; A]: the base weights with
 every adapter's A stacked under them. One product then gives the base output and the shrink (the extra columns;
 the first columns equal the base product bit for bit, tested), the mask keeps each token's own adapter's columns,
-and one expand against B laid out block-diagonally ([C, out]: each member's B.T in its own columns, zeros
+and in bf16 one expand against B laid out block-diagonally ([C, out]: each member's B.T in its own columns, zeros
 elsewhere) adds every member's delta at once. Per layer of SmolLM2's shape: 4 products + 4 masks + 4 expands
-instead of 4 + 4 shrinks + 4 masks + 7 expands (`python -m launcher.bench.lora_step`).
+instead of 4 + 4 shrinks + 4 masks + 7 expands (`python -m launcher.bench.lora_step`). In float32 (MKL's sgemm,
+without oneDNN's bf16 floor) each member expands against its own block instead: the zeros cost more than the calls.
 
 Cost: the family's linear weights are packed twice while adapters target it (the plain packing serves steps
 without adapter rows, which must not pay for the adapters' columns): the adapted linears' size once more in memory,
@@ -44,6 +45,11 @@ def group_of(layers, dtype: torch.dtype) -> list | None:
     return sorted(modules, key=lambda m: m.fused_member)
 
 
+def per_member_expands(dtype: torch.dtype) -> bool:
+    """Whether a family's expand runs one product per member (float32) or one block-diagonal product (FoldedProduct)."""
+    return dtype == torch.float32
+
+
 class FoldedProduct(SharedInputProduct):
     """[W; A] packed for one family and B block-diagonal; the step's output is shared by the members as
     cpu_linear's fused product shares its own (`columns_for(member, x)`, member = index in `modules`)."""
@@ -65,11 +71,20 @@ class FoldedProduct(SharedInputProduct):
         bias = modules[0].bias
         self.bias = None if bias is None else torch.cat([m.bias.detach() for m in modules] + [bias.new_zeros(c)])
         self.base_width, self.width, self.stack, self.step_groups = width, width + c, stack, step_groups
-        self.expand_t = weights[0].new_zeros(c, width)  # [C, out]: each member's B.T in its own block
+        # The expand: in bf16 one product against B block-diagonal ([C, out]: each member's B.T in its own block,
+        # zeros elsewhere), as a bf16 product of a few rows costs ~25 µs whatever its size (oneDNN's floor); in
+        # float32 (MKL's sgemm, no such floor; the expands read B from memory) one product per member against its
+        # own block, which reads a third (q/k/v) or half (gate/up) of the bytes: 1.5-1.7x faster at 16 and 64 rows
+        # on an AVX2 CPU (docs/benchmarks.md, "Round 13").
+        blocks = [(*columns[id(m)], start, end) for m, (start, end) in zip(modules, self.columns)]
+        if len(modules) > 1 and per_member_expands(weights[0].dtype):
+            self.expands = [(c0, c1, start, end, b_t) for c0, c1, b_t, start, end in blocks]
+        else:
+            expand_t = weights[0].new_zeros(c, width)
+            for c0, c1, b_t, start, end in blocks:
+                expand_t[c0:c1, start:end] = b_t
+            self.expands = [(0, c, 0, width, expand_t)]
         self.member = {id(m): i for i, m in enumerate(modules)}
-        for m, (start, end) in zip(modules, self.columns):
-            c0, c1, b_t = columns[id(m)]
-            self.expand_t[c0:c1, start:end] = b_t
         self.calls = 0  # folded products computed (tests: the fold fired)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,6 +94,13 @@ class FoldedProduct(SharedInputProduct):
         z = _linear(flat, self.packed, self.bias, self.width)
         y, shrunk = z[:, : self.base_width], z[:, self.base_width :]
         shrunk.mul_(groups.mask(self.stack.layout, self.stack.column_slots, shrunk.dtype))
-        y.addmm_(shrunk, self.expand_t)  # base tokens' masked columns are exact zeros: their rows stay the base's
+        for (
+            c0,
+            c1,
+            start,
+            end,
+            b_t,
+        ) in self.expands:  # base tokens' masked columns are exact zeros: rows stay the base's
+            y[:, start:end].addmm_(shrunk[:, c0:c1], b_t)
         self.calls += 1
         return y.view(*x.shape[:-1], self.base_width)

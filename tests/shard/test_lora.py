@@ -250,6 +250,30 @@ def test_folded_only_where_the_family_is_a_whole_packed_product(tiny_dirs, adapt
         )
 
 
+def test_the_two_expand_forms_give_the_same_logits(tiny_dirs, adapters, monkeypatch):
+    """A folded family expands per member (float32) or in one block-diagonal product (bf16, where a small product
+    costs the same whatever its size): both add the same deltas, forced here in float32 both ways."""
+    input_ids = torch.randint(3, 500, (4, 6), generator=torch.Generator().manual_seed(5))
+    logits = {}
+    for per_member in (True, False):
+        monkeypatch.setattr(lora_fused, "per_member_expands", lambda dtype, per_member=per_member: per_member)
+        model = _base(tiny_dirs["llama"])
+        use_onednn(model)
+        registry = LoraRegistry(model)
+        registry.load("all", adapters["llama", "all"])
+        registry.load("mlp", adapters["llama", "mlp"])
+        attn = registry.layers["model.layers.0.self_attn.q_proj"].shared.folded
+        mlp = registry.layers["model.layers.0.mlp.up_proj"].shared.folded
+        assert (len(attn.expands), len(mlp.expands)) == ((3, 2) if per_member else (1, 1))
+        with torch.no_grad():
+            registry.set_step(["all", None, "mlp", "all"], [6] * 4)
+            logits[per_member] = model(input_ids=input_ids).logits
+        registry.clear_step()
+        assert attn.calls > 0 and mlp.calls > 0
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
+    assert torch.equal(logits[True][1], logits[False][1])  # the base row: exact zeros added either way
+
+
 # ---- refusals ------------------------------------------------------------------------------------------------
 
 
