@@ -10,7 +10,8 @@ the first columns equal the base product bit for bit, tested), the mask keeps ea
 and in bf16 one expand against B laid out block-diagonally ([C, out]: each member's B.T in its own columns, zeros
 elsewhere) adds every member's delta at once. Per layer of SmolLM2's shape: 4 products + 4 masks + 4 expands
 instead of 4 + 4 shrinks + 4 masks + 7 expands (`python -m launcher.bench.lora_step`). In float32 (MKL's sgemm,
-without oneDNN's bf16 floor) each member expands against its own block instead: the zeros cost more than the calls.
+without oneDNN's bf16 floor) each member expands against its own block instead, which reads a third (q/k/v) or
+half (gate/up) of B's bytes: 1.5-1.7x faster at 16 and 64 rows on an AVX2 CPU (docs/benchmarks.md, "Round 13").
 
 Cost: the family's linear weights are packed twice while adapters target it (the plain packing serves steps
 without adapter rows, which must not pay for the adapters' columns): the adapted linears' size once more in memory,
@@ -51,8 +52,9 @@ def per_member_expands(dtype: torch.dtype) -> bool:
 
 
 class FoldedProduct(SharedInputProduct):
-    """[W; A] packed for one family and B block-diagonal; the step's output is shared by the members as
-    cpu_linear's fused product shares its own (`columns_for(member, x)`, member = index in `modules`)."""
+    """[W; A] packed for one family and its expands (B per member, or block-diagonal in bf16); the step's output is
+    shared by the members as cpu_linear's fused product shares its own (`columns_for(member, x)`, member = index
+    in `modules`)."""
 
     def __init__(
         self,
@@ -71,17 +73,17 @@ class FoldedProduct(SharedInputProduct):
         bias = modules[0].bias
         self.bias = None if bias is None else torch.cat([m.bias.detach() for m in modules] + [bias.new_zeros(c)])
         self.base_width, self.width, self.stack, self.step_groups = width, width + c, stack, step_groups
-        # The expand: in bf16 one product against B block-diagonal ([C, out]: each member's B.T in its own block,
-        # zeros elsewhere), as a bf16 product of a few rows costs ~25 µs whatever its size (oneDNN's floor); in
-        # float32 (MKL's sgemm, no such floor; the expands read B from memory) one product per member against its
-        # own block, which reads a third (q/k/v) or half (gate/up) of the bytes: 1.5-1.7x faster at 16 and 64 rows
-        # on an AVX2 CPU (docs/benchmarks.md, "Round 13").
-        blocks = [(*columns[id(m)], start, end) for m, (start, end) in zip(modules, self.columns)]
-        if len(modules) > 1 and per_member_expands(weights[0].dtype):
-            self.expands = [(c0, c1, start, end, b_t) for c0, c1, b_t, start, end in blocks]
+        # The expand (module docstring): per member against its own block of B in float32, and for a lone
+        # linear, whose block is all of B; else one product against B block-diagonal ([C, out]).
+        blocks = []
+        for m, (start, end) in zip(modules, self.columns):
+            c0, c1, b_t = columns[id(m)]
+            blocks.append((c0, c1, start, end, b_t))
+        if len(modules) == 1 or per_member_expands(weights[0].dtype):
+            self.expands = blocks
         else:
             expand_t = weights[0].new_zeros(c, width)
-            for c0, c1, b_t, start, end in blocks:
+            for c0, c1, start, end, b_t in blocks:
                 expand_t[c0:c1, start:end] = b_t
             self.expands = [(0, c, 0, width, expand_t)]
         self.member = {id(m): i for i, m in enumerate(modules)}
@@ -94,13 +96,8 @@ class FoldedProduct(SharedInputProduct):
         z = _linear(flat, self.packed, self.bias, self.width)
         y, shrunk = z[:, : self.base_width], z[:, self.base_width :]
         shrunk.mul_(groups.mask(self.stack.layout, self.stack.column_slots, shrunk.dtype))
-        for (
-            c0,
-            c1,
-            start,
-            end,
-            b_t,
-        ) in self.expands:  # base tokens' masked columns are exact zeros: rows stay the base's
+        # base tokens' masked columns are exact zeros: their rows stay the base's
+        for c0, c1, start, end, b_t in self.expands:
             y[:, start:end].addmm_(shrunk[:, c0:c1], b_t)
         self.calls += 1
         return y.view(*x.shape[:-1], self.base_width)
