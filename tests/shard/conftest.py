@@ -1,4 +1,5 @@
-"""Fixtures of the shard tests: the tiny models (built once per session) and one torch thread."""
+"""Fixtures of the shard tests: the tiny models and the LoRA adapters with their peft reference (each built once per
+session), and one torch thread."""
 
 from __future__ import annotations
 
@@ -21,3 +22,19 @@ def one_thread():
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_models")
     return {arch: build_model(root / arch, arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def adapters(tiny_dirs, tmp_path_factory):
+    """(arch, name) → folder of each of test_lora.py's adapters, saved by peft on the tiny llama and qwen2."""
+    from tests.shard.test_lora import build_adapters  # imports peft: only for the tests that ask
+
+    return build_adapters(tiny_dirs, tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_dirs, adapters):
+    """arch → peft's PeftModel holding every adapter (each test sets the one it reads)."""
+    from tests.shard.test_lora import build_reference
+
+    return build_reference(tiny_dirs, adapters)

@@ -23,8 +23,6 @@ from tests.shard.test_lora import (
     _base,
     _build_adapter,
     _peft_logits,
-    build_adapters,
-    build_reference,
 )
 from tests.tiny_models import ARCHS
 
@@ -35,16 +33,6 @@ ARCH_ADAPTERS = {
     "qv_mlp_rs": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "up_proj"]),
 }
 MAX_NEW = 8
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_dirs, tmp_path_factory):
-    return build_adapters(tiny_dirs, tmp_path_factory.mktemp("adapters"))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_dirs, adapters):
-    return build_reference(tiny_dirs, adapters)
 
 
 def _schedule(prompts: list[list[int]]) -> list[tuple[Request, str | None]]:
