@@ -121,18 +121,23 @@ def _add(total: dict, before: dict, after: dict) -> None:
         total[k] = total.get(k, 0.0) + v - before.get(k, 0.0)
 
 
-def _level(url: str, kind: str, jobs: list[loadgen.Job], twins, streams: int, log: Path | None = None) -> dict:
+def _level(
+    url: str, kind: str, jobs: list[loadgen.Job], twins, streams: int, log: Path | None = None, rows_before: float = 0.0
+) -> dict:
     """One (kind, streams) pair, in rounds of `streams` requests: each round's constrained run, then its paired
     unconstrained one (`twins`: the Prompts that give the unconstrained side its own prompts), so that the host's
     drift over the level hits both sides alike (one constrained run then one unconstrained run of the whole level
     put minutes between them). `log`: the server's log, where the shard writes its grammar totals (those of a
-    run's last rows when the next run's first step drops them: read once the paired unconstrained run is done)."""
+    run's last rows when the next run's first step drops them: read once the paired unconstrained run is done).
+    `rows_before`: the masked rows the server has sampled before this level (its metric must reach them first: the
+    scheduler reports its metrics with its heartbeats, seconds apart when rendering them is slow, so a level would
+    otherwise count the warm-up's late rows as its own)."""
     con, free = [], []
     walls = [0.0, 0.0]
     seen: list[dict] = [{}, {}]  # per side: the server's metrics deltas
     grammar: dict = {}
     cut, invalid = [], []
-    m0, g0 = settled(url, ROWS), grammar_totals(log)
+    m0, g0 = settled(url, ROWS, at_least=rows_before), grammar_totals(log)
     for start in range(0, len(jobs), streams):
         part = jobs[start : start + streams]
         got, c0, c1 = asyncio.run(loadgen.drive(url, _GrammarDialect(KINDS[kind]), part, streams))
@@ -181,6 +186,7 @@ def _level(url: str, kind: str, jobs: list[loadgen.Job], twins, streams: int, lo
         "server": server,
         "constrained_rows": server["constrained"]["constrained_rows"],  # > 0: the masks were applied
         "constrained_rows_unconstrained_run": server["unconstrained"]["constrained_rows"],  # 0: no mask on plain ones
+        "rows_after": m0.get(ROWS, 0.0),  # the server's masked rows so far: the next level's `rows_before`
     }
 
 
@@ -354,15 +360,18 @@ def run(args, out: Path) -> int:
     with servers.switchyard(folder, out / "structured-switchyard.log", *flags) as srv:
         srv.wait_healthy(600)
         warm = Prompts(folder, seed=99)
+        rows = 0.0  # the masked rows the server has sampled so far (each constrained token is one)
         for c in streams:
             # an unmeasured wave per level, both ways: first-use costs (oneDNN shapes, grammar caches) stay out
             for grammar in (*(KINDS[k] for k in kinds), None):
-                asyncio.run(loadgen.drive(srv.url, _GrammarDialect(grammar), warm.fixed(c, 16, 8), c))
+                got, _, _ = asyncio.run(loadgen.drive(srv.url, _GrammarDialect(grammar), warm.fixed(c, 16, 8), c))
+                rows += sum(s.tokens for s in got if s.error is None) if grammar is not None else 0
             for kind in kinds:
                 jobs = prompts.fixed(args.structured_waves * c, args.structured_prompt_tokens,
                                      args.structured_max_new_tokens)  # fmt: skip
                 t0 = time.perf_counter()
-                r = _level(srv.url, kind, jobs, twins, c, srv.log_path)
+                r = _level(srv.url, kind, jobs, twins, c, srv.log_path, rows)
+                rows = r.pop("rows_after")
                 r["seconds"] = time.perf_counter() - t0
                 results["levels"].append(r)
                 print(f"  {kind:<5} streams {c:<3} unconstrained {r['unconstrained']['output_tok_s']:7.1f} tok/s  "
