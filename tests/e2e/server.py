@@ -16,6 +16,10 @@ import requests
 from supervisor.xmlrpc import SupervisorTransport
 
 ROOT = Path(__file__).resolve().parents[2]
+# A KV cache of 16k tokens for the real models' servers (the default is 64k): the shard zeroes its KV pages at start,
+# 2.4-3 GB for Gemma-3-270M and SmolLM2 by default, which took 35-60 s of a test's setup on a VM whose memory is
+# backed on first touch. The tests that serve them need a few thousand tokens at most.
+SMALL_KV = ("--max-batch-total-tokens", "16384")
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ import requests
 from transformers import AutoTokenizer
 
 from libs.runtime import model_store
-from tests.e2e.server import Server
+from tests.e2e.server import SMALL_KV, Server
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +40,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def gemma_server(tmp_path_factory):
-    server = Server(GEMMA, tmp_path_factory.mktemp("logs") / "gemma-server.log")
+    server = Server(GEMMA, tmp_path_factory.mktemp("logs") / "gemma-server.log", *SMALL_KV)
     try:
         server.wait_healthy()
         yield server

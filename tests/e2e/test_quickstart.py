@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from libs.runtime import model_store
 from tests.e2e.conftest import sse_events
-from tests.e2e.server import ROOT, Server
+from tests.e2e.server import ROOT, SMALL_KV, Server
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e
@@ -58,7 +58,8 @@ def readme_requests() -> list[tuple[str, dict, bool]]:
 
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
-    server = Server(None, tmp_path_factory.mktemp("logs") / "quickstart-server.log", "--dtype", "float32")
+    log = tmp_path_factory.mktemp("logs") / "quickstart-server.log"
+    server = Server(None, log, "--dtype", "float32", *SMALL_KV)
     try:
         server.wait_healthy()
         yield server

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from libs.runtime import model_store
 from tests.e2e.conftest import sse_events
-from tests.e2e.server import Server
+from tests.e2e.server import SMALL_KV, Server
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e
@@ -34,7 +34,7 @@ def folder():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "speculate-server.log"
-    server = Server(None, log, "--dtype", "float32", "--speculate", "4")
+    server = Server(None, log, "--dtype", "float32", "--speculate", "4", *SMALL_KV)
     try:
         server.wait_healthy()
         yield server
