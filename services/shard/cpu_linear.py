@@ -108,6 +108,8 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    if x.dim() == 2:  # the lean walk's [tokens, in]: no reshape and view around it (~3 µs each, ~250 calls a step)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
     flat = x.reshape(-1, x.shape[-1])
     y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [None], "")
     return y.view(*x.shape[:-1], out_features)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.shard.cpu_linear import SharedInputProduct, _linear, _pack
+from services.shard.cpu_linear import SharedInputProduct, _pack
 from services.shard.lora_products import RowGroups, Stack
 
 
@@ -86,18 +86,26 @@ class FoldedProduct(SharedInputProduct):
             for c0, c1, start, end, b_t in blocks:
                 expand_t[c0:c1, start:end] = b_t
             self.expands = [(0, c, 0, width, expand_t)]
+        self.lone = len(modules) == 1  # its one expand covers all of y and all of the shrink's columns
+        assert not self.lone or self.expands[0][:4] == (0, c, 0, width)
         self.member = {id(m): i for i, m in enumerate(modules)}
         self.calls = 0  # folded products computed (tests: the fold fired)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        # Called 120 times a decode step of SmolLM2's shape: every tensor op here costs ~3 µs of Python and
+        # dispatch whatever its size, so 2-D inputs (the lean walk's) skip the reshapes and a lone linear's
+        # expand adds into its output without slicing it (docs/benchmarks.md, "Round 14").
         groups = self.step_groups()
-        flat = x.reshape(-1, x.shape[-1])
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         groups.check(flat)
-        z = _linear(flat, self.packed, self.bias, self.width)
+        z = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [None], "")
         y, shrunk = z[:, : self.base_width], z[:, self.base_width :]
         shrunk.mul_(groups.mask(self.stack.layout, self.stack.column_slots, shrunk.dtype))
         # base tokens' masked columns are exact zeros: their rows stay the base's
-        for c0, c1, start, end, b_t in self.expands:
-            y[:, start:end].addmm_(shrunk[:, c0:c1], b_t)
+        if self.lone:
+            y.addmm_(shrunk, self.expands[0][4])
+        else:
+            for c0, c1, start, end, b_t in self.expands:
+                y[:, start:end].addmm_(shrunk[:, c0:c1], b_t)
         self.calls += 1
-        return y.view(*x.shape[:-1], self.base_width)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.base_width)
