@@ -34,7 +34,7 @@ serve: model
 	$(VENV)/bin/switchyard serve
 
 test: model model-gemma
-	$(PY) -m pytest -q -ra --durations=25
+	$(PY) -m pytest -q -ra --durations=40
 
 # fault and soak tests that take minutes (tests/faults: 1,000 random client disconnects, an overload
 # flood, kill -9 of each role under load, a soak of SWITCHYARD_SOAK_MINUTES, default 3); `make test` skips them

@@ -18,7 +18,9 @@ The parts of one decode step of the whole batch, each the median over the steps:
 With --compare, instead: the whole step of three runners side by side — bf16 with the oneDNN linears (the
 default on a CPU with native bf16), bf16 with torch's linears, float32 with the oneDNN linears — one step of each
 in turn, so that load on the machine hits all three alike. With --compare-lean, the same for the lean decoder walk
-(services/shard/lean_forward.py) against transformers' forward at the chosen dtype, with their ratio.
+(services/shard/lean_forward.py) against transformers' forward at the chosen dtype, with their ratio. With
+--join-tokens N, a decode step of the batch alone against the same step with one N-token prompt joining it (what a
+request arriving mid-flight costs every decoding row), alternated.
 """
 
 from __future__ import annotations
@@ -158,6 +160,38 @@ def compare(
     return {name: 1000 * statistics.median(s) for name, s in steps.items()}
 
 
+def joined(model_dir: str, batch: int, prompt_tokens: int, join_tokens: int, steps: int, dtype: str) -> dict:
+    """Median ms of a decode step of `batch` rows alone and with one `join_tokens` prompt prefilled beside them
+    (a fresh sequence each time, dropped after its step), alternated over `steps` steps."""
+    import numpy as np
+
+    from launcher.bench.limit import Driver
+    from libs.protocol.messages import NewSequence
+    from libs.protocol.params import SamplingParams
+
+    driver = Driver(model_dir, batch, prompt_tokens, steps + 2, dtype=dtype)
+    driver.warm()
+    driver.prefill()
+    spare = batch  # the warm-up's blocks, free again
+    times: dict[str, list[float]] = {"decode": [], "with a join": []}
+    fed: dict[str, set[int]] = {"decode": set(), "with a join": set()}  # tokens a step of each kind fed
+    for k in range(steps):
+        plan = driver.decode_plan(k)
+        if k % 2:
+            rows = [(i, 1, prompt_tokens + k, np.array([driver.last[i]])) for i in range(batch)]
+            rows.append((spare, join_tokens, 0, driver.rng.integers(3, driver.vocab, join_tokens)))
+            new = [NewSequence(spare, SamplingParams())]
+            plan = driver.plan(rows, new, {spare: driver._blocks(spare)}, finished=[spare])
+        t = time.perf_counter()
+        result = driver.runner.execute(plan)
+        kind = "with a join" if k % 2 else "decode"
+        times[kind].append(time.perf_counter() - t)
+        fed[kind].add(len(plan.token_ids))
+        driver.last = {s: tok for s, tok in zip(result.seqs.tolist(), result.token_ids.tolist()) if s != spare}
+    out = {name: 1000 * statistics.median(t) for name, t in times.items()}
+    return {**out, "tokens": {name: sorted(n) for name, n in fed.items()}}
+
+
 def table(label: str, rows: list[dict]) -> list[str]:
     head = f"{label} ({rows[0]['dtype']}, {rows[0]['forward']} forward)"
     lines = [f"{head}: median ms per decode step, share of the step in brackets", ""]
@@ -184,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", action="store_true", help="bf16 oneDNN / bf16 torch / fp32 oneDNN steps, interleaved")
     ap.add_argument("--compare-lean", action="store_true", help="lean walk / transformers' forward, interleaved")
     ap.add_argument("--no-lean", action="store_true", help="profile transformers' forward (the lean walk off)")
+    ap.add_argument("--join-tokens", type=int, default=0, help="decode steps alone vs with one prompt this long")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import torch
@@ -196,6 +231,21 @@ def main(argv: list[str] | None = None) -> int:
     out = {}
     for name in args.model.split(","):
         label, folder = models.resolve(name)
+        if args.join_tokens:
+            for b in args.batch.split(","):
+                got = joined(
+                    str(folder),
+                    int(b),
+                    args.prompt_tokens,
+                    args.join_tokens,
+                    args.output_tokens,
+                    str(dtype).removeprefix("torch."),
+                )
+                out.setdefault(label, []).append({"batch": int(b), "step_ms": got})
+                if not args.json:
+                    cells = ", ".join(f"{k} {v:.1f} ms" for k, v in got.items() if k != "tokens")
+                    print(f"{label} batch {b}, a {args.join_tokens}-token prompt joining: {cells}", flush=True)
+            continue
         if args.compare or args.compare_lean:
             runners = lean_compared(str(dtype).removeprefix("torch.")) if args.compare_lean else COMPARED
             for b in args.batch.split(","):
