@@ -116,8 +116,12 @@ def breakdown(delta: dict[str, float], steps: float) -> dict[str, float]:
     """The step's parts in ms per step, from /metrics deltas."""
     phases = phase_ms(delta, "switchyard_step_duration_seconds", steps)
     shard = sum(phase_ms(delta, "tgi_batch_forward_duration", steps).values())
+    decodes = delta.get('tgi_batch_forward_duration_count{method="decode"}', 0.0)
+    decode_s = delta.get('tgi_batch_forward_duration_sum{method="decode"}', 0.0)
     return {
         "shard_forward_ms": shard,
+        # the decode-only steps' forward, comparable with the in-process limit's step (prefill steps are not in it)
+        "decode_forward_ms": 1000 * decode_s / decodes if decodes else None,
         "shard_wait_ms": phases.get("forward", 0.0) - shard,  # sent → result, less the shard's own time
         "plan_ms": phases.get("plan", 0.0),
         "apply_ms": phases.get("sample", 0.0),
@@ -179,7 +183,7 @@ def show(r: dict) -> None:
     print(f"{r['model']} ({r['dtype']}), {r['concurrency']} streams: {r['tok_s']:.1f} tok/s, {r['steps']:.0f} steps "
           f"({r['steps_per_s']:.1f}/s), TTFT p50/p90/max {r['ttft_ms'][0]:.0f}/{r['ttft_ms'][1]:.0f}/"
           f"{r['ttft_ms'][2]:.0f} ms, errors {r['errors']}")  # fmt: skip
-    print("per step, ms: " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in r["step"].items()))
+    print("per step, ms: " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in r["step"].items() if v is not None))
     print(f"{'process':<28} {'CPU ms/step':>12} {'net of idle':>12} {'switches/step':>14}")
     for p in r["processes"]:
         print(f"{p['role']:<28} {p['cpu_ms_per_step']:12.2f} {p['net_cpu_ms_per_step']:12.2f} "

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.shard.cpu_linear import SharedInputProduct, _pack
+from services.shard.cpu_linear import SharedInputProduct, _linear, _pack
 from services.shard.lora_products import RowGroups, Stack
 
 
@@ -93,12 +93,12 @@ class FoldedProduct(SharedInputProduct):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         # Called 120 times a decode step of SmolLM2's shape: every tensor op here costs ~3 µs of Python and
-        # dispatch whatever its size, so 2-D inputs (the lean walk's) skip the reshapes and a lone linear's
+        # dispatch whatever its size, so 2-D inputs (the lean walk's) skip the reshape and view, and a lone linear's
         # expand adds into its output without slicing it (docs/benchmarks.md, "Round 14").
         groups = self.step_groups()
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         groups.check(flat)
-        z = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [None], "")
+        z = _linear(flat, self.packed, self.bias, self.width)  # flat is 2-D: no reshape around the product
         y, shrunk = z[:, : self.base_width], z[:, self.base_width :]
         shrunk.mul_(groups.mask(self.stack.layout, self.stack.column_slots, shrunk.dtype))
         # base tokens' masked columns are exact zeros: their rows stay the base's

@@ -17,12 +17,14 @@ def test_breakdown_per_step_from_metric_deltas():
         'switchyard_step_duration_seconds_sum{phase="publish"}': 0.004,
         'switchyard_step_duration_seconds_count{phase="plan"}': 10.0,  # counts are not parts
         'tgi_batch_forward_duration_sum{method="decode"}': 0.180,
+        'tgi_batch_forward_duration_count{method="decode"}': 9.0,  # 9 decode steps, 20 ms each
         'tgi_batch_forward_duration_sum{method="prefill"}': 0.040,
         pipeline.STEPS: steps,
     }
     b = pipeline.breakdown(delta, steps)
     assert round(b["shard_forward_ms"], 6) == 22.0
     assert round(b["shard_wait_ms"], 6) == 3.0  # 25 ms out, 22 of them the shard's own
+    assert round(b["decode_forward_ms"], 6) == 20.0  # the decode steps alone, as the in-process limit's
     assert (round(b["plan_ms"], 6), round(b["apply_ms"], 6), round(b["publish_ms"], 6)) == (0.2, 0.3, 0.4)
 
 
