@@ -86,15 +86,15 @@ class FoldedProduct(SharedInputProduct):
             for c0, c1, start, end, b_t in blocks:
                 expand_t[c0:c1, start:end] = b_t
             self.expands = [(0, c, 0, width, expand_t)]
-        self.lone = len(modules) == 1  # its one expand covers all of y and all of the shrink's columns
-        assert not self.lone or self.expands[0][:4] == (0, c, 0, width)
+        # one expand (a lone linear's, or the block-diagonal one) covers every column of y and of the shrink
+        self.whole = self.expands[0][4] if len(self.expands) == 1 else None
         self.member = {id(m): i for i, m in enumerate(modules)}
         self.calls = 0  # folded products computed (tests: the fold fired)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         # Called 120 times a decode step of SmolLM2's shape: every tensor op here costs ~3 µs of Python and
-        # dispatch whatever its size, so 2-D inputs (the lean walk's) skip the reshape and view, and a lone linear's
-        # expand adds into its output without slicing it (docs/benchmarks.md, "Round 14").
+        # dispatch whatever its size, so 2-D inputs (the lean walk's) skip the reshape and view, and one expand
+        # over every column adds into the output without slicing it (docs/benchmarks.md, "Round 14").
         groups = self.step_groups()
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         groups.check(flat)
@@ -102,8 +102,8 @@ class FoldedProduct(SharedInputProduct):
         y, shrunk = z[:, : self.base_width], z[:, self.base_width :]
         shrunk.mul_(groups.mask(self.stack.layout, self.stack.column_slots, shrunk.dtype))
         # base tokens' masked columns are exact zeros: their rows stay the base's
-        if self.lone:
-            y.addmm_(shrunk, self.expands[0][4])
+        if self.whole is not None:
+            y.addmm_(shrunk, self.whole)
         else:
             for c0, c1, start, end, b_t in self.expands:
                 y[:, start:end].addmm_(shrunk[:, c0:c1], b_t)
