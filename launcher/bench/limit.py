@@ -105,10 +105,23 @@ class Driver:
             res = self.runner.execute(plan)
             self.last.update(zip(res.seqs.tolist(), res.token_ids.tolist()))
 
+    def _decode_rows(self, k: int) -> list:
+        return [(i, 1, self.prompt_tokens + k, np.array([self.last[i]])) for i in range(self.batch)]
+
     def decode_plan(self, k: int):
         """The plan of decode step `k` (0-based) of the whole batch; the last one finishes every sequence."""
-        rows = [(i, 1, self.prompt_tokens + k, np.array([self.last[i]])) for i in range(self.batch)]
-        return self.plan(rows, finished=range(self.batch) if k == self.output_tokens - 2 else ())
+        return self.plan(self._decode_rows(k), finished=range(self.batch) if k == self.output_tokens - 2 else ())
+
+    def joined_plan(self, k: int, tokens: int):
+        """Decode step `k` of the whole batch with a fresh `tokens`-token prompt prefilled beside it, on the warm-up's
+        sequence and blocks, dropped after the step (what a request joining mid-flight adds to a step)."""
+        from libs.protocol.messages import NewSequence
+        from libs.protocol.params import SamplingParams
+
+        spare = self.batch
+        rows = [*self._decode_rows(k), (spare, tokens, 0, self.rng.integers(3, self.vocab, tokens))]
+        new = [NewSequence(spare, SamplingParams())]
+        return self.plan(rows, new, {spare: self._blocks(spare)}, finished=[spare])
 
     def took(self, result) -> None:
         self.last = dict(zip(result.seqs.tolist(), result.token_ids.tolist()))

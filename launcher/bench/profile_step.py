@@ -163,31 +163,21 @@ def compare(
 def joined(model_dir: str, batch: int, prompt_tokens: int, join_tokens: int, steps: int, dtype: str) -> dict:
     """Median ms of a decode step of `batch` rows alone and with one `join_tokens` prompt prefilled beside them
     (a fresh sequence each time, dropped after its step), alternated over `steps` steps."""
-    import numpy as np
-
     from launcher.bench.limit import Driver
-    from libs.protocol.messages import NewSequence
-    from libs.protocol.params import SamplingParams
 
     driver = Driver(model_dir, batch, prompt_tokens, steps + 2, dtype=dtype)
     driver.warm()
     driver.prefill()
-    spare = batch  # the warm-up's blocks, free again
     times: dict[str, list[float]] = {"decode": [], "with a join": []}
     fed: dict[str, set[int]] = {"decode": set(), "with a join": set()}  # tokens a step of each kind fed
     for k in range(steps):
-        plan = driver.decode_plan(k)
-        if k % 2:
-            rows = [(i, 1, prompt_tokens + k, np.array([driver.last[i]])) for i in range(batch)]
-            rows.append((spare, join_tokens, 0, driver.rng.integers(3, driver.vocab, join_tokens)))
-            new = [NewSequence(spare, SamplingParams())]
-            plan = driver.plan(rows, new, {spare: driver._blocks(spare)}, finished=[spare])
+        kind = "with a join" if k % 2 else "decode"
+        plan = driver.joined_plan(k, join_tokens) if k % 2 else driver.decode_plan(k)
         t = time.perf_counter()
         result = driver.runner.execute(plan)
-        kind = "with a join" if k % 2 else "decode"
         times[kind].append(time.perf_counter() - t)
         fed[kind].add(len(plan.token_ids))
-        driver.last = {s: tok for s, tok in zip(result.seqs.tolist(), result.token_ids.tolist()) if s != spare}
+        driver.took(result)  # the joined sequence's token too: the next decode plan reads only the batch's
     out = {name: 1000 * statistics.median(t) for name, t in times.items()}
     return {**out, "tokens": {name: sorted(n) for name, n in fed.items()}}
 

@@ -186,7 +186,6 @@ def _level(
         "server": server,
         "constrained_rows": server["constrained"]["constrained_rows"],  # > 0: the masks were applied
         "constrained_rows_unconstrained_run": server["unconstrained"]["constrained_rows"],  # 0: no mask on plain ones
-        "rows_after": m0.get(ROWS, 0.0),  # the server's masked rows so far: the next level's `rows_before`
     }
 
 
@@ -371,7 +370,7 @@ def run(args, out: Path) -> int:
                                      args.structured_max_new_tokens)  # fmt: skip
                 t0 = time.perf_counter()
                 r = _level(srv.url, kind, jobs, twins, c, srv.log_path, rows)
-                rows = r.pop("rows_after")
+                rows += r["constrained_rows"] + r["constrained_rows_unconstrained_run"]
                 r["seconds"] = time.perf_counter() - t0
                 results["levels"].append(r)
                 print(f"  {kind:<5} streams {c:<3} unconstrained {r['unconstrained']['output_tok_s']:7.1f} tok/s  "
