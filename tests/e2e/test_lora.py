@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from tests.e2e.server import ROOT, Server, free_port
 from tests.e2e.test_generate import WORDS, scheduler_counter
-from tests.shard.test_lora import _base, _build_adapter
+from tests.lora_adapters import base_model, build_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -49,7 +49,7 @@ PROMPTS = [_prompt(i) for i in range(3)]
 def adapter_dirs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     return {
-        name: _build_adapter(tiny_model_dir, root / name, seed=10 + i, **cfg)
+        name: build_adapter(tiny_model_dir, root / name, seed=10 + i, **cfg)
         for i, (name, cfg) in enumerate(ADAPTERS.items())
     }
 
@@ -59,7 +59,7 @@ def expected(tiny_model_dir, adapter_dirs):
     """(prompt, adapter) → peft's greedy new tokens, and the prompt ids (as /generate tokenizes them)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     names = list(ADAPTERS)
-    ref = peft.PeftModel.from_pretrained(_base(tiny_model_dir), adapter_dirs[names[0]], adapter_name=names[0])
+    ref = peft.PeftModel.from_pretrained(base_model(tiny_model_dir), adapter_dirs[names[0]], adapter_name=names[0])
     for name in names[1:]:
         ref.load_adapter(adapter_dirs[name], adapter_name=name)
     ref.eval()

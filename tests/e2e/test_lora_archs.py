@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from tests.e2e.server import Server
 from tests.e2e.test_generate import WORDS, scheduler_counter
-from tests.shard.test_lora import _base, _build_adapter
+from tests.lora_adapters import base_model, build_adapter
 from tests.tiny_models import build_model
 
 peft = pytest.importorskip("peft")
@@ -37,7 +37,7 @@ def _reference(model_dir, dirs) -> dict:
     """(prompt, adapter) → peft's greedy new tokens."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     names = list(dirs)
-    ref = peft.PeftModel.from_pretrained(_base(model_dir), dirs[names[0]], adapter_name=names[0])
+    ref = peft.PeftModel.from_pretrained(base_model(model_dir), dirs[names[0]], adapter_name=names[0])
     for name in names[1:]:
         ref.load_adapter(dirs[name], adapter_name=name)
     ref.eval()
@@ -70,7 +70,7 @@ def _generate(url: str, text: str, adapter: str | None) -> list[int]:
 def test_mixed_adapters_equal_peft(arch, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"lora-{arch}")
     model_dir = build_model(root / arch, arch)
-    dirs = {name: _build_adapter(model_dir, root / name, seed=50 + i, **cfg) for i, (name, cfg) in
+    dirs = {name: build_adapter(model_dir, root / name, seed=50 + i, **cfg) for i, (name, cfg) in
             enumerate(ADAPTERS.items())}  # fmt: skip
     want = _reference(model_dir, dirs)
     flags = ["--lora-adapters", ",".join(f"{name}={path}" for name, path in dirs.items())]

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from tests.e2e.server import Server
 from tests.e2e.test_generate import WORDS, scheduler_counter
-from tests.shard.test_lora import _base, _build_adapter
+from tests.lora_adapters import base_model, build_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -41,7 +41,7 @@ SHORT, LONG = 10, 120
 @pytest.fixture(scope="module")
 def dirs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("hot")
-    out = {name: _build_adapter(tiny_model_dir, root / name, seed=30 + i, **cfg) for i, (name, cfg) in
+    out = {name: build_adapter(tiny_model_dir, root / name, seed=30 + i, **cfg) for i, (name, cfg) in
            enumerate(CONFIGS.items())}  # fmt: skip
     dora = root / "dora"
     shutil.copytree(out["first"], dora)
@@ -54,7 +54,7 @@ def dirs(tiny_model_dir, tmp_path_factory):
 def want(tiny_model_dir, dirs):
     """(prompt, adapter folder name or None, max_new_tokens) → peft's (or the base model's) greedy tokens."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ref = peft.PeftModel.from_pretrained(_base(tiny_model_dir), dirs["first"], adapter_name="first")
+    ref = peft.PeftModel.from_pretrained(base_model(tiny_model_dir), dirs["first"], adapter_name="first")
     ref.load_adapter(dirs["second"], adapter_name="second")
     ref.eval()
     out = {}

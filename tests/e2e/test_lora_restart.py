@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from tests.e2e.server import Server
 from tests.e2e.test_generate import WORDS
-from tests.shard.test_lora import _base, _build_adapter
+from tests.lora_adapters import base_model, build_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -68,10 +68,10 @@ def _stream(url, adapter, n, started, out):
 
 
 def test_run_time_adapters_survive_a_scheduler_kill(tiny_model_dir, tmp_path):
-    dirs = {name: _build_adapter(tiny_model_dir, tmp_path / name, seed=70 + i, **cfg)
+    dirs = {name: build_adapter(tiny_model_dir, tmp_path / name, seed=70 + i, **cfg)
             for i, (name, cfg) in enumerate(CONFIGS.items())}  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ref = peft.PeftModel.from_pretrained(_base(tiny_model_dir), dirs["hot"], adapter_name="hot").eval()
+    ref = peft.PeftModel.from_pretrained(base_model(tiny_model_dir), dirs["hot"], adapter_name="hot").eval()
     ids = torch.tensor([tokenizer(PROMPT).input_ids])
     want = {}
     for n in (SHORT, LONG):

@@ -14,7 +14,7 @@ import pytest
 from tests.e2e.server import Server
 from tests.e2e.test_generate import scheduler_counter
 from tests.e2e.test_lora_archs import PROMPTS, ROWS, _generate, _reference
-from tests.shard.test_lora import _build_adapter
+from tests.lora_adapters import build_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -28,7 +28,7 @@ ADAPTERS = {
 
 
 def test_start_up_adapters_on_two_ranks_equal_peft(tiny_model_dir, tmp_path):
-    dirs = {name: _build_adapter(tiny_model_dir, tmp_path / name, seed=90 + i, **cfg) for i, (name, cfg) in
+    dirs = {name: build_adapter(tiny_model_dir, tmp_path / name, seed=90 + i, **cfg) for i, (name, cfg) in
             enumerate(ADAPTERS.items())}  # fmt: skip
     assert list(dirs) == ROWS[1:]  # _reference's rows: the base model, then these
     want = _reference(tiny_model_dir, dirs)

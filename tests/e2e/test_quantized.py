@@ -36,10 +36,10 @@ def gptq_dirs(tiny_model_dir, tmp_path_factory):
 def _adapter_reference(twin, adapter, prompts: list[str], max_new: int) -> list[list[int]]:
     """peft's greedy new tokens over the dense twin with the adapter active (float32, eager attention)."""
     peft = pytest.importorskip("peft")
-    from tests.shard.test_lora import _base
+    from tests.lora_adapters import base_model
 
     tok = AutoTokenizer.from_pretrained(twin)
-    model = peft.PeftModel.from_pretrained(_base(twin), adapter).eval()
+    model = peft.PeftModel.from_pretrained(base_model(twin), adapter).eval()
     out = []
     for prompt in prompts:
         ids = torch.tensor([tok(prompt).input_ids])
@@ -51,10 +51,10 @@ def _adapter_reference(twin, adapter, prompts: list[str], max_new: int) -> list[
 
 def test_a_gptq_checkpoint_is_served_like_its_twin_with_and_without_an_adapter(gptq_dirs, tmp_path):
     """Base rows and rows of a LoRA adapter (built with peft on the twin) over the quantized linears, in one batch."""
-    from tests.shard.test_lora import _build_adapter
+    from tests.lora_adapters import build_adapter
 
     quant, twin = gptq_dirs
-    adapter = _build_adapter(twin, tmp_path / "adapter", seed=3, r=8, lora_alpha=16, target_modules="all-linear")
+    adapter = build_adapter(twin, tmp_path / "adapter", seed=3, r=8, lora_alpha=16, target_modules="all-linear")
     flags = ("--max-total-tokens", "256", "--lora-adapters", f"ad={adapter}")
     server = Server(quant, tmp_path / "server.log", *flags)
     try:

@@ -26,8 +26,8 @@ def tiny_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def adapters(tiny_dirs, tmp_path_factory):
-    """(arch, name) → folder of each of test_lora.py's adapters, saved by peft on the tiny llama and qwen2."""
-    from tests.shard.test_lora import build_adapters  # imports peft: only for the tests that ask
+    """(arch, name) → folder of each of tests/lora_adapters.py's ADAPTERS, saved by peft on the tiny llama and qwen2."""
+    from tests.lora_adapters import build_adapters  # imports peft: only for the tests that ask
 
     return build_adapters(tiny_dirs, tmp_path_factory.mktemp("adapters"))
 
@@ -35,6 +35,6 @@ def adapters(tiny_dirs, tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference(tiny_dirs, adapters):
     """arch → peft's PeftModel holding every adapter (each test sets the one it reads)."""
-    from tests.shard.test_lora import build_reference
+    from tests.lora_adapters import build_reference
 
     return build_reference(tiny_dirs, adapters)

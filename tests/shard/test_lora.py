@@ -1,96 +1,23 @@
 """LoRA adapters: our grouped apply against peft's PeftModel (the reference); the refusals are in
-test_lora_refusals.py, and the `adapters` / `reference` fixtures built from the helpers here in conftest.py.
-
-The adapters are built here with peft on the tiny models, with A and B drawn at random (peft starts B at zero,
-which would hide any mistake in the B side and in the scaling), and saved as peft saves them.
-"""
+test_lora_refusals.py, the adapters and the reference in tests/lora_adapters.py (built once per session by the
+`adapters` / `reference` fixtures of conftest.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from services.shard import lora, lora_fused, lora_products
 from services.shard.cpu_linear import use_onednn
 from services.shard.lora import STACKED_MAX_TOKENS, LoraRegistry
 from services.shard.lora_adapter import AdapterError
+from tests.lora_adapters import ADAPTERS, ATOL, base_model, peft_logits
 from tests.shard.test_lora_products import reference_delta
-
-peft = pytest.importorskip("peft")
-
-# Ours and peft's differ only in summation order (B folded with its scale, oneDNN / fused q/k/v products):
-# measured max |diff| 4.9e-6 (llama) and 3.9e-6 (qwen2) on logits of magnitude ~10, so 5e-5 is a 10x margin,
-# while a wrong scale, slot or row moves the logits by more than 1e-1 (asserted below).
-ATOL = 5e-5
-
-ADAPTERS = {
-    "all": dict(
-        r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    ),
-    "qv_rs": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"]),
-    "mlp": dict(r=16, lora_alpha=32, target_modules=["gate_proj", "up_proj", "down_proj"]),
-    "patterns": dict(
-        r=8,
-        lora_alpha=8,
-        target_modules=["q_proj", "k_proj", "o_proj", "down_proj"],
-        exclude_modules=["k_proj"],
-        layers_to_transform=[1],
-        rank_pattern={"o_proj": 4},
-        alpha_pattern={"down_proj": 3},
-    ),
-    "regex": dict(r=2, lora_alpha=5, target_modules=r".*\.0\.(self_attn\.v_proj|mlp\.up_proj)"),
-}
-
-
-def _base(model_dir) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _build_adapter(model_dir, out, seed: int, **kwargs):
-    model = peft.get_peft_model(_base(model_dir), peft.LoraConfig(lora_dropout=0.0, **kwargs))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    model.save_pretrained(out)
-    return out
-
-
-def build_adapters(tiny_dirs, root) -> dict:
-    """(arch, name) → folder of every ADAPTERS entry on the tiny llama and qwen2."""
-    return {
-        (arch, name): _build_adapter(tiny_dirs[arch], root / arch / name, seed=i, **cfg)
-        for arch in ("llama", "qwen2")
-        for i, (name, cfg) in enumerate(ADAPTERS.items())
-    }
-
-
-def build_reference(tiny_dirs, adapters) -> dict:
-    """arch → PeftModel holding every adapter of that arch."""
-    refs = {}
-    for arch in ("llama", "qwen2"):
-        names = list(ADAPTERS)
-        ref = peft.PeftModel.from_pretrained(_base(tiny_dirs[arch]), adapters[arch, names[0]], adapter_name=names[0])
-        for name in names[1:]:
-            ref.load_adapter(adapters[arch, name], adapter_name=name)
-        refs[arch] = ref.eval()
-    return refs
-
-
-def _peft_logits(ref, name: str | None, input_ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        if name is None:
-            with ref.disable_adapter():
-                return ref(input_ids=input_ids).logits
-        ref.set_adapter(name)
-        return ref(input_ids=input_ids).logits
 
 
 def _registry(model_dir, adapters, arch, onednn: bool, **kwargs) -> LoraRegistry:
-    model = _base(model_dir)
+    model = base_model(model_dir)
     if onednn:
         assert use_onednn(model) > 0  # before the hooks: they wrap the fused products
         assert hasattr(model.model.layers[0].self_attn.q_proj, "fused_product")
@@ -135,11 +62,11 @@ def test_mixed_batch_equals_peft(tiny_dirs, adapters, reference, arch, onednn, f
     worst = 0.0
     for name in set(ROWS):
         rows = [i for i, r in enumerate(ROWS) if r == name]
-        want = _peft_logits(reference[arch], name, input_ids[rows])
+        want = peft_logits(reference[arch], name, input_ids[rows])
         torch.testing.assert_close(ours[rows], want, atol=ATOL, rtol=0)
         worst = max(worst, (ours[rows] - want).abs().max().item())
         if name is not None:  # the adapter really changes the output (so the comparison can fail)
-            assert (want - _peft_logits(reference[arch], None, input_ids[rows])).abs().max() > 1e-1
+            assert (want - peft_logits(reference[arch], None, input_ids[rows])).abs().max() > 1e-1
     print(f"{arch} onednn={onednn} {form}: max |ours - peft| = {worst:.2e}")
 
 
@@ -152,18 +79,18 @@ def test_unload_frees_the_slot_and_leaves_the_others(tiny_dirs, adapters, refere
     registry.set_step(["all", "mlp"], [10, 10])
     with torch.no_grad():
         ours = registry.model(input_ids=input_ids).logits
-    torch.testing.assert_close(ours[:1], _peft_logits(reference["llama"], "all", input_ids[:1]), atol=ATOL, rtol=0)
-    torch.testing.assert_close(ours[1:], _peft_logits(reference["llama"], "mlp", input_ids[1:]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(ours[:1], peft_logits(reference["llama"], "all", input_ids[:1]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(ours[1:], peft_logits(reference["llama"], "mlp", input_ids[1:]), atol=ATOL, rtol=0)
     registry.load("again", adapters["llama", "qv_rs"])  # into the freed slot
     assert registry.slot_of("again") == 1 and registry.loaded()[1] == "again"
     registry.set_step(["again", None], [10, 10])
     with torch.no_grad():
         ours = registry.model(input_ids=input_ids).logits
-    torch.testing.assert_close(ours[:1], _peft_logits(reference["llama"], "qv_rs", input_ids[:1]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(ours[:1], peft_logits(reference["llama"], "qv_rs", input_ids[:1]), atol=ATOL, rtol=0)
     registry.clear_step()
     with torch.no_grad():
         base = registry.model(input_ids=input_ids).logits
-    torch.testing.assert_close(base, _peft_logits(reference["llama"], None, input_ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(base, peft_logits(reference["llama"], None, input_ids), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("tokens", [1, STACKED_MAX_TOKENS // 2])  # a small step (stacked), a large one (grouped)
@@ -207,7 +134,7 @@ def test_folded_only_where_the_family_is_a_whole_packed_product(tiny_dirs, adapt
     """With q/v adapted but not k, the q/k/v family keeps its own shrink (k's fused columns would be computed
     again); the MLP's gate/up (and down alone) fold. Base rows of a folded step are the base model's bit for bit,
     adapter rows peft's."""
-    model = _base(tiny_dirs["llama"])
+    model = base_model(tiny_dirs["llama"])
     use_onednn(model)
     registry = LoraRegistry(model)
     registry.load("qv_rs", adapters["llama", "qv_rs"])
@@ -234,7 +161,7 @@ def test_folded_only_where_the_family_is_a_whole_packed_product(tiny_dirs, adapt
         torch.testing.assert_close(model(input_ids=input_ids).logits[:2], ours[:2], atol=1e-5, rtol=0)
     for i, name in ((1, "mlp"), (2, "qv_rs")):
         torch.testing.assert_close(
-            ours[i : i + 1], _peft_logits(reference["llama"], name, input_ids[i : i + 1]), atol=ATOL, rtol=0
+            ours[i : i + 1], peft_logits(reference["llama"], name, input_ids[i : i + 1]), atol=ATOL, rtol=0
         )
 
 
@@ -245,7 +172,7 @@ def test_the_two_expand_forms_give_the_same_logits(tiny_dirs, adapters, monkeypa
     logits = {}
     for per_member in (True, False):
         monkeypatch.setattr(lora_fused, "per_member_expands", lambda dtype, per_member=per_member: per_member)
-        model = _base(tiny_dirs["llama"])
+        model = base_model(tiny_dirs["llama"])
         use_onednn(model)
         registry = LoraRegistry(model)
         registry.load("all", adapters["llama", "all"])

@@ -12,7 +12,7 @@ import torch
 from services.shard.cpu_linear import use_onednn
 from services.shard.lora import LoraRegistry
 from services.shard.lora_adapter import AdapterError, load_adapter
-from tests.shard.test_lora import ATOL, _base, _peft_logits
+from tests.lora_adapters import ATOL, base_model, peft_logits
 
 
 def _copy(adapters, tmp_path, name="all", arch="llama"):
@@ -55,7 +55,7 @@ def _edit(folder, **changes):
 def test_config_refusals(tiny_dirs, adapters, tmp_path, changes, message):
     folder = _copy(adapters, tmp_path)
     _edit(folder, **changes)
-    model = _base(tiny_dirs["llama"])
+    model = base_model(tiny_dirs["llama"])
     if message is None:
         load_adapter("x", folder, model)
         return
@@ -64,7 +64,7 @@ def test_config_refusals(tiny_dirs, adapters, tmp_path, changes, message):
 
 
 def test_file_refusals(tiny_dirs, adapters, tmp_path):
-    model = _base(tiny_dirs["llama"])
+    model = base_model(tiny_dirs["llama"])
     with pytest.raises(AdapterError, match="'x': folder .* does not exist"):
         load_adapter("x", tmp_path / "nope", model)
     folder = _copy(adapters, tmp_path)
@@ -91,11 +91,11 @@ def test_file_refusals(tiny_dirs, adapters, tmp_path):
 def test_adapter_of_another_model_does_not_fit(tiny_dirs, adapters):
     # llama's k_proj is 64 → 64 (MHA), qwen2's 64 → 32 (GQA): same names, other shapes
     with pytest.raises(AdapterError, match=r"`model.layers.0.self_attn.k_proj` takes 64 inputs to 32 outputs"):
-        load_adapter("x", adapters["llama", "all"], _base(tiny_dirs["qwen2"]))
+        load_adapter("x", adapters["llama", "all"], base_model(tiny_dirs["qwen2"]))
 
 
 def test_registry_limits(tiny_dirs, adapters):
-    registry = LoraRegistry(_base(tiny_dirs["llama"]), max_loras=2, max_rank=8)
+    registry = LoraRegistry(base_model(tiny_dirs["llama"]), max_loras=2, max_rank=8)
     with pytest.raises(AdapterError, match=r"'mlp': rank 16 of `model.layers.0.mlp.gate_proj` is above the maximum"):
         registry.load("mlp", adapters["llama", "mlp"])
     assert registry.loaded() == [] and registry.layers == {}  # nothing half-installed
@@ -108,7 +108,7 @@ def test_registry_limits(tiny_dirs, adapters):
 
 
 def test_replacing_a_hooked_forward_is_caught(tiny_dirs, adapters):
-    model = _base(tiny_dirs["llama"])
+    model = base_model(tiny_dirs["llama"])
     registry = LoraRegistry(model)
     registry.load("a", adapters["llama", "all"])
     use_onednn(model)  # the wrong order: it replaces the forwards our hooks wrapped
@@ -119,7 +119,7 @@ def test_replacing_a_hooked_forward_is_caught(tiny_dirs, adapters):
 def test_sync_holds_exactly_the_wanted_set(tiny_dirs, adapters, reference, tmp_path):
     """The shard's side of hot load/unload: the scheduler's whole run-time set, applied as a diff (idempotent, so a
     restarted shard gets the same call); a refused adapter leaves the others loaded; a new generation reloads."""
-    registry = LoraRegistry(_base(tiny_dirs["llama"]), max_loras=3, max_rank=16)
+    registry = LoraRegistry(base_model(tiny_dirs["llama"]), max_loras=3, max_rank=16)
     folders = {name: str(adapters["llama", name]) for name in ("all", "mlp")}
     assert registry.sync(folders) == {} and registry.loaded() == ["all", "mlp"]
     first = registry.adapters["all"]
@@ -137,5 +137,5 @@ def test_sync_holds_exactly_the_wanted_set(tiny_dirs, adapters, reference, tmp_p
     with torch.no_grad():
         ours = registry.model(input_ids=input_ids).logits
     registry.clear_step()
-    torch.testing.assert_close(ours, _peft_logits(reference["llama"], "qv_rs", input_ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(ours, peft_logits(reference["llama"], "qv_rs", input_ids), atol=ATOL, rtol=0)
     assert registry.sync({}) == {} and registry.loaded() == []

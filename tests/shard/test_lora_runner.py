@@ -16,14 +16,14 @@ from libs.protocol.messages import NewSequence, StepPlan
 from libs.protocol.params import SamplingParams
 from services.shard import lora_products
 from services.shard.model_runner import ModelRunner
-from tests.shard.driver import Request, drive, prompts_for
-from tests.shard.test_lora import (
+from tests.lora_adapters import (
     ADAPTERS,
     ATOL,
-    _base,
-    _build_adapter,
-    _peft_logits,
+    base_model,
+    build_adapter,
+    peft_logits,
 )
+from tests.shard.driver import Request, drive, prompts_for
 from tests.tiny_models import ARCHS
 
 peft = pytest.importorskip("peft")
@@ -61,7 +61,7 @@ def _peft_generate(ref, adapter: str | None, prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_with_adapters_equals_peft_generate(tiny_dirs, tmp_path, arch, monkeypatch):
     model_dir = tiny_dirs[arch]
-    folders = {n: _build_adapter(model_dir, tmp_path / n, seed=50 + i, **cfg) for i, (n, cfg) in
+    folders = {n: build_adapter(model_dir, tmp_path / n, seed=50 + i, **cfg) for i, (n, cfg) in
                enumerate(ARCH_ADAPTERS.items())}  # fmt: skip
     schedule = _schedule(prompts_for(model_dir))
     requests = [r for r, _ in schedule]
@@ -90,7 +90,7 @@ def test_greedy_with_adapters_equals_peft_generate(tiny_dirs, tmp_path, arch, mo
     runner.execute = with_adapters
     got = drive(runner, requests)
     assert True in forms and False in forms  # stacked steps and grouped steps both ran
-    ref = peft.PeftModel.from_pretrained(_base(model_dir), folders["all"], adapter_name="all")
+    ref = peft.PeftModel.from_pretrained(base_model(model_dir), folders["all"], adapter_name="all")
     ref.load_adapter(folders["qv_mlp_rs"], adapter_name="qv_mlp_rs")
     ref.eval()
     for seq, (req, adapter) in enumerate(schedule):
@@ -129,7 +129,7 @@ def test_packed_prefill_through_the_runner(tiny_dirs, adapters, reference, arch)
     assert sorted(slot for slot, _ in groups.groups) == sorted({runner.lora.slot_of(r) for r in rows if r})
     assert runner.lora.step_groups is None  # cleared after the forward
     for i, (name, prompt) in enumerate(zip(rows, prompts)):
-        want = _peft_logits(reference[arch], name, torch.tensor([prompt]))[0, -1]
+        want = peft_logits(reference[arch], name, torch.tensor([prompt]))[0, -1]
         torch.testing.assert_close(last[i], want, atol=ATOL, rtol=0)
         assert result.token_ids[i] == int(want.argmax())
     # a base-only step sets no grouping at all

@@ -296,10 +296,10 @@ def test_lora_adapters_over_a_quantized_base(tiny_dirs, tmp_path):
     int4 model equals the same registry over its dense twin."""
     pytest.importorskip("peft")
     from services.shard.lora import LoraRegistry
-    from tests.shard.test_lora import ADAPTERS, _build_adapter
+    from tests.lora_adapters import ADAPTERS, build_adapter
 
     names = ("all", "mlp")
-    folders = {n: _build_adapter(tiny_dirs["llama"], tmp_path / n, seed=i, **ADAPTERS[n]) for i, n in enumerate(names)}
+    folders = {n: build_adapter(tiny_dirs["llama"], tmp_path / n, seed=i, **ADAPTERS[n]) for i, n in enumerate(names)}
     quant = ql.from_pretrained(str(tiny_dirs["llama"]), "bitsandbytes-nf4", dtype=torch.float32).eval()
     twin = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32).eval()
     with torch.no_grad():
