@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_arguments(sub.add_parser("keygen", help="print a new CURVE keypair for --bus-curve-secret-key"))
     s = sub.add_parser("serve", help="run every service under supervisord, in the foreground")
 
-    def flag(name: str, type=str, default=None, help=None):
-        s.add_argument(f"--{name}", type=type, default=_env(name, default), help=help)
+    def flag(name: str, type=str, default=None, help=None, choices=None):
+        s.add_argument(f"--{name}", type=type, default=_env(name, default), help=help, choices=choices)
 
     flag("model-id", help=model_store.MODEL_ID_HELP)
     flag("revision", help="Hub revision (branch, tag or commit)")
@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     flag("max-batch-total-tokens", type=int, help="KV cache size in tokens (default: max(65536, max-total-tokens))")
     flag("max-batch-size", type=int, default=256)
     flag("speculate", type=int, help=SPECULATE_HELP)
+    flag(
+        "speculate-policy",
+        choices=("adaptive", "always"),
+        default="adaptive",
+        help="adaptive: draft only where the measured price of a drafted position says it pays; always: draft every "
+        "match that fits (to measure what the adaptive rule saves)",
+    )
     flag(
         "shard-stall-timeout",
         type=float,

@@ -73,6 +73,8 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
     speculate = args.speculate or 0  # TGI's default is None: no speculation
     if speculate < 0:
         raise SystemExit("error: --speculate must be >= 0")
+    if args.speculate_policy not in ("adaptive", "always"):  # argparse checks a flag's choices, not an env default
+        raise SystemExit(f"error: --speculate-policy must be adaptive or always, not {args.speculate_policy!r}")
     if total < max_total:
         raise SystemExit(f"error: max_batch_total_tokens ({total}) must be >= max_total_tokens ({max_total})")
     hostname = args.hostname
@@ -122,6 +124,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         max_batch_total_tokens=total,
         max_batch_size=args.max_batch_size,
         speculate=speculate,
+        speculate_policy=args.speculate_policy,
         shard_stall_timeout=args.shard_stall_timeout,
         replicas=args.replicas,
         num_shard=args.num_shard,

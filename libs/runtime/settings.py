@@ -58,6 +58,9 @@ class Settings:
     max_batch_total_tokens: int = 65536
     max_batch_size: int = 256
     speculate: int = 0  # --speculate: tokens drafted per decode row by prompt lookup and verified (0: off)
+    # --speculate-policy: "adaptive" drafts only what its measured price says pays; "always" drafts every match
+    # that fits (to measure what the adaptive rule saves, and for tests whose drafts must happen on any machine)
+    speculate_policy: str = "adaptive"
     # seconds a step may take before the scheduler says its shards hang (not ready: /health 503) until it returns
     shard_stall_timeout: float = 60.0
     validation_workers: int = 1

@@ -73,6 +73,7 @@ class SchedulerService:
             prefill_saturation_tokens=settings.prefill_saturation_tokens,
             eos_ids=set(model_store.model_info(settings.model_path)["eos_token_ids"]),
             speculate=settings.speculate,
+            speculate_policy=settings.speculate_policy,
         )
         self.observer = StepObserver(self.batcher)  # metrics and the per-request spans
         self.lora = AdapterControl(self)  # LoRA adapters loaded and unloaded while serving

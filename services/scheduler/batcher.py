@@ -63,6 +63,7 @@ class Batcher:
         max_prefill_ms_while_decoding: float = 0.0,
         prefill_saturation_tokens: int = 0,
         speculate: int = 0,
+        speculate_policy: str = "adaptive",
     ):
         self.allocator = BlockAllocator(num_blocks)
         self.max_batch_size = max_batch_size
@@ -83,7 +84,9 @@ class Batcher:
         # per planned step not applied yet: its rows as (seq, handle, computed after, drafts), to index the blocks
         # they fill (a drafted row's accepted drafts add to its computed tokens when the result comes)
         self._inflight: dict[int, list[tuple[Sequence, int, int, int]]] = {}
-        self.drafter = Drafter(speculate) if speculate > 0 else None  # speculative decoding (--speculate)
+        self.drafter = (
+            Drafter(speculate, speculate_policy == "always") if speculate > 0 else None
+        )  # speculative decoding (--speculate)
         self._trim: dict[int, int] = {}  # seq → blocks it keeps, for the next plan (rejected drafts' blocks freed)
         self.step_accepted: list[int] = []  # speculating: per sampled row of the last applied step, drafts accepted
         self._since_join = 0  # steps since waiting requests last joined a running batch

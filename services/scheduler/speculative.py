@@ -253,8 +253,9 @@ class StepCost:
 
 
 class Drafter:
-    def __init__(self, speculate: int) -> None:
+    def __init__(self, speculate: int, always: bool = False) -> None:
         self.speculate = speculate
+        self.always = always  # --speculate-policy always: every proposal that fits is drafted, whatever its price
         self.cost = StepCost()
         self.matches = MatchStats()
         self._planned: dict[int, tuple[int, int, bool]] = {}  # decode-only step → (positions, rows, drafted)
@@ -315,7 +316,7 @@ class Drafter:
         decodes = [i for i, (s, n) in enumerate(rows) if n == 1 and s.computed + 1 == s.total]
         decode_only = sampled == len(rows) and base == len(rows)  # its time teaches the model
         could = self.could_pay(sampled, len(rows), len(decodes) * self.speculate)
-        could = could and not (decode_only and self.cost.wants_plain())
+        could = self.always or (could and not (decode_only and self.cost.wants_plain()))
         proposed, worth, owner = {}, [], []
         for i in decodes:
             s = rows[i][0]
@@ -331,7 +332,9 @@ class Drafter:
             proposed[i] = drafts
             worth += [p**j for j in range(1, len(drafts) + 1)]
             owner += [i] * len(drafts)
-        wants = self.choose(worth, owner, sampled, len(rows))
+        wants = (
+            {i: len(d) for i, d in proposed.items()} if self.always else self.choose(worth, owner, sampled, len(rows))
+        )
         budget = batcher.max_batch_prefill_tokens - base
         out, bs, allocator = {}, batcher.block_size, batcher.allocator
         for i, drafts in proposed.items():

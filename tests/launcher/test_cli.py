@@ -179,3 +179,8 @@ def test_speculate_acts(model_dir, monkeypatch, caplog):
     assert settings_from(parse(), model_dir).speculate == 2
     with pytest.raises(SystemExit, match="--speculate must be >= 0"):
         settings_from(parse("--speculate", "-1"), model_dir)
+    assert settings_from(parse(), model_dir).speculate_policy == "adaptive"
+    assert settings_from(parse("--speculate-policy", "always"), model_dir).speculate_policy == "always"
+    monkeypatch.setenv("SPECULATE_POLICY", "sometimes")  # argparse does not check a default against its choices
+    with pytest.raises(SystemExit, match="--speculate-policy must be adaptive or always"):
+        settings_from(parse(), model_dir)

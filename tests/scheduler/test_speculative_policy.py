@@ -69,8 +69,9 @@ class Shard:
         self.b.apply(codec.decode(codec.encode(res)))
 
 
-def run(rows: int, copying: bool, steps: int, max_new: int = 400) -> tuple[Batcher, Shard]:
-    b = Batcher(512, max_batch_size=64, max_batch_prefill_tokens=4096, eos_ids={EOS}, speculate=4)
+def run(rows: int, copying: bool, steps: int, max_new: int = 400, policy: str = "adaptive") -> tuple[Batcher, Shard]:
+    b = Batcher(512, max_batch_size=64, max_batch_prefill_tokens=4096, eos_ids={EOS}, speculate=4,
+                speculate_policy=policy)  # fmt: skip
     for i in range(rows):
         b.add(Req(request_id=f"r{i}", ingress=0, input_ids=np.asarray(LOOP * 3, np.int32),
                   sampling=SamplingParams(), max_new_tokens=max_new))  # fmt: skip
@@ -131,6 +132,14 @@ def test_sixteen_free_writing_streams_do_not_draft():
     b, shard = run(rows=16, copying=False, steps=200)
     assert sum(shard.drafted_steps) <= 0.02 * 16 * len(shard.drafted_steps)  # at most a rare probe
     assert b.drafter.gain <= 1.0 + speculative.GAIN_MARGIN  # found not to pay
+
+
+def test_the_always_policy_drafts_every_match_even_where_it_does_not_pay():
+    """--speculate-policy always: the sixteen free-writing streams the rule stops drafting draft every step (what the
+    rule saves can be measured, and tests see drafts on any machine)."""
+    b, shard = run(rows=16, copying=False, steps=60, policy="always")
+    assert min(shard.drafted_steps[-50:]) >= 16, shard.drafted_steps  # every row drafts in every step
+    assert 0 < b.counters["accepted_tokens"] < b.counters["draft_tokens"]
 
 
 def test_sixteen_copying_streams_draft_where_it_pays():
