@@ -78,8 +78,10 @@ def settled(server: Server, *names: str) -> tuple[float, ...]:
         time.sleep(1.2)
 
 
-def test_copying_accepts_drafts_and_equals_generate(server, folder, copy_prompt):
-    text, ids = copy_prompt
+def test_copying_accepts_drafts_and_equals_generate(server, folder):
+    # a quoted document (a copy this model makes: below), so that the rule at one stream keeps drafting; asked to
+    # repeat the code of copy_prompt, the model rewrites it and the rule may stop after a few rejected drafts
+    text, ids = quote_prompt(folder, 0)
     want = reference_generate(folder, ids, MAX_NEW)
     out = generate(server, text, details=True, decoder_input_details=False, top_n_tokens=2)
     tokens = out["details"]["tokens"]
