@@ -57,15 +57,27 @@ def server_pids(server: Server) -> list[int]:
     return pids
 
 
-def start(model_dir, log: Path, env: dict, port: int | None = None) -> Server:
+def launch(model_dir, log: Path, env: dict, port: int | None = None) -> Server:
     server = Server(model_dir, log, *(["--port", str(port)] if port else []), env=env)
     if port:  # the later --port wins over the one Server picked
         server.port, server.url = port, f"http://127.0.0.1:{port}"
+    return server
+
+
+def healthy(*servers: Server) -> None:
+    """Wait for every server (launched together: their starts overlap); on failure none is left running."""
     try:
-        server.wait_healthy()
+        for server in servers:
+            server.wait_healthy()
     except BaseException:
-        server.proc.kill()
+        for server in servers:
+            server.proc.kill()
         raise
+
+
+def start(model_dir, log: Path, env: dict, port: int | None = None) -> Server:
+    server = launch(model_dir, log, env, port)
+    healthy(server)
     return server
 
 
@@ -96,12 +108,8 @@ def test_dead_servers_free_their_port_and_the_tap_finds_the_live_one(tiny_model_
     A's launcher is killed: all of A stops, its port frees, its run directory stays, provably
     dead, until the next server (C, on A's port) removes it. B dies whole, frozen supervisord and all, leaving its
     sockets: the tap, with no --bus, still attaches to the one live server, C."""
-    a = start(tiny_model_dir, tmp_path / "a.log", run_root)
-    try:
-        b = start(tiny_model_dir, tmp_path / "b.log", run_root)
-    except BaseException:
-        a.proc.kill()
-        raise
+    a, b = launch(tiny_model_dir, tmp_path / "a.log", run_root), launch(tiny_model_dir, tmp_path / "b.log", run_root)
+    healthy(a, b)
     c = None
     try:
         # it says where it serves and how to stop it, once it is up
