@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from launcher import bench, bus_flags, keygen, quantize, rundir, supervise, tap
-from launcher.serve_settings import IGNORED, SPECULATE_HELP, check_lora_adapters, settings_from
+from launcher.serve_settings import IGNORED, SPECULATE_HELP, SPECULATE_POLICIES, check_lora_adapters, settings_from
 from libs.protocol import Addresses
 from libs.runtime import cpu, model_store
 
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("speculate", type=int, help=SPECULATE_HELP)
     flag(
         "speculate-policy",
-        choices=("adaptive", "always"),
+        choices=SPECULATE_POLICIES,
         default="adaptive",
         help="adaptive: draft only where the measured price of a drafted position says it pays; always: draft every "
         "match that fits (to measure what the adaptive rule saves)",

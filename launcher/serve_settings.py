@@ -30,6 +30,7 @@ IGNORED = [
 ]
 
 
+SPECULATE_POLICIES = ("adaptive", "always")  # --speculate-policy
 SPECULATE_HELP = (
     "speculative decoding: up to N tokens drafted per decode step from n-gram matches in the request's own prompt "
     "and output (prompt lookup), verified in the same forward; outputs are unchanged, and rows whose drafts are not "
@@ -73,7 +74,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
     speculate = args.speculate or 0  # TGI's default is None: no speculation
     if speculate < 0:
         raise SystemExit("error: --speculate must be >= 0")
-    if args.speculate_policy not in ("adaptive", "always"):  # argparse checks a flag's choices, not an env default
+    if args.speculate_policy not in SPECULATE_POLICIES:  # argparse checks a flag's choices, not an env default
         raise SystemExit(f"error: --speculate-policy must be adaptive or always, not {args.speculate_policy!r}")
     if total < max_total:
         raise SystemExit(f"error: max_batch_total_tokens ({total}) must be >= max_total_tokens ({max_total})")

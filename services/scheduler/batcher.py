@@ -84,9 +84,8 @@ class Batcher:
         # per planned step not applied yet: its rows as (seq, handle, computed after, drafts), to index the blocks
         # they fill (a drafted row's accepted drafts add to its computed tokens when the result comes)
         self._inflight: dict[int, list[tuple[Sequence, int, int, int]]] = {}
-        self.drafter = (
-            Drafter(speculate, speculate_policy == "always") if speculate > 0 else None
-        )  # speculative decoding (--speculate)
+        always = speculate_policy == "always"  # --speculate-policy: the adaptive rule off
+        self.drafter = Drafter(speculate, always) if speculate > 0 else None  # speculative decoding (--speculate)
         self._trim: dict[int, int] = {}  # seq → blocks it keeps, for the next plan (rejected drafts' blocks freed)
         self.step_accepted: list[int] = []  # speculating: per sampled row of the last applied step, drafts accepted
         self._since_join = 0  # steps since waiting requests last joined a running batch

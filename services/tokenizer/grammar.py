@@ -320,9 +320,7 @@ class GrammarCompiler:
         # there, so a compile near the 5 s timeout never makes it look gone (stale after 3 s without one)
         self.on_wait: Callable[[], None] | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar")
-        # no slices: they only speed up masks, which the shard computes; here a grammar is only compiled, as fast
-        # without them, and the build is 2.8 s instead of 4.7 for Gemma (llguidance holds the GIL while it builds,
-        # so the "background" build stalls the whole process)
+        # no slices: they speed up masks (the shard's work); a compile is as fast without, the build 2.8 s, not 4.7
         self._tokenizer = self._pool.submit(LLTokenizer, tokenizer_json, eos_token=list(eos_ids), slices=[])
         self._parser_limits = LLParserLimits(
             max_grammar_size=limits.max_grammar_size, max_lexer_states=limits.max_lexer_states, verbose_errors=False
