@@ -5,7 +5,7 @@ A decode step of B rows reads every linear weight once (the LM head included) an
 bandwidth and its float product peak, both measured here first:
 
 - read bandwidth: the best of a few `sum()`s over a 1 GiB float32 tensor (on the shard's torch threads);
-- product peak: the best of torch's float32 `mm` on square matrices that fit in cache (512 and 1024).
+- product peak: the best of torch's `mm` in the serving dtype on square matrices that fit in cache (512, 1024).
 
 The bound of a step is max(bytes / bandwidth, flops / peak): no engine on this CPU, in this dtype, decodes faster;
 an engine near it has nothing left to win but fewer bytes (a smaller dtype, quantized weights) or fewer products.
@@ -35,8 +35,8 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def machine() -> dict:
-    """This machine's float32 read bandwidth (GB/s) and product peak (GFLOP/s), each the best of a few tries."""
+def machine(dtype: str = "float32") -> dict:
+    """This machine's read bandwidth (GB/s) and `dtype` product peak (GFLOP/s), each the best of a few tries."""
     import torch
 
     big = torch.ones(256 * 1024 * 1024)  # 1 GiB
@@ -44,9 +44,9 @@ def machine() -> dict:
     del big
     peak = 0.0
     for n in (512, 1024):
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        a, b = torch.randn(n, n).to(getattr(torch, dtype)), torch.randn(n, n).to(getattr(torch, dtype))
         peak = max(peak, 2 * n**3 / _best(lambda a=a, b=b: torch.mm(a, b), 20) / 1e9)
-    return {"read_gbps": read_gbps, "fp32_gflops": peak, "threads": torch.get_num_threads()}
+    return {"read_gbps": read_gbps, "peak_gflops": peak, "dtype": dtype, "threads": torch.get_num_threads()}
 
 
 def step_cost(model, batch: int, context: int, elem_bytes: int) -> dict:
@@ -70,7 +70,7 @@ def step_cost(model, batch: int, context: int, elem_bytes: int) -> dict:
 
 
 def bound_ms(nbytes: float, flops: float, mach: dict) -> float:
-    return 1000 * max(nbytes / (mach["read_gbps"] * 1e9), flops / (mach["fp32_gflops"] * 1e9))
+    return 1000 * max(nbytes / (mach["read_gbps"] * 1e9), flops / (mach["peak_gflops"] * 1e9))
 
 
 def served_itl(paths: list[str], label: str) -> dict[tuple[str, int], float]:
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--dtype", default="auto", help="auto (the server's default on this CPU) | float32 | bfloat16")
     ap.add_argument("--served", nargs="*", default=[], help="`switchyard bench` results.json files to put beside")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -102,14 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.bench import models
     from launcher.bench.limit import Driver
     from launcher.bench.profile_step import profile
+    from libs.runtime.cpu import choose_dtype, describe
 
     torch.set_num_threads(int(os.environ.get("SWITCHYARD_TORCH_THREADS", os.cpu_count() or 1)))  # as the shard
-    mach = machine()
-    from libs.runtime.cpu import describe
-
+    dtype = choose_dtype(args.dtype).dtype
+    elem_bytes = getattr(torch, dtype).itemsize
+    mach = machine(dtype)
     lines = [
-        f"{describe()}, {mach['threads']} threads: float32 read {mach['read_gbps']:.1f} GB/s, "
-        f"product peak {mach['fp32_gflops']:.0f} GFLOP/s",
+        f"{describe()}, {mach['threads']} threads, {dtype}: read {mach['read_gbps']:.1f} GB/s, "
+        f"product peak {mach['peak_gflops']:.0f} GFLOP/s",
         "",
         "| model | batch | MB read | GFLOP | bound ms | ours ms (% of bound) | LM head bound / ours ms"
         " | served ITL p50 ms: ours / vLLM |",
@@ -120,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.model.split(","):
         label, folder = models.resolve(name)
         served = served_itl(args.served, label)
-        model = Driver(str(folder), 1, args.prompt_tokens, 2, dtype="float32").runner.model
+        model = Driver(str(folder), 1, args.prompt_tokens, 2, dtype=dtype).runner.model
         for b in (int(x) for x in args.batch.split(",")):
-            cost = step_cost(model, b, context, 4)
-            ours = profile(str(folder), b, args.prompt_tokens, args.output_tokens, "float32")
+            cost = step_cost(model, b, context, elem_bytes)
+            ours = profile(str(folder), b, args.prompt_tokens, args.output_tokens, dtype)
             row = {
                 "model": label,
                 "batch": b,
