@@ -22,17 +22,8 @@ import argparse
 import json
 import os
 import sys
-import time
 
-
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+from launcher.bench.timing import best_ms
 
 
 def machine(dtype: str = "float32") -> dict:
@@ -40,13 +31,22 @@ def machine(dtype: str = "float32") -> dict:
     import torch
 
     big = torch.ones(256 * 1024 * 1024)  # 1 GiB
-    read_gbps = big.numel() * 4 / _best(big.sum, 5) / 1e9
+    read_gbps = big.numel() * 4 / best_ms(big.sum, 5) / 1e6
     del big
     peak = 0.0
     for n in (512, 1024):
-        a, b = torch.randn(n, n).to(getattr(torch, dtype)), torch.randn(n, n).to(getattr(torch, dtype))
-        peak = max(peak, 2 * n**3 / _best(lambda a=a, b=b: torch.mm(a, b), 20) / 1e9)
+        a, b = (torch.randn(n, n, dtype=getattr(torch, dtype)) for _ in range(2))
+        peak = max(peak, 2 * n**3 / best_ms(lambda a=a, b=b: torch.mm(a, b), 20) / 1e6)
     return {"read_gbps": read_gbps, "peak_gflops": peak, "dtype": dtype, "threads": torch.get_num_threads()}
+
+
+def shapes(folder) -> object:
+    """The model's modules with no weights behind them (on the meta device): enough to count, nothing loaded."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
 
 
 def step_cost(model, batch: int, context: int, elem_bytes: int) -> dict:
@@ -101,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from launcher.bench import models
-    from launcher.bench.limit import Driver
     from launcher.bench.profile_step import profile
     from libs.runtime.cpu import choose_dtype, describe
 
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.model.split(","):
         label, folder = models.resolve(name)
         served = served_itl(args.served, label)
-        model = Driver(str(folder), 1, args.prompt_tokens, 2, dtype=dtype).runner.model
+        model = shapes(folder)
         for b in (int(x) for x in args.batch.split(",")):
             cost = step_cost(model, b, context, elem_bytes)
             ours = profile(str(folder), b, args.prompt_tokens, args.output_tokens, dtype)
@@ -145,7 +144,6 @@ def main(argv: list[str] | None = None) -> int:
             )
             if not args.json:
                 print(lines[-1], file=sys.stderr, flush=True)
-        del model
     print(json.dumps(out) if args.json else "\n".join(lines))
     return 0
 

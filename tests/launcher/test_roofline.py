@@ -4,9 +4,6 @@ model (timings are reported, not tested)."""
 
 import json
 
-import torch
-from transformers import AutoModelForCausalLM
-
 from launcher.bench import roofline
 from tests.tiny_models import build_model
 
@@ -23,7 +20,7 @@ def _by_shape(cfg, batch: int, context: int) -> tuple[int, int]:
 
 
 def test_step_cost_counts_every_linear_the_head_and_the_kv_read(tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(build_model(tmp_path / "llama", "llama"), dtype=torch.float32)
+    model = roofline.shapes(build_model(tmp_path / "llama", "llama"))  # the modules on the meta device
     cost = roofline.step_cost(model, batch=5, context=40, elem_bytes=4)
     assert (cost["bytes"], cost["flops"]) == _by_shape(model.config, 5, 40)
     assert cost["head_bytes"] == 4 * model.config.vocab_size * model.config.hidden_size
