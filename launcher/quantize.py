@@ -3,7 +3,7 @@
 The method comes from the flag or, as in TGI, from `config.json`'s `quantization_config.quant_method`. Pre-quantized
 checkpoints (gptq, awq, compressed-tensors) are read in their own layout; bitsandbytes / eetq quantize a float
 checkpoint at load to int8 weights with int8 activations (W8A8), bitsandbytes-nf4 / -fp4 to 4-bit group-wise
-weights (services/shard/quant_linear.py; docs/quantization.md says how the numerics differ from bitsandbytes').
+weights (services/shard/quant/loader.py; docs/quantization.md says how the numerics differ from bitsandbytes').
 fp8, marlin and exl2 have CUDA kernels only.
 """
 

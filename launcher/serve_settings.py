@@ -160,7 +160,7 @@ def check_lora_adapters(settings: Settings) -> None:
     --max-lora-rank): exit 1 with the reason instead of shards that fail to start."""
     if not settings.lora_adapters:
         return
-    from services.shard.lora_adapter import AdapterError, check_adapters
+    from services.shard.lora.adapter import AdapterError, check_adapters
 
     folders = dict(entry.split("=", 1) for entry in settings.lora_adapters.split(","))
     try:

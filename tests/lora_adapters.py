@@ -15,7 +15,7 @@ peft = pytest.importorskip("peft")
 
 # Ours and peft's differ only in summation order (B folded with its scale, oneDNN / fused q/k/v products):
 # measured max |diff| 4.9e-6 (llama) and 3.9e-6 (qwen2) on logits of magnitude ~10, so 5e-5 is a 10x margin,
-# while a wrong scale, slot or row moves the logits by more than 1e-1 (asserted in tests/shard/test_lora.py).
+# while a wrong scale, slot or row moves the logits by more than 1e-1 (asserted in tests/shard/lora/test_registry.py).
 ATOL = 5e-5
 
 ADAPTERS = {

@@ -1,6 +1,6 @@
 """Prefill attention kernels against each other: one layer's attention for one prompt of n tokens on CPU.
 
-Why the shard runs long prefill rows the way it does (services/shard/attention_tiled.py). Candidates, each reading
+Why the shard runs long prefill rows the way it does (services/shard/attention/tiled.py). Candidates, each reading
 its keys from the paged cache as the shard does:
 - `eager-whole`: the grouped path (one matmul over the whole [heads, n, n] score matrix, transformers' eager math)
 - `eager-tiles`: the tiled path with the eager math per query tile (what soft-capped models run)
@@ -53,7 +53,7 @@ def _case(n: int, shape: str, dtype, window: int, block_size: int = 16):
     import numpy as np
     import torch
 
-    from services.shard.attention import PagedBatch
+    from services.shard.attention.paged import PagedBatch
 
     heads, kv_heads, d, _, _ = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
@@ -83,7 +83,7 @@ def candidates(n: int, shape: str, dtype, window: int, flex: bool, sweep: bool) 
     import torch
     import torch.nn.functional as F
 
-    from services.shard import attention, attention_tiled
+    from services.shard.attention import paged, tiled
 
     heads, kv_heads, d, _, scaling = SHAPES[shape]
     query, k_cache, v_cache, table, batch = _case(n, shape, dtype, window)
@@ -91,23 +91,23 @@ def candidates(n: int, shape: str, dtype, window: int, flex: bool, sweep: bool) 
     if heads * n * n * 4 <= EAGER_WHOLE_MAX_BYTES:
 
         def eager_whole():
-            attention_tiled.TILE_MIN_QUERIES = n + 1
+            tiled.TILE_MIN_QUERIES = n + 1
             groups, _ = batch().plan(window, query.device)
             # the grouped path takes [T, heads, D] since the lean forward (its first parameter: `tokens`)
-            token_major = next(iter(inspect.signature(attention._attend).parameters)) == "tokens"
+            token_major = next(iter(inspect.signature(paged.attend).parameters)) == "tokens"
             q = query.transpose(0, 1) if token_major else query
-            return attention._attend(q, k_cache, v_cache, groups, scaling, None)
+            return paged.attend(q, k_cache, v_cache, groups, scaling, None)
 
         ways["eager-whole"] = eager_whole
 
     def tiles(kernel: str, tile: int):
         def run():
-            attention_tiled.TILE_MIN_QUERIES, attention_tiled.TILE_QUERIES = 2, tile
+            tiled.TILE_MIN_QUERIES, tiled.TILE_QUERIES = 2, tile
             _, rows = batch().plan(window, query.device)
             for row in rows:  # tiles even where the shard runs a causal square as one call (that is `sdpa-row`)
                 row.causal_square = False
             out = query.new_empty(n, heads, d)
-            attention_tiled.attend_tiled(query, k_cache, v_cache, rows, out, scaling, None, window, kernel)
+            tiled.attend_tiled(query, k_cache, v_cache, rows, out, scaling, None, window, kernel)
             return out
 
         return run
@@ -159,9 +159,9 @@ def candidates(n: int, shape: str, dtype, window: int, flex: bool, sweep: bool) 
 def measure(ns, shapes, dtypes, rounds: int, flex: bool, sweep_at=(2048,), progress=None) -> list[dict]:
     import torch
 
-    from services.shard import attention_tiled
+    from services.shard.attention import tiled
 
-    saved = attention_tiled.TILE_MIN_QUERIES, attention_tiled.TILE_QUERIES
+    saved = tiled.TILE_MIN_QUERIES, tiled.TILE_QUERIES
     rows = []
     try:
         for shape in shapes:
@@ -189,21 +189,21 @@ def measure(ns, shapes, dtypes, rounds: int, flex: bool, sweep_at=(2048,), progr
                         if progress is not None:
                             progress(rows[-1])
     finally:
-        attention_tiled.TILE_MIN_QUERIES, attention_tiled.TILE_QUERIES = saved
+        tiled.TILE_MIN_QUERIES, tiled.TILE_QUERIES = saved
     return rows
 
 
 def prefill(model_dir: str, n: int, dtype_name: str, rounds: int) -> dict[str, float]:
     """A real model's prefill forward of n random tokens (one step, context 0) in ms: the tiled path against the
     grouped path for every row (`TILE_MIN_QUERIES` past n) and the tiled path with eager tiles and with SDPA tiles
-    (what the bf16 rule in attention_tiled.choose_kernel picks between; SDPA only where no layer soft-caps),
+    (what the bf16 rule in tiled.choose_kernel picks between; SDPA only where no layer soft-caps),
     interleaved."""
     import numpy as np
     import torch
 
     from libs.protocol.messages import NewSequence, StepPlan
     from libs.protocol.params import SamplingParams
-    from services.shard import attention_tiled
+    from services.shard.attention import tiled
     from services.shard.model_runner import ModelRunner
 
     blocks = -(-n // 16)
@@ -233,7 +233,7 @@ def prefill(model_dir: str, n: int, dtype_name: str, rounds: int) -> dict[str, f
         runner.execute(StepPlan(step=step + 1, finished=[0], **rows))
         return took
 
-    saved = attention_tiled.TILE_MIN_QUERIES
+    saved = tiled.TILE_MIN_QUERIES
     softcaps = getattr(runner.model.config.get_text_config(), "attn_logit_softcapping", None)
     half = dtype_name in ("bfloat16", "float16")
     times = {"grouped": [], "tiled": [], "tiled-eager": [], **({} if softcaps else {"tiled-sdpa": []}),
@@ -241,13 +241,13 @@ def prefill(model_dir: str, n: int, dtype_name: str, rounds: int) -> dict[str, f
     try:
         for r in range(rounds + 1):  # the first round warms up
             for name in times:
-                attention_tiled.TILE_MIN_QUERIES = n + 1 if name == "grouped" else saved
-                attention_tiled.KERNEL = {"tiled-eager": "eager", "tiled-sdpa": "sdpa", "tiled-half": "half"}.get(name)
+                tiled.TILE_MIN_QUERIES = n + 1 if name == "grouped" else saved
+                tiled.KERNEL = {"tiled-eager": "eager", "tiled-sdpa": "sdpa", "tiled-half": "half"}.get(name)
                 took = once()
                 if r:
                     times[name].append(took)
     finally:
-        attention_tiled.TILE_MIN_QUERIES, attention_tiled.KERNEL = saved, None
+        tiled.TILE_MIN_QUERIES, tiled.KERNEL = saved, None
     return {name: statistics.median(v) * 1000 for name, v in times.items()}
 
 
@@ -273,9 +273,9 @@ def chunked(model_dir: str, n: int, chunk: int, dtype_name: str, tiled: bool = T
     runner = ModelRunner(model_dir, num_blocks=blocks, block_size=16, dtype=getattr(torch, dtype_name))
     vocab = runner.model.config.get_text_config().vocab_size
     ids = np.random.default_rng(0).integers(10, vocab, n).astype(np.int32)
-    from services.shard import attention_tiled
+    from services.shard.attention import tiled
 
-    attention_tiled.TILE_MIN_QUERIES = attention_tiled.TILE_MIN_QUERIES if tiled else n + 1
+    tiled.TILE_MIN_QUERIES = tiled.TILE_MIN_QUERIES if tiled else n + 1
     base, peak, done = _rss_mib(), [0.0], threading.Event()
 
     def sample() -> None:

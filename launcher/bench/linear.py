@@ -1,10 +1,10 @@
 """torch's CPU linear against oneDNN with prepacked weights, in float32 and bfloat16, on a model's own shapes.
 
-Why the shard switches its linear layers (services/shard/cpu_linear.py): this prints, per batch size (the M of a
+Why the shard switches its linear layers (services/shard/model/onednn.py): this prints, per batch size (the M of a
 decode step), the median time of every distinct (in, out) product of the model's decode step as the shard runs it
 (q/k/v and gate/up fused, the LM head) four ways — torch fp32 (MKL), oneDNN fp32, torch bf16, oneDNN bf16 —
 measured interleaved in one process so that load on the machine hits all alike, and the whole step's sum of them.
-bf16 is measured only where oneDNN runs it on this CPU (cpu_linear.dtype_supported).
+bf16 is measured only where oneDNN runs it on this CPU (onednn.dtype_supported).
 
     python -m launcher.bench.linear --model smollm2|gemma|llama-128k|DIR [--batch 1,16,64]
 """
@@ -37,10 +37,10 @@ def measure(model_dir: str, batches: list[int], rounds: int = 5) -> list[dict]:
     import torch
     from transformers import AutoConfig
 
-    from services.shard import cpu_linear
+    from services.shard.model import onednn
 
     shapes = step_shapes(AutoConfig.from_pretrained(model_dir).get_text_config())
-    ways = [w for w in WAYS if w != "onednn_bf16" or cpu_linear.dtype_supported(torch.bfloat16)]
+    ways = [w for w in WAYS if w != "onednn_bf16" or onednn.dtype_supported(torch.bfloat16)]
     gen = torch.Generator().manual_seed(0)
     rows = []
     for m in batches:
@@ -52,8 +52,8 @@ def measure(model_dir: str, batches: list[int], rounds: int = 5) -> list[dict]:
             for name, x, w in (("fp32", x32, w32), ("bf16", x16, w16)):
                 calls[f"torch_{name}"] = lambda x=x, w=w: torch.nn.functional.linear(x, w)
                 if f"onednn_{name}" in ways:
-                    packed = cpu_linear._pack(w)
-                    calls[f"onednn_{name}"] = lambda x=x, p=packed, n=n: cpu_linear._linear(x, p, None, n)
+                    packed = onednn.pack(w)
+                    calls[f"onednn_{name}"] = lambda x=x, p=packed, n=n: onednn.linear(x, p, None, n)
             reps = 3 if n * k > 20_000_000 else 10
             got = {name: [] for name in ways}
             for name in ways:

@@ -1,5 +1,5 @@
 """The cost of LoRA adapters on one linear: the base product alone against the base plus the grouped apply
-(services/shard/lora.py) for rows spread over 4 adapters, the stacked form small steps take (every adapter in one
+(services/shard/lora/registry.py) for rows spread over 4 adapters, the stacked form small steps take (every adapter in one
 shrink, a mask, one expand), and a per-token gather of the weights (what a kernel that looks up each token's
 adapter does, as vLLM's punica path).
 
@@ -36,7 +36,7 @@ def _variants(base, x, weights, a_stack, b_stack) -> dict:
     """The four ways to compute one step's product for these rows (closures over one shape's tensors)."""
     import torch
 
-    from services.shard.lora import STACKED_MAX_TOKENS, Stack, expand, expand_stacked, group_rows, shrink
+    from services.shard.lora.products import STACKED_MAX_TOKENS, Stack, expand, expand_stacked, group_rows, shrink
 
     m = x.shape[0]
     sorted_slots = [i * ADAPTERS // m for i in range(m)]
@@ -87,17 +87,17 @@ def measure(rows_list: list[int], ranks: list[int], rounds: int = 5, reps: int =
     dt = getattr(torch, dtype)
     tol = 1e-4 if dt == torch.float32 else 3e-2
 
-    from services.shard import cpu_linear
+    from services.shard.model import onednn
 
     gen = torch.Generator().manual_seed(0)
     results = []
     for label, (n_in, n_out) in SHAPES.items():
         weight = (torch.randn(n_out, n_in, generator=gen) * 0.02).to(dt)
-        if cpu_linear.available():
-            packed = cpu_linear._pack(weight)
+        if onednn.available():
+            packed = onednn.pack(weight)
 
             def base(x, packed=packed, n_out=n_out):
-                return cpu_linear._linear(x, packed, None, n_out)
+                return onednn.linear(x, packed, None, n_out)
         else:
 
             def base(x, weight=weight):

@@ -7,7 +7,7 @@ rows (a decode step's linear work: every projection and the LM head over `rows` 
 attention is trivial). The mixed step spreads the rows round robin over the base model and the adapters, as the
 serving bench does (`--base-share` of them on the base model); `--adapter-dtypes model,float32` adds a mixed
 step with the adapters in float32 over the same base, and `unfolded` one with the adapters' shrink kept out of the
-base product (`--disable-lora-fold`; services/shard/lora_fused.py). All steps are timed interleaved, `rounds`
+base product (`--disable-lora-fold`; services/shard/lora/fold.py). All steps are timed interleaved, `rounds`
 times, and the medians compared: the ratio is what the LoRA rows cost a step, without the servers around it.
 
     python -m launcher.bench.lora_step [--rows 16,64] [--threads N] [--dtype bfloat16] [--rounds 7] [--cpu-clock]
@@ -60,8 +60,8 @@ def measure(
     from transformers import AutoModelForCausalLM
 
     from launcher.bench import lora_serving, models
-    from services.shard.cpu_linear import use_onednn
-    from services.shard.lora import LoraRegistry
+    from services.shard.lora.registry import LoraRegistry
+    from services.shard.model.onednn import use_onednn
 
     model_dir = models.build_llama("smollm2")
     adapters = lora_serving.build_adapters(model_dir, "smollm2", 4, [16])

@@ -18,7 +18,7 @@ The parts of one decode step of the whole batch, each the median over the steps:
 With --compare, instead: the whole step of three runners side by side — bf16 with the oneDNN linears (the
 default on a CPU with native bf16), bf16 with torch's linears, float32 with the oneDNN linears — one step of each
 in turn, so that load on the machine hits all three alike. With --compare-lean, the same for the lean decoder walk
-(services/shard/lean_forward.py) against transformers' forward at the chosen dtype, with their ratio. With
+(services/shard/model/decoder_walk.py) against transformers' forward at the chosen dtype, with their ratio. With
 --join-tokens N, a decode step of the batch alone against the same step with one N-token prompt joining it (what a
 request arriving mid-flight costs every decoding row), alternated.
 """

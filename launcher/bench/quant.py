@@ -1,4 +1,4 @@
-"""Quantized linear kernels against dense ones, per layer: why services/shard/quant_linear.py picks what it picks.
+"""Quantized linear kernels against dense ones, per layer: why services/shard/quant/loader.py picks what it picks.
 
 For each layer shape and row count (the M of a step: 1 for one decoding stream, 16/64 for batches, 256 for a
 prefill chunk) this prints the median ms of fp32 and bf16 (oneDNN, prepacked, as the shard runs dense layers),
@@ -36,9 +36,10 @@ def _ways(k: int, n: int, force: str | None = None):
     """name → (resident bytes, callable(x))."""
     import torch
 
-    from services.shard import quant_linear as ql
-    from services.shard.cpu_linear import PACK_FOR_BATCH
-    from services.shard.quant_formats import quantize_rtn
+    from services.shard.model.onednn import PACK_FOR_BATCH
+    from services.shard.quant import layers as quant_layers
+    from services.shard.quant import loader as ql
+    from services.shard.quant.formats import quantize_rtn
 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
     ways = {}
@@ -51,12 +52,12 @@ def _ways(k: int, n: int, force: str | None = None):
         ways["bf16"] = (w.numel() * 2, bf)
     except RuntimeError:  # oneDNN refuses bf16 on CPUs without it (AVX2 only)
         pass
-    w8a8 = ql.build(quantize_rtn(w, 8, -1, True, act_int8=True))
+    w8a8 = quant_layers.build(quantize_rtn(w, 8, -1, True, act_int8=True))
     ways["w8a8"] = (ql.resident_bytes(w8a8), w8a8)
     threshold = {None: None, "kernel": 1 << 62, "dense": 0}[force]
     group = 128 if k % 128 == 0 else 64
     for name, qw in (("int4", quantize_rtn(w, 4, group, False)), ("int8", quantize_rtn(w, 8, -1, True))):
-        layer = ql.build(qw, threshold)
+        layer = quant_layers.build(qw, threshold)
         ways[name] = (ql.resident_bytes(layer), layer)
         ways[f"{name} bf16"] = (ql.resident_bytes(layer), lambda x, layer=layer: layer(x.bfloat16()))
     return ways
@@ -97,8 +98,8 @@ def _w8a8_ways(k: int, n: int):
 
     import torch
 
-    from services.shard.cpu_linear import PACK_FOR_BATCH, dtype_supported
-    from services.shard.quant_layers import w8a8_product
+    from services.shard.model.onednn import PACK_FOR_BATCH, dtype_supported
+    from services.shard.quant.layers import w8a8_product
 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
     scales = w.abs().amax(1) / 127
@@ -182,10 +183,11 @@ def measure_steps(model_dir: str, streams: list[int], steps: int = 24, prompt: i
 
 
 def _model_weight_bytes(model) -> int:
-    from services.shard import quant_linear as ql
+    from services.shard.quant import layers as quant_layers
+    from services.shard.quant import loader as ql
 
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    return dense + sum(ql.resident_bytes(m) for m in model.modules() if isinstance(m, ql._QuantLinear))
+    return dense + sum(ql.resident_bytes(m) for m in model.modules() if isinstance(m, quant_layers.QuantLinear))
 
 
 def measure_model(model_dir: str, streams: list[int], steps: int = 8, prompt: int = 16) -> list[dict]:
@@ -193,8 +195,8 @@ def measure_model(model_dir: str, streams: list[int], steps: int = 8, prompt: in
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from services.shard import quant_linear as ql
-    from services.shard.cpu_linear import use_onednn
+    from services.shard.model.onednn import use_onednn
+    from services.shard.quant import loader as ql
 
     ways = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None)]
     ways += [("w8a8", torch.float32, "eetq"), ("int4", torch.float32, "bitsandbytes-nf4")]
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from libs.runtime import cpu
-    from services.shard.quant_linear import INT4_DENSE_FROM, INT8_DENSE_FROM
+    from services.shard.quant.layers import INT4_DENSE_FROM, INT8_DENSE_FROM
 
     p = argparse.ArgumentParser(prog="python -m launcher.bench.quant", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", help="in×out of each layer (default 2048x8192,576x1536; --w8a8: SmolLM2's)")

@@ -1,4 +1,4 @@
-"""The shard's token choice (services/shard/sampling.py `choose`) on large vocabularies: now against an earlier
+"""The shard's token choice (services/shard/sampling/sampler.py `choose`) on large vocabularies: now against an earlier
 version of the same file, and against plain torch, interleaved in one process so that load on the machine hits all
 alike.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from libs.protocol.params import SamplingParams
-from services.shard import sampling as now_sampling
+from services.shard.sampling import sampler as now_sampling
 
 KINDS = ("greedy", "top-n", "mixed", "sampled")
 # the last commit before the chunked softmax reduction; its `choose` had the chunked greedy path already
@@ -61,9 +61,9 @@ def batch_params(kind: str, rows: int) -> list[SamplingParams]:
 
 
 def load_before(rev: str):
-    """services/shard/sampling.py as it was at `rev`, as a module of its own."""
+    """services/shard/sampling/sampler.py as it was at `rev`, as a module of its own."""
     source = subprocess.run(
-        ["git", "show", f"{rev}:services/shard/sampling.py"], capture_output=True, text=True, check=True
+        ["git", "show", f"{rev}:services/shard/sampling/sampler.py"], capture_output=True, text=True, check=True
     ).stdout
     # imported from a file of its own, as any module (the project's code runs no exec/eval: tests/e2e/test_security.py)
     path = Path(tempfile.mkdtemp(prefix="sampling-before-")) / f"sampling_at_{rev.replace('/', '_')}.py"

@@ -6,7 +6,7 @@ its chat template copies well), greedy, every request streamed (TGI's /generate_
   input-copying case prompt lookup is for. (Asked to repeat a small Python module, the default model rewrites it
   instead: its answers were no copies, and most drafts from the prompt were rejected; a list it quotes.);
 - free: "Write a short story about …" (free writing: few drafts match, and the rule in
-  services/scheduler/speculative.py must turn drafting down so that it costs nothing);
+  services/scheduler/drafting.py must turn drafting down so that it costs nothing);
 - json: the copy's documents to be written out as JSON under a JSON schema (`parameters.grammar`): structured
   extraction, where the titles are copied from the prompt and every pick is masked by the grammar after its drafts.
 Both servers are up at once and run both workloads at each `--spec-concurrency`: an unmeasured wave each, then

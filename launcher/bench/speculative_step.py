@@ -3,7 +3,7 @@
 - `steps`: the shard's ModelRunner decode step at `--batch` rows, plain and with drafts (k rows × d drafts each,
   random drafts: verification costs the same whether they are right), in CPU seconds of the calling thread, the
   configurations interleaved. What a drafted position costs against the plain step is what the drafter's rule in
-  services/scheduler/speculative.py must weigh; and whether a drafted step costs more than its positions.
+  services/scheduler/drafting.py must weigh; and whether a drafted step costs more than its positions.
 - `loop`: the real Batcher and ModelRunner in a closed loop over the speculative bench's prompts (copy or free
   writing, `--concurrency` at a time), `--speculate 0` against N, the two interleaved over `--rounds`; the
   scheduler's Python (plan, apply) is in it, the pipeline's processes are not.

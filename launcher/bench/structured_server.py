@@ -1,6 +1,6 @@
 """What the server did during one run of the structured workload (launcher.bench.structured), from its /metrics
 and its log: steps, sampled tokens per step, the shard's step time, prefix-cache hits, and the shard's grammar
-work (services/shard/shard_grammars.py logs its running totals)."""
+work (services/shard/grammar/runner.py logs its running totals)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def server_side(before: dict, after: dict, output_tokens: int) -> dict:
 
 
 def grammar_totals(log_path: Path | None) -> dict[str, float]:
-    """The shard's last `grammar totals:` log line (services/shard/shard_grammars.py, cumulative), as numbers."""
+    """The shard's last `grammar totals:` log line (services/shard/grammar/runner.py, cumulative), as numbers."""
     if log_path is None or not log_path.exists():
         return {}
     lines = re.findall(r"grammar totals: ((?:\w+=[0-9.]+ ?)+)", log_path.read_text(errors="replace"))

@@ -164,8 +164,8 @@ def measure_choice(model_dir: str, batch: int, steps: int, dtype: str = "bfloat1
 
     from libs.protocol.params import SamplingParams
     from libs.runtime import model_store
-    from services.shard.sampling import choose
-    from services.shard.shard_grammars import ShardGrammars
+    from services.shard.grammar.runner import ShardGrammars
+    from services.shard.sampling.sampler import choose
     from services.tokenizer.grammar import json_grammar
 
     grammar = json_grammar(SCHEMA)

@@ -53,3 +53,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True):
         """Whether the shard keeps the sequence's token ids (a penalty or the watermark reads them); the scheduler
         then sends the ids a sequence starts past (NewSequence.prefix_ids)."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.watermark
+
+    def warps(self) -> bool:
+        """Whether any warper (temperature, top-k, top-p, typical-p) changes the row's scores."""
+        return self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0
+
+    def samples(self) -> bool:
+        """Whether the row draws its token rather than taking the argmax (TGI: do_sample, or any warper)."""
+        return self.do_sample or self.warps()

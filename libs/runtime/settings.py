@@ -103,7 +103,7 @@ class Settings:
     lora_adapters: str = ""
     max_loras: int = 8  # adapters resident at once
     max_lora_rank: int = 64
-    # the stacked LoRA shrink folded into the base oneDNN product (services/shard/lora_fused.py): off with
+    # the stacked LoRA shrink folded into the base oneDNN product (services/shard/lora/fold.py): off with
     # --disable-lora-fold, which saves the adapted linears' second packing
     lora_fold: bool = True
 

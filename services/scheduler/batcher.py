@@ -41,10 +41,10 @@ from libs.protocol.messages import (
 )
 from libs.runtime.settings import BLOCK_SIZE
 from services.scheduler.block_allocator import BlockAllocator, blocks_for
+from services.scheduler.drafting import Drafter
 from services.scheduler.prefill_pacing import PrefillPacing
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.sequence import Emitted, Sequence
-from services.scheduler.speculative import Drafter
 
 
 class Batcher:
@@ -143,7 +143,7 @@ class Batcher:
         new, blocks = self._admit(rows, budget)
         if not rows:
             return None
-        drafts = self.drafter.draft(self, rows, step) if self.drafter else {}
+        drafts = self._drafts(rows, step) if self.drafter else {}
         for s, _ in rows:
             if s.seq not in blocks and len(s.blocks) > s.planned_blocks:
                 blocks[s.seq] = s.blocks[s.planned_blocks :]
@@ -188,6 +188,28 @@ class Batcher:
             sample=np.asarray(sample, np.uint8),
             drafts=np.asarray([len(drafts.get(i, ())) for i in range(len(rows))] if drafts else [], np.int32),
         )
+
+    def _drafts(self, rows: list, step: int) -> dict[int, list[int]]:
+        """The drafter's proposals, trimmed to the step's leftover token budget and the blocks free without
+        preempting anyone; the drafted rows' blocks grown for them."""
+        proposed = self.drafter.propose(rows)
+        budget = self.max_batch_prefill_tokens - sum(n for _, n in rows)
+        bs, kept = self.block_size, {}
+        for i, drafts in proposed.items():
+            s = rows[i][0]
+            held = len(s.blocks) * bs - (s.computed + 1)  # slots its blocks hold past the fed token
+            spare = max(0, self.allocator.free - self.watermark) * bs
+            drafts = drafts[: min(budget, held + spare)]
+            if not drafts:
+                continue
+            need = -(-(s.computed + 1 + len(drafts)) // bs) - len(s.blocks)
+            if need > 0:
+                s.blocks += self.allocator.allocate(need)
+            kept[i] = drafts
+            budget -= len(drafts)
+            self.counters["draft_tokens"] += len(drafts)
+        self.drafter.planned(step, rows, proposed, kept)
+        return kept
 
     def _grow(self, s: Sequence, tokens: int) -> bool:
         """Give `s` the blocks for `tokens`, preempting newer sequences if needed; False if `s` itself went."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from libs.protocol.messages import TokenizedRequest
-from services.scheduler.speculative import RowStats
+from services.scheduler.drafting import RowStats
 
 
 @dataclass

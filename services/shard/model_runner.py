@@ -4,7 +4,7 @@ The scheduler decides everything (which rows, which blocks); the runner only kee
 sequence's sampling parameters, its seeded generator, its block table and, for the sequences that need them, the
 token ids it was fed (penalties, watermark) and the last prompt chunk's log-softmax (prompt logprobs). A step is
 ONE forward over all rows packed into [1, T] — prefills and decodes mixed — with position ids restarting per row
-and the batch layout (slots, row bounds) in a PagedBatch: the lean walk's (services/shard/lean_forward.py) where
+and the batch layout (slots, row bounds) in a PagedBatch: the lean walk's (services/shard/model/decoder_walk.py) where
 the architecture has one, else transformers' forward with it as the `paged` kwarg of `paged_attention`.
 """
 
@@ -19,16 +19,16 @@ from transformers.distributed import DistributedConfig
 
 from libs.protocol.messages import StepPlan, StepResult
 from libs.runtime import model_store
-from services.shard.attention import ATTN_IMPLEMENTATION, PagedBatch, allocate_pages
-from services.shard.cpu_linear import use_onednn
-from services.shard.lean_forward import build as build_lean
-from services.shard.lora import LoraRegistry
+from services.shard.attention.paged import ATTN_IMPLEMENTATION, PagedBatch, allocate_pages
+from services.shard.grammar.runner import ShardGrammars
+from services.shard.lora.registry import LoraRegistry
+from services.shard.model.decoder_walk import build as build_lean
+from services.shard.model.onednn import use_onednn
 from services.shard.prompt_logprobs import chunk_logprobs
-from services.shard.quant_linear import from_pretrained as quantized_from_pretrained
-from services.shard.sampling import Choice, choose, samples
-from services.shard.shard_grammars import ShardGrammars
-from services.shard.speculative import PickGenerators, accept, expand_picks, kept_positions, select
+from services.shard.quant.loader import from_pretrained as quantized_from_pretrained
+from services.shard.sampling.sampler import Choice, choose
 from services.shard.step_batch import Batch, History, SequenceState
+from services.shard.verify import PickGenerators, accept, expand_picks, kept_positions, select
 
 
 class ModelRunner:
@@ -46,10 +46,10 @@ class ModelRunner:
         lora_adapters: dict[str, str] | None = None,
         max_loras: int = 8,
         max_lora_rank: int = 64,
-        lora_fold: bool = True,  # LoRA's stacked shrink folded into the base product (services/shard/lora_fused.py)
+        lora_fold: bool = True,  # LoRA's stacked shrink folded into the base product (services/shard/lora/fold.py)
         quantize: str = "",
         grammar: bool = True,  # structured output (off with --disable-grammar-support: no matcher is ever built)
-        lean: bool = True,  # the lean decoder walk where the architecture has one (services/shard/lean_forward.py)
+        lean: bool = True,  # the lean decoder walk where the architecture has one (services/shard/model/decoder_walk.py)
     ) -> None:
         self.device = torch.device(device)
         self.block_size = block_size
@@ -260,7 +260,7 @@ class ModelRunner:
         # Each draw is seeded by the request's seed and the position of the token it draws: a sequence preempted
         # and recomputed, or replayed on a restarted shard, or verifying drafts, draws the same tokens again.
         for st, gen, position in zip(sampled, generators, batch.draw_positions.tolist()):
-            if samples(st.sampling):
+            if st.sampling.samples():
                 gen.manual_seed(draw_seed(st.sampling.seed, position))
         errors = result.errors = {}
         return choose(

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from libs.protocol.params import SamplingParams
-from services.shard.attention import PagedBatch
+from services.shard.attention.paged import PagedBatch
 
 
 class History:

@@ -99,3 +99,19 @@ def barrier() -> None:
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def tp_split(module: torch.nn.Linear) -> tuple[str | None, int, int]:
+    """How `module` is sharded over the tensor-parallel group: ("col" | "row" | None, offset, local size) of the
+    sharded dimension (outputs for "col", inputs for "row"), read from its local weight's shape."""
+    weight = module.weight
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    out_local, in_local = local.shape
+    if out_local == module.out_features and in_local == module.in_features:
+        return None, 0, 0
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    # DTensor's Shard placement: chunks of ceil(n / world), the last one possibly shorter
+    if out_local != module.out_features:
+        return "col", rank * -(-module.out_features // world), out_local
+    return "row", rank * -(-module.in_features // world), in_local

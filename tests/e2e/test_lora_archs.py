@@ -3,7 +3,7 @@ layers, its own MLP). A server started with `--lora-adapters` serves base rows a
 concurrent batch; every row's greedy output equals peft's own generate() (PeftModel with that adapter active,
 float32, eager attention) token for token, and the scheduler counts the adapter rows' tokens (the adapters really
 ran). Every tiny architecture (Llama, Qwen2, Gemma-2, Gemma-3) is checked against peft at the shard, through the
-ModelRunner, in tests/shard/test_lora_runner.py: one server here instead of one per architecture."""
+ModelRunner, in tests/shard/lora/test_model_runner.py: one server here instead of one per architecture."""
 
 from __future__ import annotations
 

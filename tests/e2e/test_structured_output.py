@@ -190,7 +190,7 @@ def test_a_concurrent_mix_is_valid_by_construction(tiny_server):
 
 
 def shard_grammar_totals(log_path) -> dict[str, float]:
-    """The last `grammar totals:` line of the shard (services.shard.constraints) in the server's log."""
+    """The last `grammar totals:` line of the shard (services.shard.grammar.matchers) in the server's log."""
     found = re.findall(r"grammar totals: ((?:\w+=[0-9.]+ ?)+)", log_path.read_text(errors="replace"))
     return {k: float(v) for k, v in (f.split("=", 1) for f in found[-1].split())} if found else {}
 

@@ -1,0 +1,307 @@
+"""A lean decoder forward: the model's own modules, walked with the least glue between their kernels.
+
+transformers' forward of a small model spends as much time in Python between kernels as in them: each layer goes
+through several module calls, keyword plumbing, the attention dispatch, RMSNorm's dtype round trips and rotary's
+`rotate_half` (slices, a negation, a concatenation) for q and k apart. For the architectures served most this
+walks the SAME modules — the embedding, the q/k/v/o and MLP linears (whatever `forward` is installed: oneDNN's
+packed products, LoRA's wrappers, quantized layers), the rotary embedding, the LM head — and does only the glue:
+
+- norms by `torch.rms_norm`, whose CPU kernel is the composite of the ops transformers writes out (pow, mean, add,
+  rsqrt, mul, then the weight), so float32 is bit-identical; the dtype round trips are kept where the model has
+  them (Llama: normalized in float32, cast, times the weight in the serving dtype; Gemma: times (1 + weight) in
+  float32, then cast), so half precision is bit-identical too;
+- rotary cos/sin from the model's rotary module once per step (per layer type for Gemma-3), with the sign of
+  rotate_half folded into sin: x·cos + roll(x)·sin' is transformers' x·cos + rotate_half(x)·sin exactly
+  (negation is exact); q and k rotate in one pass when they lie side by side (the fused q/k/v product);
+- q/k/v as views of the projections, token-major; the paged attention called directly (attention.attend_layer);
+- residual adds in place (the stream is this forward's own tensor); the final norm on the kept positions only.
+
+Which models take it is decided once, at load (`build`): an architecture in ARCHS whose modules are transformers'
+own classes, with no feature this walk leaves out (bidirectional attention, partial rotary, tensor parallel).
+Anything else keeps transformers' forward; the reason is logged and kept on the runner (`lean_reason`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from services.shard.attention.paged import PagedBatch, attend_layer
+
+log = logging.getLogger(__name__)
+# a half input with Gemma's float32 (1 + weight) takes rms_norm's composite path, which is the one we want (`_norm`)
+warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+
+# model class -> (module class prefix, norm kind, layout): "llama" layers are pre-norm; "gemma" layers add the
+# sandwich norms (post-attention, pre/post feed-forward); "gemma3" adds per-head q/k norms and per-type rotary.
+ARCHS = {
+    "LlamaForCausalLM": ("Llama", "llama"),
+    "Qwen2ForCausalLM": ("Qwen2", "llama"),
+    "MistralForCausalLM": ("Mistral", "llama"),
+    "Gemma2ForCausalLM": ("Gemma2", "gemma2"),
+    "Gemma3ForCausalLM": ("Gemma3", "gemma3"),
+}
+
+
+@dataclass(slots=True)
+class _Layer:
+    index: int
+    norm_in: tuple  # (weight, eps) of each norm, as `_norm` takes it
+    norm_mid: tuple  # before the MLP (Llama: post_attention_layernorm; Gemma: pre_feedforward_layernorm)
+    norm_attn_out: tuple | None  # Gemma: post_attention_layernorm (applied to the attention's output)
+    norm_mlp_out: tuple | None  # Gemma: post_feedforward_layernorm
+    qk_norm: tuple | None  # Gemma-3's per-head q/k norms (`_layer_spec`)
+    q_proj: torch.nn.Module
+    k_proj: torch.nn.Module
+    v_proj: torch.nn.Module
+    o_proj: torch.nn.Module
+    gate_proj: torch.nn.Module
+    up_proj: torch.nn.Module
+    down_proj: torch.nn.Module
+    act: object
+    head_dim: int
+    scaling: float
+    softcap: float | None
+    window: int  # 0: full attention
+    rope: str  # which of the step's rotary tables the layer uses
+
+
+class LeanDecoder:
+    """The model's decoder stack and LM head, walked with minimal glue; `forward` is the runner's `_forward`."""
+
+    def __init__(self, model: torch.nn.Module, prefix: str, kind: str) -> None:
+        self.model, self.kind = model, kind
+        body = model.model
+        self.embed = body.embed_tokens
+        self.rotary = body.rotary_emb
+        gemma = kind != "llama"
+        self.final_norm = _norm_spec(body.norm, gemma)
+        self.lm_head = model.get_output_embeddings()
+        self.final_softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.layer_types = getattr(model.config, "layer_types", None) if kind == "gemma3" else None
+        self.layers = [_layer_spec(layer, i, kind, model.config) for i, layer in enumerate(body.layers)]
+        self.forwards = 0  # steps run through this walk (tests read it)
+
+    # -----------------------------------------------------------------------------------------------------------
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor, paged: PagedBatch
+    ) -> torch.Tensor:
+        """[kept, vocab] logits of one packed step (input_ids, position_ids: [T])."""
+        self.forwards += 1
+        h = self.body(input_ids, position_ids, paged)
+        return self.head(h, keep)
+
+    def body(self, input_ids: torch.Tensor, position_ids: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
+        """The residual stream after the last layer, [T, hidden] (before the final norm)."""
+        h = self.embed(input_ids)
+        ropes = self._ropes(h, position_ids)
+        layer_fn = self._llama_layer if self.kind == "llama" else self._gemma_layer
+        for spec in self.layers:
+            h = layer_fn(spec, h, ropes[spec.rope], paged)
+        return h
+
+    def head(self, h: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head of the kept positions (the norm is per position: norm, then keep, is the same)."""
+        logits = self.lm_head(_norm(h.index_select(0, keep), self.final_norm))
+        if self.final_softcap is not None:  # as Gemma's CausalLM: divide, tanh, multiply
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _ropes(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin with rotate_half's sign folded in), each [T, 1, D], per rotary table the layers use."""
+        pos = position_ids[None]
+        if self.layer_types is None:
+            tables = {"": self.rotary(h, pos)}
+        else:
+            tables = {t: self.rotary(h, pos, t) for t in set(self.layer_types)}
+        out = {}
+        for name, (cos, sin) in tables.items():
+            half = sin.shape[-1] // 2
+            signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            out[name] = (cos[0, :, None], signed[0, :, None])
+        return out
+
+    # -----------------------------------------------------------------------------------------------------------
+    def _llama_layer(self, s: _Layer, h: torch.Tensor, rope, paged: PagedBatch) -> torch.Tensor:
+        x = _norm(h, s.norm_in)
+        h.add_(s.o_proj(self._attention(s, x, rope, paged)))
+        x = _norm(h, s.norm_mid)
+        h.add_(s.down_proj(_gated(s, x)))
+        return h
+
+    def _gemma_layer(self, s: _Layer, h: torch.Tensor, rope, paged: PagedBatch) -> torch.Tensor:
+        x = _norm(h, s.norm_in)
+        h.add_(_norm(s.o_proj(self._attention(s, x, rope, paged)), s.norm_attn_out))
+        x = _norm(h, s.norm_mid)
+        h.add_(_norm(s.down_proj(_gated(s, x)), s.norm_mlp_out))
+        return h
+
+    def _attention(self, s: _Layer, x: torch.Tensor, rope, paged: PagedBatch) -> torch.Tensor:
+        """[T, heads * D]: q/k/v, their norms (Gemma-3) and rotary, the paged attention."""
+        T, D = x.shape[0], s.head_dim
+        q = s.q_proj(x)
+        k = s.k_proj(x)
+        v = s.v_proj(x).view(T, -1, D)
+        heads = q.shape[-1] // D
+        qk = _side_by_side(q, k, D)  # [T, heads + kv_heads, D] when the fused product made them neighbours
+        if qk is not None:
+            qk = _rotate(_qk_norm(qk, s.qk_norm, heads), rope)
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:
+            q, k = q.view(T, heads, D), k.view(T, -1, D)
+            if s.qk_norm is not None:
+                q = _head_norm(q, s.qk_norm[0], s.qk_norm[3])
+                k = _head_norm(k, s.qk_norm[1], s.qk_norm[3])
+            q, k = _rotate(q, rope), _rotate(k, rope)
+        out = attend_layer(s.index, q, k, v, paged, s.scaling, s.softcap, s.window)
+        return out.reshape(T, -1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def _norm_spec(module: torch.nn.Module, gemma: bool) -> tuple:
+    """(weight, eps, gemma): Gemma's (1 + weight) is formed once, in float32, as its forward forms it per call."""
+    if gemma:
+        return (1.0 + module.weight.detach().float(), float(module.eps), True)
+    return (module.weight.detach(), float(module.variance_epsilon), False)
+
+
+def _norm(x: torch.Tensor, spec: tuple) -> torch.Tensor:
+    """transformers' RMSNorm of the model (module docstring), over the last dimension."""
+    weight, eps, gemma = spec
+    if gemma or x.dtype == torch.float32:
+        # Gemma: normalized and weighted in float32, then cast: what rms_norm does with a half input and a float32
+        # weight (it upcasts, multiplies, then casts back; tested bit-equal against transformers' forward)
+        return torch.rms_norm(x, weight.shape, weight, eps)
+    return torch.rms_norm(x, weight.shape, None, eps) * weight  # normalized in float32, cast, then the weight
+
+
+def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's per-head norm of [T, heads, D] with a per-head-row (1 + weight), [D] or [heads, D]."""
+    if x.dtype == torch.float32:
+        return torch.rms_norm(x, x.shape[-1:], None, eps) * weight
+    return (torch.rms_norm(x.float(), x.shape[-1:], None, eps) * weight).to(x.dtype)
+
+
+def _qk_norm(qk: torch.Tensor, spec: tuple | None, heads: int) -> torch.Tensor:
+    """Gemma-3's q and k norms in one pass over q and k side by side (spec[2]: one weight row per head)."""
+    return qk if spec is None else _head_norm(qk, spec[2], spec[3])
+
+
+def _gated(s: _Layer, x: torch.Tensor) -> torch.Tensor:
+    """act(gate(x)) * up(x), the product written into the activation's own fresh tensor (no third [T, inter]
+    buffer: a 2k-token prefill of SmolLM2 ran ~3-6 % faster in CPU time with this and `half_tile`'s contiguous
+    query, alternated in one process; the same values)."""
+    return s.act(s.gate_proj(x)).mul_(s.up_proj(x))
+
+
+def _rotate(x: torch.Tensor, rope) -> torch.Tensor:
+    """x·cos + rotate_half(x)·sin, as x·cos + roll(x)·sin' (sin' carries rotate_half's sign)."""
+    cos, signed_sin = rope
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
+
+
+def _side_by_side(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> torch.Tensor | None:
+    """q and k as one [T, q + k heads, D] view when k's columns follow q's in the same rows (else None)."""
+    if q.dim() != 2 or q.stride() != k.stride() or q.stride(1) != 1 or q.dtype != k.dtype:
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.element_size():
+        return None
+    if q.shape[1] + k.shape[1] > q.stride(0) and q.shape[0] > 1:
+        return None
+    heads = (q.shape[1] + k.shape[1]) // head_dim
+    return q.as_strided((q.shape[0], heads, head_dim), (q.stride(0), head_dim, 1))
+
+
+def _activation(module: torch.nn.Module):
+    """The function the activation module's forward calls (no module call per layer), or the module itself."""
+    name = type(module).__name__
+    if name == "SiLUActivation" or (type(module) is torch.nn.SiLU and not module.inplace):
+        return torch.nn.functional.silu
+    if name == "GELUTanh" and callable(getattr(module, "act", None)):
+        return module.act  # functools.partial(gelu, approximate="tanh") (or its Python form), as forward calls it
+    return module
+
+
+def _layer_spec(layer, index: int, kind: str, config) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    gemma = kind != "llama"
+    window = getattr(attn, "sliding_window", None)
+    if kind == "llama" and window is None and type(attn).__name__ == "MistralAttention":
+        window = getattr(config, "sliding_window", None)  # Mistral: every layer slides by the config's window
+    qk_norm = None
+    if kind == "gemma3":  # (q's, k's, both stacked per head row [heads + kv_heads, D], eps), as `_norm_spec` forms
+        q_w, k_w = (1.0 + norm.weight.detach().float() for norm in (attn.q_norm, attn.k_norm))
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        stacked = torch.cat((q_w.expand(heads, -1), k_w.expand(kv_heads, -1)))
+        qk_norm = (q_w, k_w, stacked, float(attn.q_norm.eps))
+    return _Layer(
+        index=index,
+        norm_in=_norm_spec(layer.input_layernorm, gemma),
+        norm_mid=_norm_spec(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm, gemma),
+        norm_attn_out=_norm_spec(layer.post_attention_layernorm, True) if gemma else None,
+        norm_mlp_out=_norm_spec(layer.post_feedforward_layernorm, True) if gemma else None,
+        qk_norm=qk_norm,
+        q_proj=attn.q_proj,
+        k_proj=attn.k_proj,
+        v_proj=attn.v_proj,
+        o_proj=attn.o_proj,
+        gate_proj=mlp.gate_proj,
+        up_proj=mlp.up_proj,
+        down_proj=mlp.down_proj,
+        act=_activation(mlp.act_fn),
+        head_dim=attn.head_dim,
+        scaling=float(attn.scaling),
+        softcap=getattr(attn, "attn_logit_softcapping", None),
+        window=int(window or 0),
+        rope=(attn.layer_type or "") if kind == "gemma3" else "",
+    )
+
+
+def unsupported(model: torch.nn.Module, tp: int = 1) -> str:
+    """Why this model keeps transformers' forward ("" when the lean walk handles it)."""
+    name = type(model).__name__
+    if name not in ARCHS:
+        return f"architecture {name} has no lean walk"
+    prefix, kind = ARCHS[name]
+    if tp > 1:
+        return "tensor parallel keeps transformers' forward"
+    body, config = model.model, model.config
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    expected = {f"{prefix}DecoderLayer", f"{prefix}Attention", f"{prefix}MLP", f"{prefix}RMSNorm"}
+    for module in body.layers.modules():
+        cls = type(module)
+        if cls.__name__.startswith(prefix) and (cls.__name__ not in expected or "transformers." not in cls.__module__):
+            return f"module {cls.__module__}.{cls.__name__} is not transformers' own"
+    for layer in body.layers:
+        if type(layer).__name__ != f"{prefix}DecoderLayer" or not getattr(layer.self_attn, "is_causal", True):
+            return "a layer is not a causal decoder layer of the architecture"
+    if len(body.layers) != config.num_hidden_layers:
+        return "the model has more layers than it runs"
+    head_dim = body.layers[0].self_attn.head_dim
+    probe = torch.zeros(1, 1, dtype=body.embed_tokens.weight.dtype, device=body.embed_tokens.weight.device)
+    pos = torch.zeros(1, 1, dtype=torch.long, device=probe.device)
+    types = sorted(set(config.layer_types)) if kind == "gemma3" else [None]
+    for t in types:
+        cos, _ = body.rotary_emb(probe, pos) if t is None else body.rotary_emb(probe, pos, t)
+        if cos.shape[-1] != head_dim:
+            return f"partial rotary ({cos.shape[-1]} of {head_dim} dims)"
+    return ""
+
+
+def build(model: torch.nn.Module, tp: int = 1, enabled: bool = True) -> tuple[LeanDecoder | None, str]:
+    """The lean walk for this model, or None and why not (logged once, at load). SWITCHYARD_LEAN=0 in the shard's
+    environment turns it off for a whole server (to compare the two forwards end to end)."""
+    if os.environ.get("SWITCHYARD_LEAN", "1") == "0":
+        enabled = False
+    reason = "turned off" if not enabled else unsupported(model, tp)
+    if reason:
+        log.info("forward: transformers' own (%s)", reason)
+        return None, reason
+    prefix, kind = ARCHS[type(model).__name__]
+    log.info("forward: lean walk of the %s decoder (%s)", kind, type(model).__name__)
+    return LeanDecoder(model, prefix, kind), ""

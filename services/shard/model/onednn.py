@@ -1,0 +1,172 @@
+"""The model's linear layers through oneDNN with prepacked weights, on CPU; projections that read the same input
+fused into one product.
+
+torch's CPU `linear` calls MKL's sgemm. On the AMD machines this project is measured on, MKL runs the small-M
+products of a decode step (M = batch size) well below memory bandwidth, and the LM head — the biggest matrix of
+a small model (Gemma-3-270M: 168M of its 268M parameters) — worst of all; oneDNN with the weight reordered once
+into its blocked layout does the same products faster there (`python -m launcher.bench.linear`; figures in
+docs/benchmarks.md). The numbers differ from MKL's only in float rounding (summation order), as MKL's own differ
+between batch sizes.
+
+Fusion. A layer's q/k/v projections all read the same hidden states, and so do an MLP's gate and up projections:
+one product with the weights stacked ([q; k; v]) does the work of three with one pass over the input and one
+thread fork, which matters most at decode sizes (docs/benchmarks.md). Each output element is the same dot product
+over the same K, so the fused outputs equal the separate ones bit for bit (tested). transformers' modules still
+call `q_proj(x)`, `k_proj(x)`, `v_proj(x)` one by one: the first call of a group computes the fused product for `x`
+and the others take their column slice of it, for as long as they are called with that same tensor object; a
+member called with another input just computes the product again.
+
+Dtypes. float32 always; bfloat16 where oneDNN runs it on this CPU (the serving dtype on CPUs with native bf16:
+libs/runtime/cpu.py). torch's own bf16 linear also ends in oneDNN but reorders the weight on every call; the
+prepacked product gives the same numbers (tested) without that. Whether oneDNN can do bf16 here is found out once
+by packing and running a small product: on AVX2-only CPUs the bf16 prepack fails outright, and then bf16 linears
+keep torch's path (logged once). Other dtypes (float16) keep torch's path.
+
+Only plain `nn.Linear` modules on CPU are switched; tensor-parallel shards (DTensor weights) keep torch's path.
+The original weights stay (a tied embedding reads them); the packed copies cost the linear weights' size once
+more in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Batch size the weights are reordered for; oneDNN serves any M from the same packing.
+PACK_FOR_BATCH = 64
+
+# Sibling projections (attributes of one module) that read the same input, in the order the models call them.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+# dtypes oneDNN is asked to take; each is probed once (dtype_supported)
+CANDIDATE_DTYPES = (torch.float32, torch.bfloat16)
+_supported: dict[torch.dtype, bool] = {}
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def dtype_supported(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and runs `dtype` linears on this CPU: tried once on a small product, then remembered."""
+    if dtype not in CANDIDATE_DTYPES or not available():
+        return False
+    if dtype not in _supported:
+        gen = torch.Generator().manual_seed(0)
+        weight, x = torch.randn(32, 64, generator=gen).to(dtype), torch.randn(2, 64, generator=gen).to(dtype)
+        try:
+            got = linear(x, pack(weight), None, 32)
+            ok = got.dtype == dtype and torch.allclose(got.float(), (x.float() @ weight.float().T), 5e-2, 5e-2)
+            why = "" if ok else "its product does not match"
+        except RuntimeError as e:  # "bf16 path needs the cpu support avx512bw, avx512vl and avx512dq", ...
+            ok, why = False, str(e).splitlines()[0]
+        _supported[dtype] = ok
+        if not ok:
+            log.warning("oneDNN cannot run %s linears on this CPU (%s): they keep torch's path", dtype, why)
+    return _supported[dtype]
+
+
+def _eligible(module) -> bool:
+    weight = getattr(module, "weight", None)
+    if type(module) is not torch.nn.Linear or type(weight.data) is not torch.Tensor:
+        return False
+    return weight.device.type == "cpu" and dtype_supported(weight.dtype)
+
+
+def use_onednn(model: torch.nn.Module, fuse: bool = True) -> int:
+    """Switch the model's eligible linear layers to oneDNN (fusing sibling projections unless `fuse` is off);
+    returns how many linear modules were switched."""
+    if not available():
+        return 0
+    switched: set[int] = set()
+    if fuse:
+        for parent in model.modules():
+            for names in FUSED_GROUPS:
+                members = [getattr(parent, name, None) for name in names]
+                if not all(_eligible(m) for m in members) or any(id(m) in switched for m in members):
+                    continue
+                if len({(m.in_features, m.weight.dtype, m.bias is None) for m in members}) != 1:
+                    continue
+                _fuse(members)
+                switched.update(id(m) for m in members)
+    for module in model.modules():
+        if id(module) in switched or not _eligible(module):
+            continue
+        packed = pack(module.weight)
+        module.forward = _packed_forward(packed, module.bias, module.out_features)
+        module.onednn_packed = True  # LoRA folds its shrink into such a product (services/shard/lora/fold.py)
+        switched.add(id(module))
+    return len(switched)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_BATCH)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    if x.dim() == 2:  # the lean walk's [tokens, in]: no reshape and view around it (~3 µs each, ~250 calls a step)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+    flat = x.reshape(-1, x.shape[-1])
+    y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [None], "")
+    return y.view(*x.shape[:-1], out_features)
+
+
+def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return linear(x, packed, bias, out_features)
+
+    return forward
+
+
+class SharedInputProduct:
+    """One product for sibling projections that read the same input: the first member called with an input computes
+    the whole output, each member takes its columns, and the activations go once every member has its part.
+    Subclasses say how the whole product is computed (`product`)."""
+
+    def __init__(self, widths: list[int]):
+        bounds = [0]
+        for width in widths:
+            bounds.append(bounds[-1] + width)
+        self.columns = list(zip(bounds[:-1], bounds[1:]))
+        self.input: torch.Tensor | None = None  # the tensor `output` was computed from (held, so never a new id)
+        self.output: torch.Tensor | None = None
+        self.unserved: set[int] = set()
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def columns_for(self, member: int, x: torch.Tensor) -> torch.Tensor:
+        if x is not self.input or member not in self.unserved:
+            self.input, self.output = x, self.product(x)
+            self.unserved = set(range(len(self.columns)))
+        start, end = self.columns[member]
+        out = self.output[..., start:end]
+        self.unserved.discard(member)
+        if not self.unserved:  # every member has its part: let the activations go
+            self.input = self.output = None
+        return out
+
+
+class _FusedProduct(SharedInputProduct):
+    """One stacked oneDNN product for a group of projections."""
+
+    def __init__(self, members: list[torch.nn.Linear]):
+        super().__init__([m.out_features for m in members])
+        weight = torch.cat([m.weight.detach() for m in members])
+        bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+        self.packed, self.bias, self.out_features = pack(weight), bias, weight.shape[0]
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.packed, self.bias, self.out_features)
+
+
+def _fuse(members: list[torch.nn.Linear]) -> None:
+    product = _FusedProduct(members)
+    for i, module in enumerate(members):
+        module.forward = lambda x, i=i: product.columns_for(i, x)
+        module.fused_product = product  # which group it belongs to (tests, and LoRA's folded products)
+        module.fused_member = i

@@ -1,0 +1,120 @@
+"""Token choice, in TGI's order, as calls: penalties (watermark, repetition, frequency); the grammar mask (rows
+with a grammar only); warpers (temperature, top-k, top-p, typical-p); the reduction (argmax and every logprob);
+the seeded draws; the top-n alternatives. One file per stage beside this one.
+
+Like TGI's `HeterogeneousNextTokenChooser`, a row samples when `do_sample` is set *or* any warper is active
+(`SamplingParams.samples`), and the reported logprob is the log-softmax of the final processed and warped scores at
+the chosen token; the alternatives come from that same distribution. A batch where no row changes its scores reads
+the logits as they come (bf16 too: no float32 copy of them all). A greedy row whose grammar allows few tokens is
+chosen among those alone (docs/structured-output.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from libs.protocol.params import SamplingParams
+from services.shard.sampling.draws import draws
+from services.shard.sampling.penalties import apply_penalties
+from services.shard.sampling.reduction import choose_sparse, reduce, top_n
+from services.shard.sampling.warpers import warp
+
+
+@dataclass
+class Choice:
+    """One step's choice for n rows, on the logits' device."""
+
+    token_ids: torch.Tensor  # [n] long
+    logprobs: torch.Tensor  # [n] float32, log-softmax of the final scores at the chosen token
+    # alternatives, or None when no row asked for any: per row how many, then all rows' ids/logprobs, best first
+    top_counts: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def choose(
+    logits: torch.Tensor,  # [n, vocab]
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    histories: list[np.ndarray | None] | None = None,  # per row: token ids so far, for rows with penalties
+    *,
+    watermark_gamma: float = 0.5,
+    watermark_delta: float = 2.0,
+    constrain: Callable[[torch.Tensor], None] | None = None,  # the grammar mask, see final_scores
+) -> Choice:
+    """Pick one token per row and report its logprob (and the alternatives asked for).
+
+    Greedy rows take the argmax of their final scores; sampled rows a seeded multinomial draw from the softmax of
+    theirs, each with its own generator. Every logprob, the alternatives' too, is the score minus the row's
+    logsumexp from the reduction."""
+    n = logits.shape[0]
+    device = logits.device
+    if n == 0:
+        return Choice(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, device=device))
+    scores, sparse = logits, {}
+    if constrain is not None or any(p.keeps_history() or p.warps() for p in params):
+        # greedy rows without alternatives may be chosen among their grammar's few allowed ids alone (CPU)
+        plain = [i for i, p in enumerate(params) if not p.samples() and p.top_n_tokens == 0]
+        scores, sparse = final_scores(
+            logits,
+            params,
+            histories,
+            watermark_gamma=watermark_gamma,
+            watermark_delta=watermark_delta,
+            constrain=constrain,
+            sparse_ok=plain if constrain is not None and device.type == "cpu" else None,
+        )
+    token_ids, maxes, spreads = reduce(scores, [i for i in range(n) if i not in sparse] if sparse else None)
+    if sparse:
+        choose_sparse(scores, sparse, token_ids, maxes, spreads)
+    drawn = [i for i, p in enumerate(params) if p.samples()]
+    if drawn:
+        token_ids[drawn] = draws(scores, drawn, generators)
+    # greedy rows: the chosen score is the max, so the logprob is exactly −spread
+    picked = scores.gather(1, token_ids[:, None])[:, 0].float()
+    choice = Choice(token_ids, (picked - maxes) - spreads)
+    want = [p.top_n_tokens for p in params]
+    if max(want) > 0:
+        choice.top_counts, choice.top_ids, choice.top_logprobs = top_n(scores, maxes, spreads, want)
+    return choice
+
+
+def final_scores(
+    logits: torch.Tensor,  # [n, vocab]
+    params: list[SamplingParams],
+    histories: list[np.ndarray | None] | None = None,
+    *,
+    watermark_gamma: float = 0.5,
+    watermark_delta: float = 2.0,
+    constrain: Callable[[torch.Tensor], None] | None = None,
+    sparse_ok: list[int] | None = None,
+) -> tuple[torch.Tensor, dict[int, np.ndarray]]:
+    """The scores a row's token is chosen from — penalties, the grammar mask, then warpers — and the rows chosen
+    among a few allowed ids ({row: ids}).
+
+    The scores stay in the logits' own dtype where only the grammar mask changes them (masking bf16 in place writes
+    -inf and keeps the rest bit for bit), else float32; `logits` itself is never written by the penalties or
+    warpers, but `constrain` may mask it in place (the runner's own tensor, used for nothing else after the
+    choice). With `sparse_ok` and a mask that can split (grammar.runner.GrammarMask), those rows that allow few
+    tokens are left unmasked and their allowed ids returned: the caller chooses among them alone."""
+    scores, sparse = logits, {}
+    if any(p.keeps_history() for p in params):
+        scores = logits.float()
+        if scores is logits:  # penalties write in place: never into the caller's tensor
+            scores = scores.clone()
+        histories = histories or [None] * len(params)
+        scores = apply_penalties(scores, params, histories, gamma=watermark_gamma, delta=watermark_delta)
+    if constrain is not None:
+        split = getattr(constrain, "split", None)
+        if split is not None and sparse_ok:
+            sparse = split(scores, sparse_ok)
+        else:
+            constrain(scores)
+    if any(p.warps() for p in params):
+        warped = scores.float()
+        scores = warp(warped, params, in_place=warped is not logits)
+    return scores, sparse

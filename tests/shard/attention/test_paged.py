@@ -1,0 +1,62 @@
+"""How a step's short rows are grouped for attention: decodes keep the one-query product beside verified drafts."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from services.shard.attention import paged
+
+
+def _batch(q_lens, ctx_lens, bs=4, kv_heads=2, d=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    per_row = [-(-(c + q) // bs) for q, c in zip(q_lens, ctx_lens)]
+    tables = np.full((len(q_lens), max(per_row)), -1, dtype=np.int64)
+    start = 0
+    for i, n in enumerate(per_row):
+        tables[i, :n] = np.arange(start, start + n)
+        start += n
+    k_cache, v_cache = (torch.randn(kv_heads, start, bs, d, generator=gen) for _ in range(2))
+    batch = paged.PagedBatch(
+        kv_cache=[(k_cache, v_cache)],
+        slot_mapping=None,
+        cu_seqlens_q=None,
+        context_lens=None,
+        block_tables=None,
+        block_size=bs,
+        host_cu=np.concatenate([[0], np.cumsum(q_lens)]),
+        host_context=np.array(ctx_lens),
+        host_tables=tables,
+    )
+    return batch, k_cache, v_cache, tables
+
+
+def test_decodes_keep_the_one_query_group_beside_a_verified_draft():
+    q_lens, ctx_lens = [1, 1, 5, 1, 1, 1], [30, 33, 31, 29, 35, 34]  # row 2 verifies 4 drafts
+    batch, k_cache, v_cache, tables = _batch(q_lens, ctx_lens)
+    groups, tiled = batch.plan(0, torch.device("cpu"))
+    assert not tiled
+    one_query = [g for g in groups if g.queries == 1]
+    assert len(one_query) == 1 and one_query[0].rows == 5 and not one_query[0].whole
+    assert sorted(g.rows for g in groups if g.queries > 1) == [1]
+
+    heads, d = 4, k_cache.shape[-1]
+    tokens = torch.randn(sum(q_lens), heads, d, generator=torch.Generator().manual_seed(1))
+    out = paged.attend(tokens, k_cache, v_cache, groups, 0.3, None)
+    # each row alone, by eager attention's math over its own keys (GQA: query head h reads KV head h // 2)
+    cu = batch.host_cu
+    for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
+        blocks = torch.from_numpy(tables[i][tables[i] >= 0])
+        k = k_cache.index_select(1, blocks).reshape(2, -1, d)[:, : c + q].repeat_interleave(2, 0)
+        v = v_cache.index_select(1, blocks).reshape(2, -1, d)[:, : c + q].repeat_interleave(2, 0)
+        qs = tokens[cu[i] : cu[i + 1]].transpose(0, 1)  # [heads, q, D]
+        scores = qs @ k.transpose(1, 2) * 0.3
+        causal = torch.arange(c + q)[None, :] > (c + torch.arange(q))[:, None]
+        want = torch.softmax(scores.masked_fill(causal, float("-inf")), -1) @ v
+        torch.testing.assert_close(out[cu[i] : cu[i + 1]], want.transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_of_decodes_alone_is_one_whole_group():
+    batch, *_ = _batch([1, 1, 1], [10, 20, 12])
+    groups, _ = batch.plan(0, torch.device("cpu"))
+    assert len(groups) == 1 and groups[0].whole and groups[0].rows == 3

@@ -1,0 +1,107 @@
+"""The lean decoder walk (services/shard/model/decoder_walk.py) against transformers: same tokens as generate(), the same
+logits as transformers' forward through the same runner (bit for bit in float32; bf16 within its rounding), and
+the models it does not know keep transformers' forward, with the reason on the runner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.shard.model.decoder_walk import unsupported
+from services.shard.model_runner import ModelRunner
+from tests.reference import reference_generate
+from tests.shard.driver import Request, drive, prompts_for
+from tests.tiny_models import ARCHS, SLIDING_WINDOW
+
+BLOCK_SIZE = {"llama": 4, "qwen2": 16, "gemma2": 4, "gemma3": 16}
+
+
+def _requests(prompts: list[list[int]]) -> list[Request]:
+    """Prompts several sliding windows long, prefilled in several chunks, decoding beside later prefills."""
+    return [
+        Request(prompts[2], 10, join=1, chunk=16),  # 58 tokens: four chunks
+        Request(prompts[1], 12, join=1),
+        Request(prompts[4], 8, join=2, chunk=9),  # 47 tokens: six chunks, joining running decodes
+        Request(prompts[3], 9, join=4),
+    ]
+
+
+def _logits_of(runner: ModelRunner) -> list[torch.Tensor]:
+    """Every step's [kept, vocab] logits, recorded as the runner's forward returns them."""
+    seen, forward = [], runner._forward
+
+    def recording(batch):
+        logits = forward(batch)
+        seen.append(logits.float().clone())
+        return logits
+
+    runner._forward = recording
+    return seen
+
+
+def _run(model_dir, dtype: torch.dtype, lean: bool, arch: str):
+    runner = ModelRunner(str(model_dir), num_blocks=96, block_size=BLOCK_SIZE[arch], dtype=dtype, lean=lean)
+    logits = _logits_of(runner)
+    return runner, drive(runner, _requests(prompts_for(model_dir))), logits
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lean_walk_matches_transformers_in_float32(tiny_dirs, arch):
+    model_dir = tiny_dirs[arch]
+    assert max(len(r.prompt) for r in _requests(prompts_for(model_dir))) > 5 * SLIDING_WINDOW
+    lean, got, lean_logits = _run(model_dir, torch.float32, True, arch)
+    assert lean.lean is not None and lean.lean_reason == ""
+    assert lean.lean.forwards == len(lean_logits) > 10  # every step went through the walk
+    for seq, req in enumerate(_requests(prompts_for(model_dir))):
+        assert got[seq] == reference_generate(model_dir, req.prompt, req.max_new), f"{arch} seq {seq}"
+    plain, plain_got, plain_logits = _run(model_dir, torch.float32, False, arch)
+    assert plain.lean is None and plain.lean_reason == "turned off"
+    assert plain_got == got
+    assert len(plain_logits) == len(lean_logits)
+    for step, (a, b) in enumerate(zip(lean_logits, plain_logits)):
+        assert torch.equal(a, b), f"{arch} step {step}: max diff {(a - b).abs().max().item()}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_lean_walk_in_bf16_is_within_its_rounding(tiny_dirs, arch):
+    model_dir = tiny_dirs[arch]
+    lean, got, lean_logits = _run(model_dir, torch.bfloat16, True, arch)
+    _, plain_got, plain_logits = _run(model_dir, torch.bfloat16, False, arch)
+    assert lean.lean is not None and lean.lean.forwards == len(lean_logits)
+    assert len(plain_logits) == len(lean_logits)
+    for a, b in zip(lean_logits, plain_logits):
+        # a few bf16 ulps of the logit's size: what rounding differences through the layers could leave
+        assert ((a - b).abs() <= 4 * 2**-8 * b.abs().clamp(min=1)).all()
+    agree = sum(x == y for x, y in zip(got.values(), plain_got.values()))
+    assert agree >= len(got) - 1  # greedy picks may part only at a near tie
+
+
+def test_models_the_walk_does_not_know_keep_transformers(tiny_dirs):
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3Config
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8)
+    qwen3 = AutoModelForCausalLM.from_config(Qwen3Config(**small, num_attention_heads=4, num_key_value_heads=2))
+    assert "Qwen3ForCausalLM has no lean walk" in unsupported(qwen3)
+    bidirectional = Gemma3TextConfig(**small, num_attention_heads=4, num_key_value_heads=2)
+    bidirectional.use_bidirectional_attention = True
+    assert unsupported(AutoModelForCausalLM.from_config(bidirectional)) == "bidirectional attention"
+    llama = ModelRunner(str(tiny_dirs["llama"]), num_blocks=8, block_size=4)
+    assert unsupported(llama.model) == "" and unsupported(llama.model, tp=2).startswith("tensor parallel")
+    plain = ModelRunner(str(tiny_dirs["llama"]), num_blocks=32, block_size=4, lean=False)
+    prompt = prompts_for(tiny_dirs["llama"])[1]
+    assert drive(plain, [Request(prompt, 6, join=1)])[0] == reference_generate(tiny_dirs["llama"], prompt, 6)
+    assert plain.lean is None
+
+
+def test_the_environment_turns_the_walk_off(tiny_dirs, monkeypatch):
+    monkeypatch.setenv("SWITCHYARD_LEAN", "0")
+    runner = ModelRunner(str(tiny_dirs["gemma3"]), num_blocks=8, block_size=4)
+    assert runner.lean is None and runner.lean_reason == "turned off"
+
+
+def test_an_unknown_decoder_layer_keeps_transformers(tiny_dirs):
+    """A layer class that is not transformers' own (remote code, a patched model) is not walked."""
+    runner = ModelRunner(str(tiny_dirs["qwen2"]), num_blocks=8, block_size=4)
+    layer = runner.model.model.layers[0]
+    layer.__class__ = type("Qwen2DecoderLayer", (type(layer),), {"__module__": "somewhere.else"})
+    assert "is not transformers' own" in unsupported(runner.model)
