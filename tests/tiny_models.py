@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 VOCAB_SIZE = 1000
@@ -165,3 +166,11 @@ def build_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
 def build_all(root: str | Path) -> dict[str, Path]:
     """Every tiny arch under `root`/<arch>."""
     return {arch: build_model(Path(root) / arch, arch) for arch in ARCHS}
+
+
+def prompts_for(model_dir) -> list[list[int]]:
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = CORPUS.read_text(encoding="utf-8")
+    spans = [(0, 5), (400, 41), (1500, 58), (2600, 17), (3700, 47)]  # (char offset, token count)
+    prompts = [tok.encode(text[start:]).ids[:n] for start, n in spans]
+    return prompts + [tok.encode(text[2000:2060]).ids]  # 25 tokens; the tiny llama answers it with EOS

@@ -6,21 +6,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from libs.protocol import codec
 from libs.protocol.messages import NewSequence, StepPlan, StepResult
 from libs.protocol.params import SamplingParams
 from services.shard.model_runner import ModelRunner
-from tests.tiny_models import CORPUS, EOS
-
-
-def prompts_for(model_dir) -> list[list[int]]:
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    text = CORPUS.read_text(encoding="utf-8")
-    spans = [(0, 5), (400, 41), (1500, 58), (2600, 17), (3700, 47)]  # (char offset, token count)
-    prompts = [tok.encode(text[start:]).ids[:n] for start, n in spans]
-    return prompts + [tok.encode(text[2000:2060]).ids]  # 25 tokens; the tiny llama answers it with EOS
+from tests.tiny_models import EOS
 
 
 @dataclass

@@ -17,8 +17,8 @@ from libs.protocol.params import SamplingParams
 from services.shard.model_runner import ModelRunner
 from tests.reference import _load, reference_generate
 from tests.shard.driver import Request, drive
-from tests.shard.driver import prompts_for as _prompts
 from tests.tiny_models import ARCHS, EOS, SLIDING_WINDOW
+from tests.tiny_models import prompts_for as _prompts
 
 BLOCK_SIZE = {"llama": 16, "qwen2": 4, "gemma2": 16, "gemma3": 4}  # both page sizes get exercised
 

@@ -16,8 +16,8 @@ import torch
 from libs.protocol.params import SamplingParams
 from services.shard.model_runner import ModelRunner
 from tests.reference import _load, reference_generate
-from tests.shard.driver import Request, drive, prompts_for
-from tests.tiny_models import ARCHS
+from tests.shard.driver import Request, drive
+from tests.tiny_models import ARCHS, prompts_for
 
 S = SamplingParams
 

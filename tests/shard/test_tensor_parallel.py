@@ -11,8 +11,8 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.reference import reference_generate
-from tests.shard.driver import Request, drive, prompts_for
-from tests.tiny_models import ARCHS
+from tests.shard.driver import Request, drive
+from tests.tiny_models import ARCHS, prompts_for
 
 WORLD = 2
 

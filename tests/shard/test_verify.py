@@ -1,7 +1,7 @@
 """The shard's verification of drafted tokens (services/shard/verify.py) on the tiny models.
 
-A small driver feeds decode rows as [last token, d1..dk] with drafts that are partly right and partly wrong (taken
-from the answer itself, then spoiled), so both the accept and the reject paths run: greedy output must still equal
+The engine (bench/engine.py) feeds decode rows as [last token, d1..dk] with drafts that are partly right and partly
+wrong (taken from the answer itself, then spoiled), so both the accept and the reject paths run: greedy output must still equal
 transformers' generate() token for token, and a seeded sampled request (with a repetition penalty, whose history
 must drop rejected drafts) must yield the same tokens, logprobs and alternatives as without drafts.
 """
@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 
 import jsonschema
+import msgspec
 import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
 
-from libs.protocol import codec
+from bench.engine import Engine, request
 from libs.protocol.messages import NewSequence, StepPlan
 from libs.protocol.params import SamplingParams
 from services.scheduler.batcher import Batcher
@@ -27,98 +27,27 @@ from services.shard.model_runner import ModelRunner
 from services.shard.sampling.sampler import Choice
 from services.shard.verify import accept, kept_positions, select
 from services.tokenizer.grammar import grammar_text
+from tests.bench.test_engine import serve
 from tests.reference import reference_generate
-from tests.shard.driver import prompts_for
-from tests.shard.test_engine_loop import request, serve
-from tests.tiny_models import EOS
-
-DraftFn = Callable[[int, list[int]], list[int]]  # (seq, its output so far) → drafts
+from tests.tiny_models import EOS, prompts_for
 
 
-def drive_drafted(runner: ModelRunner, prompts, max_new, sampling, drafter: DraftFn | None, grammars=None):
-    """Every sequence joins at step 1 (with its grammar, if `grammars` gives one); decode rows carry the drafter's
-    tokens. Returns per seq its tokens, logprobs, alternatives, and the (drafted, accepted) totals."""
-    bs = runner.block_size
-    free = list(range(runner.num_blocks))[::-1]
-    out = {i: [] for i in range(len(prompts))}
-    lps = {i: [] for i in range(len(prompts))}
-    tops = {i: [] for i in range(len(prompts))}
-    ctx = dict.fromkeys(out, 0)
-    owned = {i: [] for i in out}
-    drafted = accepted = 0
-    step, finished = 0, []
-    new = [NewSequence(i, sampling[i], grammar=(grammars or {}).get(i, "")) for i in out]
-    while ctx:
-        step += 1
-        rows, blocks = [], {}
-        for seq in sorted(ctx):
-            if ctx[seq] == 0:
-                fed, d = prompts[seq], 0
-            else:
-                room = max_new - len(out[seq]) - 1
-                drafts = (drafter(seq, out[seq]) if drafter else [])[: max(room, 0)]
-                fed, d = [out[seq][-1], *drafts], len(drafts)
-            need = -(-(ctx[seq] + len(fed)) // bs) - len(owned[seq])
-            if need > 0:
-                blocks[seq] = [free.pop() for _ in range(need)]
-                owned[seq] += blocks[seq]
-            rows.append((seq, fed, d))
-        plan = StepPlan(
-            step=step,
-            new=new,
-            blocks=blocks,
-            finished=finished,
-            seqs=np.array([r[0] for r in rows], np.int32),
-            num_tokens=np.array([len(r[1]) for r in rows], np.int32),
-            context_lens=np.array([ctx[r[0]] for r in rows], np.int32),
-            token_ids=np.array([t for r in rows for t in r[1]], np.int32),
-            sample=np.ones(len(rows), np.uint8),
-            drafts=np.array([r[2] for r in rows], np.int32),
-        )
-        plan.check()
-        new, finished = [], []
-        result = codec.decode(codec.encode(runner.execute(plan)))
-        counts = result.token_counts.tolist() or [1] * len(result.seqs)
-        tokens, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
-        top_counts, top_ids = result.top_counts.tolist(), result.top_ids.tolist()
-        at = alt = 0
-        for (seq, fed, d), n in zip(rows, counts):
-            assert 1 <= n <= d + 1
-            drafted, accepted = drafted + d, accepted + n - 1
-            ctx[seq] += len(fed) - d + n - 1  # the fed token, plus the accepted drafts
-            for j in range(n):
-                out[seq].append(tokens[at + j])
-                lps[seq].append(logprobs[at + j])
-                k = top_counts[at + j] if top_counts else 0
-                tops[seq].append(top_ids[alt : alt + k])
-                alt += k
-            at += n
-            stop = next((j for j, t in enumerate(out[seq]) if t == EOS), None)
-            if stop is not None or len(out[seq]) >= max_new:
-                end = min(max_new, len(out[seq]) if stop is None else stop + 1)
-                del out[seq][end:], lps[seq][end:], tops[seq][end:]
-                finished.append(seq)
-                free += owned.pop(seq)
-                del ctx[seq]
-    runner.execute(codec.decode(codec.encode(StepPlan(step=step + 1, finished=finished))))
-    assert runner.seqs == {}
-    return out, lps, tops, (drafted, accepted)
-
-
-def answer_drafter(answers: dict[int, list[int]], k: int) -> DraftFn:
-    """Drafts the next k tokens of the known answer, spoiling one of them every third step (so some drafts are
-    rejected at every place)."""
-    calls = {}
-
-    def draft(seq: int, so_far: list[int]) -> list[int]:
-        calls[seq] = calls.get(seq, 0) + 1
-        drafts = list(answers[seq][len(so_far) : len(so_far) + k])
-        if drafts and calls[seq] % 3 == 0:
-            spoil = calls[seq] % len(drafts)
-            drafts[spoil] = (drafts[spoil] + 7) % 900 + 3
-        return drafts
-
-    return draft
+def drafted_run(runner: ModelRunner, prompts, max_new, params, answers=None, grammars=None, k: int = 4):
+    """Every prompt arrives at once (with its grammar, if `grammars` gives one); with `answers`, decode rows carry
+    drafts of the known answers, one spoiled every third call. Per prompt: its tokens, logprobs and alternatives'
+    ids, and the (drafted, accepted) totals."""
+    b = speculating_batcher(runner.num_blocks, speculate=k if answers else 0)
+    if answers:
+        b.drafter = AnswerDrafter(k, {tuple(prompts[i]): answers[i] for i in answers}, always=True)
+    reqs = [
+        request(str(i), p, max_new, grammar=(grammars or {}).get(i, ""), **msgspec.structs.asdict(params[i]))
+        for i, p in enumerate(prompts)
+    ]
+    out = Engine(runner, b).run({0: reqs})
+    tokens = {i: out[str(i)].tokens for i in range(len(prompts))}
+    lps = {i: out[str(i)].logprobs for i in range(len(prompts))}
+    tops = {i: [ids for ids, _ in out[str(i)].top] for i in range(len(prompts))}
+    return tokens, lps, tops, (b.counters["draft_tokens"], b.counters["accepted_tokens"])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -129,7 +58,7 @@ def test_greedy_with_drafts_matches_generate(tiny_dirs, arch):
     want = {i: reference_generate(model_dir, p, max_new) for i, p in enumerate(prompts)}
     runner = ModelRunner(str(model_dir), num_blocks=64, block_size=4)  # drafts cross block bounds
     greedy = [SamplingParams() for _ in prompts]
-    got, _, _, (drafted, accepted) = drive_drafted(runner, prompts, max_new, greedy, answer_drafter(want, 4))
+    got, _, _, (drafted, accepted) = drafted_run(runner, prompts, max_new, greedy, want)
     assert got == want
     assert 0 < accepted < drafted  # both paths ran
 
@@ -147,9 +76,9 @@ def test_constrained_rows_with_drafts_equal_their_undrafted_answers(tiny_dirs):
     }  # row 3 unconstrained
     params = [SamplingParams(), SamplingParams(), SamplingParams(do_sample=True, seed=5), SamplingParams()]
     runner = ModelRunner(str(model_dir), num_blocks=96, block_size=4)
-    plain, plain_lps, _, _ = drive_drafted(runner, prompts, 40, params, None, grammars)
+    plain, plain_lps, _, _ = drafted_run(runner, prompts, 40, params, None, grammars)
     before = runner.grammars.constraints.stats["draft_rows"]
-    got, lps, _, (drafted, accepted) = drive_drafted(runner, prompts, 40, params, answer_drafter(plain, 4), grammars)
+    got, lps, _, (drafted, accepted) = drafted_run(runner, prompts, 40, params, plain, grammars)
     assert got == plain
     np.testing.assert_allclose(np.concatenate(list(lps.values())), np.concatenate(list(plain_lps.values())), atol=1e-5)
     assert 0 < accepted < drafted
@@ -170,8 +99,8 @@ def test_seeded_sampling_is_the_same_with_and_without_drafts(tiny_dirs):
         SamplingParams(repetition_penalty=1.2, top_n_tokens=2),  # greedy, with a history
     ]
     runner = ModelRunner(str(model_dir), num_blocks=64, block_size=4)
-    plain, plain_lps, plain_tops, _ = drive_drafted(runner, prompts, 20, params, None)
-    got, lps, tops, (drafted, accepted) = drive_drafted(runner, prompts, 20, params, answer_drafter(plain, 3))
+    plain, plain_lps, plain_tops, _ = drafted_run(runner, prompts, 20, params)
+    got, lps, tops, (drafted, accepted) = drafted_run(runner, prompts, 20, params, plain, k=3)
     assert got == plain and tops == plain_tops
     np.testing.assert_allclose(np.concatenate(list(lps.values())), np.concatenate(list(plain_lps.values())), atol=1e-5)
     assert 0 < accepted < drafted
@@ -235,8 +164,8 @@ class AnswerDrafter(Drafter):
     """Prompt lookup's place taken by the known answers (the tiny models never copy their input, so lookup's drafts
     are almost all rejected): drafts the answer's next tokens, one spoiled every third call."""
 
-    def __init__(self, speculate: int, answers: dict[tuple, list[int]]) -> None:
-        super().__init__(speculate)
+    def __init__(self, speculate: int, answers: dict[tuple, list[int]], always: bool = False) -> None:
+        super().__init__(speculate, always)
         self.answers, self.calls = answers, 0
 
     def lookup(self, s, k):

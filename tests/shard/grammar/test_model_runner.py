@@ -14,8 +14,8 @@ from tokenizers import Tokenizer
 from libs.protocol.params import SamplingParams
 from services.shard.model_runner import ModelRunner
 from services.tokenizer.grammar import grammar_text
-from tests.shard.driver import Request, drive, prompts_for
-from tests.tiny_models import EOS
+from tests.shard.driver import Request, drive
+from tests.tiny_models import EOS, prompts_for
 
 SCHEMA = {
     "type": "object",

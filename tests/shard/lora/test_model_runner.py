@@ -23,8 +23,8 @@ from tests.lora_adapters import (
     build_adapter,
     peft_logits,
 )
-from tests.shard.driver import Request, drive, prompts_for
-from tests.tiny_models import ARCHS
+from tests.shard.driver import Request, drive
+from tests.tiny_models import ARCHS, prompts_for
 
 peft = pytest.importorskip("peft")
 

@@ -10,8 +10,8 @@ import torch
 from services.shard.model.decoder_walk import unsupported
 from services.shard.model_runner import ModelRunner
 from tests.reference import reference_generate
-from tests.shard.driver import Request, drive, prompts_for
-from tests.tiny_models import ARCHS, SLIDING_WINDOW
+from tests.shard.driver import Request, drive
+from tests.tiny_models import ARCHS, SLIDING_WINDOW, prompts_for
 
 BLOCK_SIZE = {"llama": 4, "qwen2": 16, "gemma2": 4, "gemma3": 16}
 

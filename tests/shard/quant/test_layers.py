@@ -262,8 +262,9 @@ def test_the_runner_serves_a_quantized_checkpoint_like_its_twin(tiny_dirs, tmp_p
     from libs.protocol.params import SamplingParams
     from services.shard.model_runner import ModelRunner
     from tests.reference import reference_generate
-    from tests.shard.driver import Request, drive, prompts_for
+    from tests.shard.driver import Request, drive
     from tests.shard.test_model_runner_logprobs import Recorder, _reference_prompt_logprobs
+    from tests.tiny_models import prompts_for
 
     fmt, kw = CHECKPOINTS[case]
     out = write(tiny_dirs[arch], tmp_path, fmt, **kw)

@@ -15,10 +15,11 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.reference import reference_generate
-from tests.shard.driver import Request, drive, prompts_for
+from tests.shard.driver import Request, drive
 from tests.shard.quant.checkpoints import write
 from tests.shard.quant.test_layers import WEIGHT_ONLY_TOL
 from tests.shard.test_model_runner_logprobs import _reference_prompt_logprobs
+from tests.tiny_models import prompts_for
 
 WORLD = 2
 # W8A8 row-parallel layers scale each rank's slice of an activation row on its own (no collective for a shared scale):

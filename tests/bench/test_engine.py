@@ -1,5 +1,6 @@
-"""The real Batcher driving the real ModelRunner (no sockets): prefix hits, chunked prefill and preemption by
-recompute must leave greedy output equal to transformers' generate(), token for token, for every tiny arch."""
+"""The in-process engine (bench/engine.py): the real Batcher driving the real ModelRunner, no sockets. Prefix hits,
+chunked prefill and preemption by recompute must leave greedy output equal to transformers' generate(), token for
+token, for every tiny arch."""
 
 from __future__ import annotations
 
@@ -9,54 +10,22 @@ import msgspec
 import numpy as np
 import pytest
 
-from libs.protocol import codec
+from bench.engine import Engine, request
 from libs.protocol.messages import TokenizedRequest
-from libs.protocol.params import SamplingParams
 from services.scheduler.batcher import Batcher
-from services.scheduler.token_batch import stream_open
 from services.shard.model_runner import ModelRunner
 from tests.reference import reference_generate
-from tests.shard.driver import prompts_for
-from tests.tiny_models import ARCHS, EOS
+from tests.tiny_models import ARCHS, EOS, prompts_for
 
 BS = 4  # small pages: many full blocks to hit, KV that runs out quickly
 
 
-def request(rid: str, prompt: list[int], max_new: int, **sampling) -> TokenizedRequest:
-    return TokenizedRequest(
-        request_id=rid,
-        ingress=0,
-        input_ids=np.asarray(prompt, np.int32),
-        sampling=SamplingParams(**sampling),
-        max_new_tokens=max_new,
-    )
-
-
 def serve(runner: ModelRunner, batcher: Batcher, arrivals: dict[int, list[TokenizedRequest]]):
-    """Run to completion; (tokens per request, prompt logprobs per request). Offsets must never repeat or skip."""
-    out: dict[str, list[int]] = {}
-    prompt_lps: dict[str, list[float]] = {}
-    step = 0
-    while step < 2000:
-        for r in arrivals.pop(step, []):
-            batcher.add(r)
-            out[r.request_id] = []
-        step += 1
-        plan = batcher.plan(step) if batcher.has_work() else None
-        if plan is None:
-            if not batcher.has_work() and not arrivals:
-                break
-            continue
-        result = codec.decode(codec.encode(runner.execute(codec.decode(codec.encode(plan)))))
-        assert result.error is None
-        for row in batcher.apply(result):
-            rid = row.seq.req.request_id
-            if not row.seq.opened:
-                prompt_lps[rid] = stream_open(row, 0).prompt_logprobs
-            assert row.offset == len(out[rid]), "a token was streamed twice or skipped"
-            out[rid].append(row.token_id)
+    """Run to completion through the engine; (tokens per request, prompt logprobs per request). The engine checks
+    that no offset repeats or skips."""
+    outputs = Engine(runner, batcher).run(arrivals, max_steps=2000)
     assert not batcher.has_work()
-    return out, prompt_lps
+    return {rid: o.tokens for rid, o in outputs.items()}, {rid: o.prompt_logprobs for rid, o in outputs.items()}
 
 
 def new_batcher(num_blocks: int, prefill: int = 4096, **kw) -> Batcher:
