@@ -1,11 +1,12 @@
-"""HTTP: TGI's API and OpenAI's over aiohttp, one in-memory stream per open request.
+"""HTTP: TGI's API and OpenAI's over aiohttp, one in-memory stream per open request; a folder per API.
 
-- `tgi_schemas`, `openai_schemas`: each API's request and response structs, which the routes decode and encode
-  and the OpenAPI document (`openapi`) is generated from; `openai_tools`: TGI's tool grammar for chat.
-- `routes` (TGI's routes and the info routes), `openai_api` (OpenAI's): the handlers; `generation`: what both
-  share (the permits, the one GenerateRequest builder, collecting rows).
-- `errors`: Failure, TGI's statuses and error bodies; `responses`: JSON bodies and SSE; `timing`: Timing and the
-  x-* headers; `middleware`: CORS, API key, payload limit, unexpected errors.
-- `ingress`: the bus side (submit, route events back, watchdog); `telemetry`: each request's metrics, span and
-  log line, and the heartbeats' counters on /metrics.
+- `tgi/`: `routes` (TGI's generation routes, /tokenize, /invocations, and the info routes: health, /info,
+  /v1/models, /metrics, the docs) and `schemas` (its structs, and `parse_body`, which every API reads bodies with).
+- `openai/`: `routes`, `requests` (the bodies and their mapping to Parameters), `responses` (the structs written)
+  and `tools` (reading tool calls out of the generated text).
+- Shared: `generation` (the permits, the one GenerateRequest builder, collecting rows); `errors` (Failure, TGI's
+  statuses and error bodies); `responses` (JSON bodies and SSE); `timing` (Timing, the x-* headers); `middleware`
+  (CORS, API key, payload limit, unexpected errors); `openapi` (the document, from every API's structs);
+  `adapters` (vLLM's LoRA routes); `ingress` (the bus side); `telemetry` (each request's metrics, span and log line).
+A new API is a new folder whose routes `__main__.build_app` installs.
 """

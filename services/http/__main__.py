@@ -13,8 +13,8 @@ from libs.runtime.settings import Settings
 from services.http.generation import Permits
 from services.http.ingress import Ingress
 from services.http.middleware import middlewares
-from services.http.openai_api import OpenAIRoutes
-from services.http.routes import Routes
+from services.http.openai.routes import OpenAIRoutes
+from services.http.tgi.routes import Routes
 
 ROLE = "http"
 

@@ -31,8 +31,8 @@ from aiohttp import web
 from libs.protocol import topics
 from libs.protocol.adapters import AdapterDone, AdapterSet, KnownAdapters, LoadAdapter, UnloadAdapter
 from libs.runtime.settings import Settings
-from services.http import openai_schemas as oa
 from services.http.errors import Failure
+from services.http.openai import requests as oa
 
 KNOWN = KnownAdapters()  # this process's view of the replicas' adapters
 OP_TIMEOUT_S = 300.0  # a replica that answers nothing this long (dead, or loading forever): 503

@@ -1,7 +1,8 @@
 """Our own OpenAPI 3.1 document: every route we serve, with the schemas of what it takes and answers.
 
 The schemas are those of the structs in TYPES: the very structs the routes decode and encode (TGI's API in
-services.http.tgi_schemas, OpenAI's in services.http.openai_schemas, the errors in services.http.errors).
+services.http.tgi.schemas, OpenAI's in services.http.openai.requests and .responses, the errors in
+services.http.errors).
 JSON Schema comes from msgspec, whose 2020-12 dialect is OpenAPI 3.1's.
 """
 
@@ -11,11 +12,11 @@ import msgspec
 
 from libs.runtime.settings import Settings
 from services.http import errors
-from services.http import openai_responses as oar
-from services.http import openai_schemas as oa
-from services.http import tgi_schemas as tgi
 from services.http.middleware import PROTECTED
-from services.http.openai_schemas import REF
+from services.http.openai import requests as oa
+from services.http.openai import responses as oar
+from services.http.openai.requests import REF
+from services.http.tgi import schemas as tgi
 
 TYPES = (
     tgi.GenerateRequest,

@@ -1,6 +1,6 @@
 """How every route writes, whichever API: a JSON body, and Server-Sent Events.
 
-Each body and event is a struct (or a list of them) of services.http.tgi_schemas, services.http.openai_schemas
+Each body and event is a struct (or a list of them) of services.http.tgi.schemas, services.http.openai.responses
 or services.http.errors, encoded by msgspec: the very struct the OpenAPI document describes.
 """
 

@@ -192,7 +192,7 @@ def test_request_ids_are_server_made():
     """The ids on the bus are the server's own hex; nothing the client sends becomes one (checked in code:
     every request id is uuid4().hex or secrets.token_hex)."""
     made = []
-    for path in ("services/http/routes.py", "services/http/openai_api.py", "services/http/generation.py"):
+    for path in ("services/http/tgi/routes.py", "services/http/openai/routes.py", "services/http/generation.py"):
         tree = ast.parse((ROOT / path).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.keyword) and node.arg == "request_id":

@@ -4,7 +4,7 @@ one, before any generation), /v1/models in vLLM's shape, /info naming the loaded
 import json
 
 from tests.http.fakes import FakeIngress, client, run
-from tests.http.test_openai_routes import MSG, SETTINGS, script, serve
+from tests.http.openai.test_routes import MSG, SETTINGS, script, serve
 
 LOADED = SETTINGS.replace(lora_adapters="a=/adapters/a,org/b=/adapters/b")
 

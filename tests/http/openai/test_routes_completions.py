@@ -1,4 +1,4 @@
-"""/v1/completions over HTTP, against a scripted ingress (helpers in test_openai_routes)."""
+"""/v1/completions over HTTP, against a scripted ingress (helpers in tests.http.openai.test_routes)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from openai.types import Completion
 
 from libs.protocol.messages import TextRow
 from services.http.errors import Failure
-from tests.http.test_openai_routes import MODEL, events, script, serve
+from tests.http.openai.test_routes import MODEL, events, script, serve
 
 
 # ---- completions --------------------------------------------------------------------------------

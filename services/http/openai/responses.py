@@ -1,8 +1,8 @@
 """OpenAI's responses as TGI writes them: the completion and chunk structs and their builders (`Envelope`).
 
-These structs are what the routes (services.http.openai_api) encode and what the OpenAPI document
+These structs are what the routes (services.http.openai.routes) encode and what the OpenAPI document
 (services.http.openapi) is generated from, so the two cannot drift apart. Field order is the order written on
-the wire. The requests and their mapping to TGI's parameters are in services.http.openai_schemas.
+the wire. The requests and their mapping to TGI's parameters are in services.http.openai.requests.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Annotated, Any
 import msgspec
 
 from libs.protocol.messages import FinalInfo, TextRow
-from services.http.openai_schemas import REF
-from services.http.tgi_schemas import SimpleToken, clean_logprob, token_rows
+from services.http.openai.requests import REF
+from services.http.tgi.schemas import SimpleToken, clean_logprob, token_rows
 
 
 class Usage(msgspec.Struct):

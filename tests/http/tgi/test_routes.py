@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from libs.runtime.settings import Settings
 from services.http.errors import Failure
 from services.http.generation import Permits
-from services.http.routes import Routes
+from services.http.tgi.routes import Routes
 from tests.http.fakes import FakeIngress, client, rows, run
 
 PROMPT = "The capital"

@@ -22,7 +22,7 @@ from libs.protocol.messages import FinalInfo, TextRow, TokenizeResult, TokenText
 from libs.runtime.settings import Settings
 from services.http.errors import Failure
 from services.http.generation import Permits
-from services.http.openai_api import OpenAIRoutes
+from services.http.openai.routes import OpenAIRoutes
 
 MODEL = "org/tiny"
 SETTINGS = Settings(model_id=MODEL, max_client_batch_size=3)

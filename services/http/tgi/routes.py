@@ -17,12 +17,12 @@ from libs.protocol.messages import GenerateRequest
 from libs.runtime import metrics
 from libs.runtime.settings import Settings
 from services.http import adapters, openapi
-from services.http import tgi_schemas as tgi
 from services.http.errors import DEPTH, Failure, error_body, error_response
 from services.http.generation import Permits, bus_request, collect
 from services.http.ingress import Ingress
-from services.http.openai_api import OpenAIRoutes
+from services.http.openai.routes import OpenAIRoutes
 from services.http.responses import json_response, open_stream, sse
+from services.http.tgi import schemas as tgi
 from services.http.timing import Timing, timing_headers
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -1,7 +1,7 @@
-"""OpenAI's API as TGI serves it: the request bodies (TGI's ChatRequest / CompletionRequest), their mapping to TGI's
-Parameters. The responses are in services.http.openai_responses.
+"""OpenAI's request bodies as TGI serves them (TGI's ChatRequest / CompletionRequest) and their mapping to TGI's
+Parameters; the responses are in services.http.openai.responses, the reading of tool calls in .tools.
 
-These structs are what the routes (services.http.openai_api) decode and encode and what the OpenAPI document
+These structs are what the routes (services.http.openai.routes) decode and what the OpenAPI document
 (services.http.openapi) is generated from, so the two cannot drift apart. Field order is the order written on
 the wire. Parsing follows TGI's serde types (unknown fields ignored, unsigned fields reject negatives with a
 422); the mapping follows TGI's `ChatRequest::try_into_generate` and `completions`. Where TGI is needlessly strict
@@ -10,7 +10,7 @@ for OpenAI clients, we accept more: `stop` may be a bare string, `stream_options
 
 A new request field goes on ChatRequest / CompletionRequest and into `chat_parameters` / `completion_parameters`
 (structured output: `response_format`, which the tokenizer compiles, and `tools` / `tool_choice`, which it
-resolves; LoRA: `model`, see `adapter`). The reading of tool calls is in services.http.openai_tools.
+resolves; LoRA: `model`, see `adapter`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Annotated, Any
 import msgspec
 
 from libs.protocol.params import Parameters
-from services.http.tgi_schemas import U32, U64, check_u64
+from services.http.tgi.schemas import U32, U64, check_u64
 
 REF = "#/components/schemas/{name}"  # where the OpenAPI document (services.http.openapi) keeps each struct
 

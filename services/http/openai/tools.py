@@ -7,7 +7,8 @@ answer is a tool call exactly when its first non-blank character is `{`, so a cl
 object and nothing is generated twice (TGI re-runs generation for `no_tool`).
 
 `arguments` is the generated text of the arguments object as the model wrote it (after `_name`), so the pieces a
-stream sends add up to exactly the non-streamed answer. The tool structs are in services.http.openai_schemas.
+stream sends add up to exactly the non-streamed answer. The tool structs are in services.http.openai.requests
+(what a client declares) and services.http.openai.responses (the calls written).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import orjson
 
 from services.http.errors import Failure
-from services.http.openai_responses import ToolCall, ToolCallFunction
+from services.http.openai.responses import ToolCall, ToolCallFunction
 
 # The head of a call, up to the character after the name: `,` (arguments follow) or `}` (none).
 HEAD = re.compile(r'\s*\{\s*"function"\s*:\s*\{\s*"_name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*([,}])')

@@ -17,14 +17,14 @@ from aiohttp import web
 
 from libs.protocol.messages import GenerateRequest
 from libs.runtime.settings import Settings
-from services.http import openai_responses as oar
-from services.http import openai_schemas as oa
-from services.http import openai_tools
 from services.http.adapters import check_model
 from services.http.errors import Failure, error_response, openai_stream_error
 from services.http.generation import Permits, bus_request, collect
+from services.http.openai import requests as oa
+from services.http.openai import responses as oar
+from services.http.openai import tools
 from services.http.responses import DONE, json_response, open_stream, sse
-from services.http.tgi_schemas import VERSION, parse_body, simple_tokens
+from services.http.tgi.schemas import VERSION, parse_body, simple_tokens
 from services.http.timing import Timing, sum_headers, timing_headers
 
 # errors TGI raises before its stream exists (template and tools are applied first): a real HTTP status
@@ -36,11 +36,11 @@ def _error(e: Failure) -> web.Response:
     return error_response(e, charset=None)  # these routes' JSON errors have always gone without a charset
 
 
-def _tool_chunks(env: oar.Envelope, tools: openai_tools.ToolStream, row, logprobs: bool, call_id: str) -> list:
+def _tool_chunks(env: oar.Envelope, reader: tools.ToolStream, row, logprobs: bool, call_id: str) -> list:
     """A token of a chat with tools → its chunks: content, or TGI's tool-call deltas (none while the answer's start
     is held); the finish reason goes on the last chunk of the last token only."""
     chunks = []
-    for delta in tools.push("" if row.special else row.text, row.final is not None):
+    for delta in reader.push("" if row.special else row.text, row.final is not None):
         if delta[0] == "content":
             chunks.append(env.chat_chunk(row, logprobs, delta[1]))
         else:
@@ -63,7 +63,7 @@ class OpenAIRoutes:
 
     # ---- helpers --------------------------------------------------------------------------
     async def _chat_request(self, request: web.Request, mode: str = "generate"):
-        """The body, its GenerateRequest, and how its answer is read (openai_tools.tool_mode); raises Failure.
+        """The body, its GenerateRequest, and how its answer is read (tools.tool_mode); raises Failure.
 
         tools and tool_choice go to the tokenizer as sent: it selects the tools, renders them and compiles the
         grammar that forces the answer (its tool errors come back before any stream, as TGI's)."""
@@ -84,7 +84,7 @@ class OpenAIRoutes:
             tool_prompt=body.tool_prompt,
             chat_template_kwargs=body.chat_template_kwargs,
         )
-        return body, wire, openai_tools.tool_mode(body.tools, tool_choice)
+        return body, wire, tools.tool_mode(body.tools, tool_choice)
 
     # ---- /v1/chat/completions --------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -103,9 +103,9 @@ class OpenAIRoutes:
                 rows = await collect(self.ingress, wire, timing)
             final = rows[-1].final
             tool_calls = None
-            if tool_mode == "call" or (tool_mode == "auto" and openai_tools.is_call(final.generated_text)):
-                call_id = openai_tools.next_call_id(body.messages)
-                tool_calls = openai_tools.parse_tool_call(final.generated_text, call_id)
+            if tool_mode == "call" or (tool_mode == "auto" and tools.is_call(final.generated_text)):
+                call_id = tools.next_call_id(body.messages)
+                tool_calls = tools.parse_tool_call(final.generated_text, call_id)
         except Failure as e:
             return _error(e)
         headers = timing_headers(timing, body.characters, final)
@@ -113,18 +113,18 @@ class OpenAIRoutes:
 
     async def _chat_stream(self, request, body: oa.ChatRequest, wire, env: oar.Envelope, logprobs: bool, tool_mode):
         response = None
-        tools = None if tool_mode is None else openai_tools.ToolStream(auto=tool_mode == "auto")
-        call_id = openai_tools.next_call_id(body.messages)
+        reader = None if tool_mode is None else tools.ToolStream(auto=tool_mode == "auto")
+        call_id = tools.next_call_id(body.messages)
         try:
             with self.permits.hold():
                 async with contextlib.aclosing(self.ingress.generate(wire)) as rows:
                     async for row in rows:
                         if response is None:  # the template rendered and validation passed
                             response = await open_stream(request, body.characters)
-                        if tools is None:
+                        if reader is None:
                             await response.write(sse(env.chat_chunk(row, logprobs)))
                         else:
-                            for chunk in _tool_chunks(env, tools, row, logprobs, call_id):
+                            for chunk in _tool_chunks(env, reader, row, logprobs, call_id):
                                 await response.write(sse(chunk))
                         if row.final is not None and body.include_usage:
                             await response.write(sse(env.usage_chunk(row.final)))

@@ -2,14 +2,14 @@
 
 Types follow TGI's serde structs: unknown fields are ignored, bools, `stop` and `parameters` are not
 nullable, every other parameter accepts null, unsigned fields reject negatives (a 422 before
-validation). These structs are what the routes (services.http.routes) decode and encode and what the
+validation). These structs are what the routes (services.http.tgi.routes) decode and encode and what the
 OpenAPI document (services.http.openapi) is generated from, so the two cannot drift apart. Struct names
 are TGI's schema names. Fields with a default are omitted when empty (TGI's skip_serializing_if); fields
 without one are always written, as null when None.
 
 A new request parameter is a field of GenerateParameters, carried to the tokenizer by `to_wire` (as
-`grammar` and `adapter_id` are; the tokenizer validates them). The OpenAI API (services.http.openai_schemas)
-maps its own fields onto the same Parameters.
+`grammar` and `adapter_id` are; the tokenizer validates them). The OpenAI API (services.http.openai.requests)
+maps its own fields onto the same Parameters, and reads its bodies with `parse_body` too.
 """
 
 from __future__ import annotations

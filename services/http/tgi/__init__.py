@@ -1,0 +1,1 @@
+"""TGI's API: its routes and the structs they decode and encode."""
