@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from libs.protocol import codec
-from libs.protocol.messages import StepPlan, StepResult, TokenizedRequest
+from libs.protocol.messages import TokenizedRequest
 from libs.protocol.params import SamplingParams
+from libs.protocol.step_messages import StepPlan, StepResult
 from libs.runtime import model_store
 from services.scheduler.batcher import Batcher
 from services.scheduler.sequence import Emitted

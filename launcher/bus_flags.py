@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 from pathlib import Path
 
 from libs.protocol import Addresses
 from libs.runtime import bus
-from libs.runtime.settings import Settings
+from libs.runtime.settings import Settings, env_name, env_value
 
 log = logging.getLogger("switchyard.launcher")
 LOOPBACK = "127.0.0.1"
-SECRET_VAR = "SWITCHYARD_CURVE_SECRET_KEY"  # the environment of the launcher and of every service alike
-PUBLIC_VAR = "SWITCHYARD_CURVE_PUBLIC_KEY"
+SECRET_VAR = env_name("curve_secret_key")  # the environment of the launcher and of every service alike
+PUBLIC_VAR = env_name("curve_public_key")
 BINDERS = ("router", "scheduler")  # the programs that bind the bus (the CURVE servers)
 
 
@@ -100,7 +99,7 @@ def curve_keys(secret_arg: str | None, public_arg: str | None) -> tuple[str, str
     """(secret, public) from the flags, checked: the public half is derived from the secret, or must match it."""
     secret = read_key(secret_arg, SECRET_VAR, "--bus-curve-secret-key")
     public = read_key(public_arg, PUBLIC_VAR, "--bus-curve-public-key")
-    if secret_arg and secret == secret_arg and secret_arg != os.environ.get(SECRET_VAR):
+    if secret_arg and secret == secret_arg and secret_arg != env_value("curve_secret_key"):
         log.warning(
             "--bus-curve-secret-key given on the command line is visible to every user of this host (ps); "
             "prefer %s or a file (switchyard keygen --out FILE)",

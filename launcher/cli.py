@@ -29,6 +29,7 @@ from launcher import bench, bus_flags, keygen, quantize, rundir, supervise, tap
 from launcher.serve_settings import IGNORED, SPECULATE_HELP, SPECULATE_POLICIES, check_lora_adapters, settings_from
 from libs.protocol import Addresses
 from libs.runtime import cpu, model_store
+from libs.runtime.settings import env_value
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("router", "scheduler", "shard", "tokenizer", "detokenizer", "http")  # supervisord.conf's programs
@@ -135,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--bus-curve-secret-key",
-        default=os.environ.get(bus_flags.SECRET_VAR),
+        default=env_value("curve_secret_key"),
         metavar="KEY|FILE",
         help=f"encrypt the tcp bus with CURVE: the deployment's secret key, or a file holding it (switchyard "
         f"keygen); needed where the router or a scheduler runs. Prefer env {bus_flags.SECRET_VAR} or a file: "
@@ -143,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--bus-curve-public-key",
-        default=os.environ.get(bus_flags.PUBLIC_VAR),
+        default=env_value("curve_public_key"),
         metavar="KEY|FILE",
         help=f"the public half (or a file holding it; env {bus_flags.PUBLIC_VAR}), for hosts that only connect",
     )
@@ -255,7 +256,8 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: cannot make a run directory under {rundir.root()}: {e}") from None
     run_dir = str(path)
     try:
-        settings = settings.replace(bus=settings.bus or f"ipc://{run_dir}")
+        bus = settings.bus or f"ipc://{run_dir}"
+        settings = settings.replace(bus=bus, run_dir=run_dir, procs_shard=counts["shard"])
         if settings.num_shard > 1 and counts["shard"]:  # each replica's ranks rendezvous on one of these
             settings = settings.replace(tp_port=_free_ports(settings.replicas))
         try:  # fail now, not in every process, if the address is unusable
@@ -265,8 +267,8 @@ def serve(args: argparse.Namespace) -> int:
         env = {
             **os.environ,
             **settings.to_env(),
+            # supervisord.conf's: how many processes each program runs, the python and the repository to run
             **{f"SWITCHYARD_PROCS_{role.upper()}": str(n) for role, n in counts.items()},
-            "SWITCHYARD_RUN_DIR": run_dir,
             "SWITCHYARD_PYTHON": sys.executable,
             "SWITCHYARD_ROOT": str(ROOT),
             "PYTHONUNBUFFERED": "1",

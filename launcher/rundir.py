@@ -24,7 +24,9 @@ import stat
 import tempfile
 from pathlib import Path
 
-ROOT_VAR = "SWITCHYARD_RUN_ROOT"
+from libs.runtime.settings import env_name, env_value
+
+ROOT_VAR = env_name("run_root")
 PREFIX = "switchyard-"
 LOCK = "lock"
 
@@ -33,7 +35,7 @@ log = logging.getLogger("switchyard.launcher")
 
 
 def root() -> Path:
-    return Path(os.environ.get(ROOT_VAR) or "/tmp")
+    return Path(env_value("run_root") or "/tmp")
 
 
 def create(where: Path | None = None) -> tuple[Path, int]:

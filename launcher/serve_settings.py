@@ -106,7 +106,12 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         value = getattr(args, name.replace("-", "_"))
         if value != default:
             log.warning("--%s is accepted for compatibility and ignored", name)
+    try:  # the switches without a flag, as set in this process's environment, go on to every service
+        switches = Settings.switches_from_env()
+    except ValueError as e:
+        raise SystemExit(f"error: a SWITCHYARD_* switch in the environment: {e}") from None
     return Settings(
+        **switches,
         model_path=str(model_path),
         model_id=args.model_id or model_store.DEFAULT_MODEL_NAME,
         dtype=_dtype(args.dtype, model_path),

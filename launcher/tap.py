@@ -39,6 +39,7 @@ from launcher import bus_flags, rundir
 from libs.protocol import Addresses, ProtocolError, codec
 from libs.protocol.messages import FINISH_NAMES, FINISH_NONE, Heartbeat, Hello, TextBatch, TokenBatch
 from libs.runtime import bus
+from libs.runtime.settings import env_value
 
 DEFAULT_TOPICS = ("tok.", "out.")
 TAP_TOPIC = b"tap."  # nothing in the server subscribes to it: our hello disturbs no one
@@ -48,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bus", help="ipc:///run/dir or tcp://host:port (default: the one live local server's)")
     p.add_argument(
         "--curve-public-key",
-        default=os.environ.get(bus_flags.PUBLIC_VAR),
+        default=env_value("curve_public_key"),
         metavar="KEY|FILE",
         help=f"the bus's CURVE public key, or a file holding it (env {bus_flags.PUBLIC_VAR}), for an encrypted bus",
     )
@@ -142,7 +143,7 @@ def curve_from(public_arg: str | None) -> bus.Curve | None:
     """The key to join an encrypted bus with: --curve-public-key, else the public half of the secret in
     the environment, else None (plaintext)."""
     public = bus_flags.read_key(public_arg, bus_flags.PUBLIC_VAR, "--curve-public-key")
-    secret = "" if public else os.environ.get(bus_flags.SECRET_VAR, "")
+    secret = "" if public else env_value("curve_secret_key") or ""
     try:
         curve = bus.Curve.from_keys(secret, public)
     except (ValueError, RuntimeError) as e:

@@ -201,8 +201,8 @@ def prefill(model_dir: str, n: int, dtype_name: str, rounds: int) -> dict[str, f
     import numpy as np
     import torch
 
-    from libs.protocol.messages import NewSequence, StepPlan
     from libs.protocol.params import SamplingParams
+    from libs.protocol.step_messages import NewSequence, StepPlan
     from services.shard.attention import tiled
     from services.shard.model_runner import ModelRunner
 
@@ -265,8 +265,8 @@ def chunked(model_dir: str, n: int, chunk: int, dtype_name: str, tiled: bool = T
     import numpy as np
     import torch
 
-    from libs.protocol.messages import NewSequence, StepPlan
     from libs.protocol.params import SamplingParams
+    from libs.protocol.step_messages import NewSequence, StepPlan
     from services.shard.model_runner import ModelRunner
 
     blocks = -(-n // 16)

@@ -53,7 +53,7 @@ class Driver:
         self.last: dict[int, int] = {}
 
     def plan(self, rows, new=(), blocks=None, finished=()):
-        from libs.protocol.messages import StepPlan
+        from libs.protocol.step_messages import StepPlan
 
         self.step += 1
         seqs, nums, ctx, ids = zip(*rows)
@@ -74,8 +74,8 @@ class Driver:
 
     def warm(self) -> None:
         """First-call allocations and thread pools, on a sequence of its own in the spare blocks."""
-        from libs.protocol.messages import NewSequence
         from libs.protocol.params import SamplingParams
+        from libs.protocol.step_messages import NewSequence
 
         warm = self.batch
         new = [NewSequence(warm, SamplingParams())]
@@ -86,8 +86,8 @@ class Driver:
 
     def prefill(self, max_prefill_tokens: int = 4096) -> None:
         """Every prompt, packed up to the prefill budget a step (at least one row a step), as the scheduler packs."""
-        from libs.protocol.messages import NewSequence
         from libs.protocol.params import SamplingParams
+        from libs.protocol.step_messages import NewSequence
 
         n = self.prompt_tokens
         prompts = [self.rng.integers(3, self.vocab, n) for _ in range(self.batch)]
@@ -115,8 +115,8 @@ class Driver:
     def joined_plan(self, k: int, tokens: int):
         """Decode step `k` of the whole batch with a fresh `tokens`-token prompt prefilled beside it, on the warm-up's
         sequence and blocks, dropped after the step (what a request joining mid-flight adds to a step)."""
-        from libs.protocol.messages import NewSequence
         from libs.protocol.params import SamplingParams
+        from libs.protocol.step_messages import NewSequence
 
         spare = self.batch
         rows = [*self._decode_rows(k), (spare, tokens, 0, self.rng.integers(3, self.vocab, tokens))]

@@ -40,8 +40,8 @@ def _runner(model_dir: str, num_blocks: int, dtype: str):
 
 def steps(model_dir: str, batch: int, configs: list[tuple[int, int]], rounds: int, dtype: str) -> dict:
     """Median CPU ms of a decode step per (rows drafted, drafts each), the first config plain (0, 0)."""
-    from libs.protocol.messages import NewSequence, StepPlan
     from libs.protocol.params import SamplingParams
+    from libs.protocol.step_messages import NewSequence, StepPlan
 
     prompt, per_seq = 64, -(-(64 + (rounds + 1) * (max(d for _, d in configs) + 1) * len(configs) + 8) // BLOCK)
     runner = _runner(model_dir, batch * per_seq, dtype)

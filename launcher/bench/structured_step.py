@@ -66,8 +66,8 @@ def measure(
 ):
     import torch
 
-    from libs.protocol.messages import NewSequence, StepPlan
     from libs.protocol.params import SamplingParams
+    from libs.protocol.step_messages import NewSequence, StepPlan
     from services.shard.model_runner import ModelRunner
     from services.tokenizer.grammar import json_grammar
 

@@ -1,8 +1,10 @@
-"""The Switchyard wire: messages, frame codec, addresses and topics. Pure: opens no sockets."""
+"""The Switchyard wire: messages, frame codec, addresses and topics. Pure: opens no sockets.
 
-from libs.protocol import topics
+Each name lives in one module and is imported from there (`libs.protocol.messages`, `.step_messages`, `.lora`,
+`.params`, `.message_base`); the package itself offers only what nearly every process needs to reach the bus."""
+
+from libs.protocol import codec, topics
 from libs.protocol.addresses import Addresses
-from libs.protocol.codec import ProtocolError, decode, decode_pub, encode, encode_pub
-from libs.protocol.messages import *  # noqa: F403
+from libs.protocol.codec import ProtocolError
 
-__all__ = ["Addresses", "ProtocolError", "decode", "decode_pub", "encode", "encode_pub", "topics"]
+__all__ = ["Addresses", "ProtocolError", "codec", "topics"]

@@ -1,7 +1,7 @@
 """Frames on the wire: `[topic]` (PUB only), `[msgpack body]`, `[raw array]…`.
 
-The body is a tagged msgspec Struct from `messages`; the fields a message lists in `FRAMES` travel
-as raw little-endian arrays after it, so token ids never become msgpack lists. Decoding checks
+The body is a tagged msgspec Struct from `messages`, `step_messages` or `lora`; the fields a message lists in
+`FRAMES` travel as raw little-endian arrays after it, so token ids never become msgpack lists. Decoding checks
 the version, the frame count, array sizes and the message's own invariants, and raises
 `ProtocolError` on anything malformed: a receiver logs and drops it, it never crashes.
 """
@@ -13,11 +13,13 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from libs.protocol.adapters import ANY_ADAPTER_MESSAGE
-from libs.protocol.messages import ANY_MESSAGE, WIRE_VERSION, Message
+from libs.protocol.lora import ANY_LORA_MESSAGE
+from libs.protocol.message_base import WIRE_VERSION, Message
+from libs.protocol.messages import ANY_MESSAGE
+from libs.protocol.step_messages import ANY_STEP_MESSAGE
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(ANY_MESSAGE | ANY_ADAPTER_MESSAGE)
+_decoder = msgspec.msgpack.Decoder(ANY_MESSAGE | ANY_STEP_MESSAGE | ANY_LORA_MESSAGE)  # every kind on the bus
 
 
 class ProtocolError(ValueError):

@@ -1,6 +1,7 @@
-"""Every message that crosses the Switchyard bus: the request and stream messages here, the scheduler ↔ shard
-step messages in `libs.protocol.step_messages` (re-exported here, so one import still gives every kind); the
-request parameters some of them carry are in `libs.protocol.params`.
+"""The request and stream messages of the Switchyard bus. The scheduler ↔ shard step messages are in
+`libs.protocol.step_messages`, LoRA's in `libs.protocol.lora`, the base class and wire version in
+`libs.protocol.message_base`, the request parameters some of them carry in `libs.protocol.params`; the codec
+decodes the kinds of all three message modules.
 
 Each message is a msgspec Struct tagged with its `kind`, so one decoder reads any frame and a
 receiver can tell at once what it got. Bulk numeric data (token ids, logprobs, offsets) does not
@@ -16,11 +17,8 @@ from typing import Any
 
 import msgspec
 
-from libs.protocol.message_base import WIRE_VERSION as WIRE_VERSION
 from libs.protocol.message_base import Message
 from libs.protocol.params import Parameters, SamplingParams
-from libs.protocol.step_messages import NewSequence as NewSequence
-from libs.protocol.step_messages import ShardReady, StepPlan, StepResult
 
 # --------------------------------------------------------------------------------------------
 # Requests: http → intake → tokenizer → admit → router → scheduler
@@ -281,9 +279,6 @@ class Heartbeat(Message, tag="hb", kw_only=True):
 ANY_MESSAGE = (
     GenerateRequest
     | TokenizedRequest
-    | StepPlan
-    | StepResult
-    | ShardReady
     | Hello
     | Accepted
     | RequestError

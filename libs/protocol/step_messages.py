@@ -1,5 +1,5 @@
 """The messages between a replica's scheduler and its shards: step plans, their results, and a shard's ready call
-(re-exported by `libs.protocol.messages`, where the request and stream messages are)."""
+(the request and stream messages are in `libs.protocol.messages`, LoRA's in `libs.protocol.lora`)."""
 
 from __future__ import annotations
 
@@ -132,3 +132,6 @@ class ShardReady(Message, tag="shard_ready", kw_only=True):
     rank: int
     pid: int
     num_blocks: int
+
+
+ANY_STEP_MESSAGE = StepPlan | StepResult | ShardReady

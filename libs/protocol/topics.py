@@ -6,7 +6,7 @@ OUT = b"out."  # what one http process must hear about its requests
 TOK = b"tok."  # token batches for one detokenizer shard
 CTL = b"ctl."  # aborts and stop-sequence hits for one scheduler (replica)
 HB = b"hb."  # heartbeats: hb.<role>.<n>
-LORA = b"lora."  # the LoRA adapters a replica serves now (libs.protocol.adapters.AdapterSet)
+LORA = b"lora."  # the LoRA adapters a replica serves now (libs.protocol.lora.AdapterSet)
 
 
 def _id(n: int) -> bytes:

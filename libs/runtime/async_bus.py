@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from libs.protocol import Addresses, codec
-from libs.protocol.messages import Message
+from libs.protocol.message_base import Message
 from libs.runtime.bus import HELLO_EVERY, BusEnds
 
 

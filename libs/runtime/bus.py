@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import zmq
 
 from libs.protocol import Addresses, ProtocolError, codec, topics
-from libs.protocol.messages import Heartbeat, Hello, Message
+from libs.protocol.message_base import Message
+from libs.protocol.messages import Heartbeat, Hello
 from libs.runtime import metrics
+from libs.runtime.settings import Settings
 from libs.runtime.timeouts import HEARTBEAT_S
 
 log = logging.getLogger("switchyard.bus")
@@ -120,12 +122,10 @@ def configure(settings) -> Curve | None:
 
 
 def configured() -> Curve | None:
-    """This process's bus key; a process that never called configure() (http) reads its environment."""
+    """This process's bus key; a process that never called configure() (http) takes it from Settings.from_env()."""
     global _curve
     if _curve is _UNSET:
-        _curve = Curve.from_keys(
-            os.environ.get("SWITCHYARD_CURVE_SECRET_KEY", ""), os.environ.get("SWITCHYARD_CURVE_PUBLIC_KEY", "")
-        )
+        _curve = Curve.from_settings(Settings.from_env())
     return _curve  # type: ignore[return-value]
 
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from libs.runtime.settings import env_value
+
 logger = logging.getLogger(__name__)
 
 HUB_ALLOW_PATTERNS = [
@@ -164,7 +166,7 @@ MODEL_ID_HELP = (
 
 
 def embedded_model_dir(model: EmbeddedModel, cache_root: Path | str | None = None) -> Path:
-    root = cache_root or os.environ.get("SWITCHYARD_CACHE") or Path.home() / ".cache" / "switchyard"
+    root = cache_root or env_value("cache") or Path.home() / ".cache" / "switchyard"
     return Path(root).expanduser() / "models" / model.dirname
 
 

@@ -3,12 +3,18 @@
 The launcher (`switchyard serve`) turns TGI-style flags into one `Settings`, writes them into the
 environment of supervisord's programs as `SWITCHYARD_<FIELD>`, and each service reads them back
 with `Settings.from_env()`. Services never parse flags of their own, so one place decides defaults.
+
+This module is the only reader of SWITCHYARD_* variables: code elsewhere gets a Settings (or a value taken from
+one) as an argument, and the few variables the launcher reads before any Settings exist (the CURVE keys as flag
+defaults, the run root, the embedded models' cache) go through `env_value`. A field with no flag (`SWITCHES`) is
+passed on from the launcher's own environment to every service.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 BLOCK_SIZE = 16  # tokens per KV block
@@ -106,6 +112,18 @@ class Settings:
     # the stacked LoRA shrink folded into the base oneDNN product (services/shard/lora/fold.py): off with
     # --disable-lora-fold, which saves the adapted linears' second packing
     lora_fold: bool = True
+    # set by the launcher: the server's private run directory (launcher/rundir.py), where its ipc sockets, the
+    # schedulers' LoRA records and a shard's "cannot-load" mark live ("": a process started by hand keeps none)
+    run_dir: str = ""
+    procs_shard: int = 1  # set by the launcher: the shard processes on this host, which share its cores
+    # Switches without a flag, for comparisons and benchmarks: `switchyard serve` passes on those set in its own
+    # environment (SWITCHES). torch threads per shard (0: the host's cores / procs_shard)
+    torch_threads: int = 0
+    lean: bool = True  # the lean decoder walk where the architecture has one (0: transformers' forward everywhere)
+    # where structured output's masks are filled: "ahead" on a worker beside the forward pass, or "inline" on the
+    # step's path with every core (services/shard/grammar/matchers.py)
+    grammar_fill: str = "ahead"
+    kv_prefault: bool = False  # a CPU shard touches its whole KV cache at start (resident from the start)
 
     @property
     def lora_names(self) -> list[str]:
@@ -117,17 +135,40 @@ class Settings:
         return -(-self.max_batch_total_tokens // BLOCK_SIZE)
 
     def to_env(self) -> dict[str, str]:
-        return {PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)}
+        return {env_name(f.name): str(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
-        env = os.environ if env is None else env
-        values = {}
-        for f in fields(cls):
-            raw = env.get(PREFIX + f.name.upper())
-            if raw is not None:
-                values[f.name] = _parse(f.type, raw)
-        return cls(**values)
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        return cls(**_read(env, [f.name for f in fields(cls)]))
+
+    @classmethod
+    def switches_from_env(cls, env: Mapping[str, str] | None = None) -> dict[str, object]:
+        """The SWITCHES set in `env` (default os.environ), parsed: the launcher hands them on to every service."""
+        return _read(env, SWITCHES)
 
     def replace(self, **changes) -> Settings:
         return dataclasses.replace(self, **changes)
+
+
+SWITCHES = ("torch_threads", "lean", "grammar_fill", "kv_prefault")  # fields with no flag (see above)
+
+
+def env_name(name: str) -> str:
+    """The environment variable of a field (or of a launcher-only variable): SWITCHYARD_<NAME>."""
+    return PREFIX + name.upper()
+
+
+def env_value(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """SWITCHYARD_<NAME> as given (None when unset), for what the launcher reads before any Settings exist: a
+    flag's default (the CURVE keys), the run root, the embedded models' cache."""
+    return (os.environ if env is None else env).get(env_name(name))
+
+
+def _read(env: Mapping[str, str] | None, names) -> dict[str, object]:
+    types = {f.name: f.type for f in fields(Settings)}
+    values = {}
+    for name in names:
+        raw = env_value(name, env)
+        if raw is not None:
+            values[name] = _parse(types[name], raw)
+    return values

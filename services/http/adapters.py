@@ -29,7 +29,7 @@ import msgspec
 from aiohttp import web
 
 from libs.protocol import topics
-from libs.protocol.adapters import AdapterDone, AdapterSet, KnownAdapters, LoadAdapter, UnloadAdapter
+from libs.protocol.lora import AdapterDone, AdapterSet, KnownAdapters, LoadAdapter, UnloadAdapter
 from libs.runtime.settings import Settings
 from services.http.errors import Failure
 from services.http.openai import requests as oa
@@ -44,7 +44,7 @@ def names(settings: Settings) -> list[str]:
     return KNOWN.names(settings.lora_names)
 
 
-def seed_from_records(replicas: int, start: list[str], run_dir: str | None) -> bool:
+def seed_from_records(replicas: int, start: list[str], run_dir: str) -> bool:
     """Take each replica's recorded set (`lora-replica-<r>.json`; a replica without one serves `start`) for those
     not announced yet; False (and nothing taken) when nothing was recorded or a record cannot be read."""
     if not run_dir:
@@ -132,7 +132,7 @@ async def _body(request: web.Request) -> dict:
 
 def install(app: web.Application, settings: Settings, ingress) -> None:
     replicas = list(range(max(1, settings.replicas)))
-    seed_from_records(len(replicas), settings.lora_names, os.environ.get("SWITCHYARD_RUN_DIR"))
+    seed_from_records(len(replicas), settings.lora_names, settings.run_dir)
 
     async def load(request: web.Request) -> web.Response:
         try:

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from libs.protocol import Addresses, codec, topics
-from libs.protocol.adapters import AdapterDone, AdapterSet
+from libs.protocol.lora import AdapterDone, AdapterSet
 from libs.protocol.messages import (
     Abort,
     Accepted,

@@ -27,25 +27,23 @@ from collections import defaultdict
 import zmq
 
 from libs.protocol import Addresses, topics
-from libs.protocol.adapters import LoadAdapter, ShardAdaptersAck, UnloadAdapter
+from libs.protocol.lora import LoadAdapter, ShardAdaptersAck, UnloadAdapter
 from libs.protocol.messages import (
     FINISH_ERROR,
     Abort,
     Accepted,
     RequestError,
     Resync,
-    ShardReady,
-    StepPlan,
-    StepResult,
     StopHit,
     TokenizedRequest,
     Unknown,
 )
+from libs.protocol.step_messages import ShardReady, StepPlan, StepResult
 from libs.runtime import bus, metrics, model_store, service
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import REPLAY_EVERY
-from services.scheduler.adapters import AdapterControl
 from services.scheduler.batcher import Batcher, Emitted
+from services.scheduler.lora import LoraControl
 from services.scheduler.recovery import Forgotten, StreamLog
 from services.scheduler.telemetry import StepObserver
 from services.scheduler.token_batch import token_batch
@@ -76,7 +74,16 @@ class SchedulerService:
             speculate_policy=settings.speculate_policy,
         )
         self.observer = StepObserver(self.batcher)  # metrics and the per-request spans
-        self.lora = AdapterControl(self)  # LoRA adapters loaded and unloaded while serving
+        self.lora = LoraControl(  # LoRA adapters loaded and unloaded while serving
+            self.batcher,
+            replica=r,
+            ranks=settings.num_shard,
+            start=dict(e.split("=", 1) for e in settings.lora_adapters.split(",") if e),
+            model_id=settings.model_id,
+            run_dir=settings.run_dir,
+            publish=self.events.publish,
+            to_shards=lambda msg: bus.send(self.plans, msg),
+        )
         self.ready = False  # shards answered the probe plan
         self.shard_ranks: set[int] = {0}  # shards do not heartbeat: their process_up is ours to report
         self.step = 0
@@ -148,9 +155,10 @@ class SchedulerService:
             if rid in self.forgotten or self.streams.get(rid) is not None:
                 self.log.info("dropped an aborted or repeated request", extra={"request_id": rid})
                 return
-            if not self.lora.admits(msg):
+            new = rid not in self.batcher.by_request
+            if not self.lora.admits(msg, new):
                 return
-            if rid not in self.batcher.by_request:
+            if new:
                 self.observer.arrived(msg)
             self.batcher.add(msg)
         elif isinstance(msg, ShardReady):

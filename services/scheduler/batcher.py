@@ -29,16 +29,8 @@ from collections import deque
 import msgspec
 import numpy as np
 
-from libs.protocol.messages import (
-    FINISH_ABORTED,
-    FINISH_EOS,
-    FINISH_LENGTH,
-    FINISH_NONE,
-    NewSequence,
-    StepPlan,
-    StepResult,
-    TokenizedRequest,
-)
+from libs.protocol.messages import FINISH_ABORTED, FINISH_EOS, FINISH_LENGTH, FINISH_NONE, TokenizedRequest
+from libs.protocol.step_messages import NewSequence, StepPlan, StepResult
 from libs.runtime.settings import BLOCK_SIZE
 from services.scheduler.block_allocator import BlockAllocator, blocks_for
 from services.scheduler.drafting import Drafter
@@ -108,7 +100,6 @@ class Batcher:
             "accepted_tokens": 0,  # of them, accepted
         }
         self.prefix = PrefixIndex(self.allocator, block_size, prefix_caching, self.counters)
-        self.hash_keys = self.prefix.hash_keys  # LoRA control re-keys adapters here (services/scheduler/adapters.py)
 
     def add(self, req: TokenizedRequest) -> None:
         if req.request_id in self.by_request:
@@ -119,6 +110,19 @@ class Batcher:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+    # ---- LoRA adapters (services/scheduler/lora.py) ---------------------------------------------
+    def adapter_in_use(self, name: str) -> bool:
+        """A request of this adapter runs or waits."""
+        return any(s.req.adapter == name for s in self.by_request.values())
+
+    def key_adapter(self, name: str, key: str | None) -> None:
+        """The prefix-cache key of an adapter's blocks from now on (None: its name). A reloaded adapter gets a new
+        one, so blocks cached by an earlier adapter of the same name never serve it."""
+        if key is None:
+            self.prefix.hash_keys.pop(name, None)
+        else:
+            self.prefix.hash_keys[name] = key
 
     # ---- planning -------------------------------------------------------------------------------
     def plan(self, step: int) -> StepPlan | None:

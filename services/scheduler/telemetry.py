@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Status, StatusCode
 
-from libs.protocol.messages import FINISH_ERROR, FINISH_NAMES, StepPlan, StepResult, TokenizedRequest
+from libs.protocol.messages import FINISH_ERROR, FINISH_NAMES, TokenizedRequest
+from libs.protocol.step_messages import StepPlan, StepResult
 from libs.runtime import metrics, tracing
 
 PREFIX_COUNTERS = (  # (the batcher's counter, the Prometheus counter it feeds)

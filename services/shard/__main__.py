@@ -9,8 +9,8 @@ import torch
 import zmq
 
 from libs.protocol import Addresses
-from libs.protocol.adapters import ShardAdapters, ShardAdaptersAck
-from libs.protocol.messages import ShardReady, StepPlan, StepResult
+from libs.protocol.lora import ShardAdapters, ShardAdaptersAck
+from libs.protocol.step_messages import ShardReady, StepPlan, StepResult
 from libs.runtime import bus, cpu, service
 from libs.runtime.settings import BLOCK_SIZE, Settings
 from services.shard import tensor_parallel
@@ -33,7 +33,8 @@ class ShardService:
         if self.tp > 1:  # the replica's ranks rendezvous (a barrier) before loading their shards of the model
             if not settings.tp_port:
                 raise RuntimeError("--num-shard > 1 needs SWITCHYARD_TP_PORT (set by the launcher)")
-            tensor_parallel.init_group(rank, self.tp, settings.tp_port + replica, torch.device(device))
+            port = settings.tp_port + replica
+            tensor_parallel.init_group(rank, self.tp, port, torch.device(device), run_dir=settings.run_dir)
             tensor_parallel.start_watchdog()
         try:
             # the launcher resolves --dtype; a shard started with "auto" (by hand, or another host's env) does the same
@@ -52,14 +53,16 @@ class ShardService:
                 lora_fold=settings.lora_fold,
                 quantize=settings.quantize,
                 grammar=not settings.disable_grammar_support,
+                lean=settings.lean,
+                grammar_fill=settings.grammar_fill,
+                kv_prefault=settings.kv_prefault,
             )
         except Exception:
             logging.getLogger(f"switchyard.{ROLE}").exception("cannot load the model from %s", settings.model_path)
             # no restart mends a model that does not load: say so in the run directory, where the launcher looks
             # (launcher/supervise.py), so the server stops now, not after supervisord's retries
-            run_dir = os.environ.get("SWITCHYARD_RUN_DIR")
-            if run_dir:
-                with open(os.path.join(run_dir, "cannot-load"), "a") as f:
+            if settings.run_dir:
+                with open(os.path.join(settings.run_dir, "cannot-load"), "a") as f:
                     f.write(f"{ROLE}\n")
             raise SystemExit(1) from None
         self.num_blocks = settings.num_blocks
@@ -116,9 +119,8 @@ class ShardService:
 def main() -> None:
     def body(settings: Settings, log) -> None:
         # the host's cores shared by the shards it runs (the launcher says how many), unless told
-        local_shards = max(1, int(os.environ.get("SWITCHYARD_PROCS_SHARD", "1")))
-        threads = os.environ.get("SWITCHYARD_TORCH_THREADS") or max(1, (os.cpu_count() or 1) // local_shards)
-        torch.set_num_threads(int(threads))
+        local_shards = max(1, settings.procs_shard)
+        torch.set_num_threads(settings.torch_threads or max(1, (os.cpu_count() or 1) // local_shards))
         # supervisord numbers the replicas × num_shard shard processes 0…; process i serves replica
         # i // num_shard as rank i % num_shard
         replica, rank = divmod(settings.index, max(1, settings.num_shard))

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
-from libs.protocol.messages import StepPlan, StepResult
+from libs.protocol.step_messages import StepPlan, StepResult
 from libs.runtime import model_store
 from services.shard.attention.paged import ATTN_IMPLEMENTATION, PagedBatch, allocate_pages
 from services.shard.grammar.runner import ShardGrammars
@@ -49,7 +49,9 @@ class ModelRunner:
         lora_fold: bool = True,  # LoRA's stacked shrink folded into the base product (services/shard/lora/fold.py)
         quantize: str = "",
         grammar: bool = True,  # structured output (off with --disable-grammar-support: no matcher is ever built)
-        lean: bool = True,  # the lean decoder walk where the architecture has one (services/shard/model/decoder_walk.py)
+        lean: bool = True,  # the lean decoder walk where the architecture has one (model/decoder_walk.py)
+        grammar_fill: str = "ahead",  # where structured output's masks are filled: "ahead" or "inline" (Settings)
+        kv_prefault: bool = False,  # the KV cache touched at start, resident from the start (Settings.kv_prefault)
     ) -> None:
         self.device = torch.device(device)
         self.block_size = block_size
@@ -87,10 +89,11 @@ class ModelRunner:
         self.num_kv_heads //= tp  # this rank's share: the attention function sees only its heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (self.num_kv_heads, num_blocks, block_size, self.head_dim)
-        self.kv_cache, self.kv_flat = allocate_pages(self.num_layers, shape, dtype, self.device)
+        self.kv_cache, self.kv_flat = allocate_pages(self.num_layers, shape, dtype, self.device, kv_prefault)
         self.seqs: dict[int, SequenceState] = {}
         self._pick_pool = PickGenerators(self.device)
-        self.grammars = ShardGrammars(model_dir, model_store.model_info(model_dir)["eos_token_ids"], grammar)
+        eos_ids = model_store.model_info(model_dir)["eos_token_ids"]
+        self.grammars = ShardGrammars(model_dir, eos_ids, grammar, fill=grammar_fill)
 
     # ---------------------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:

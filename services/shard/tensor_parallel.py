@@ -29,12 +29,14 @@ from libs.runtime.timeouts import TP_PEER_STALE_S as STALE_S
 log = logging.getLogger(__name__)
 
 
-def init_group(rank: int, world: int, port: int, device: torch.device, timeout_s: float = 120.0) -> None:
-    """Join this replica's group (blocks until every rank has joined: the rendezvous is a barrier)."""
+def init_group(
+    rank: int, world: int, port: int, device: torch.device, run_dir: str = "", timeout_s: float = 120.0
+) -> None:
+    """Join this replica's group (blocks until every rank has joined: the rendezvous is a barrier). `run_dir`: the
+    server's run directory (Settings.run_dir), where rank 0 marks that its group formed ("": no mark)."""
     if dist.is_initialized():
         return
     # rank 0 leaves a mark in the run directory once its group formed: a later rank that finds it was restarted
-    run_dir = os.environ.get("SWITCHYARD_RUN_DIR")
     formed = os.path.join(run_dir, f"tp-group-{port}") if run_dir else None
     if rank > 0 and (formed is None or os.path.exists(formed)):
         # a restarted peer waits out the old rank 0, which exits once it sees us silent: rendezvous with a

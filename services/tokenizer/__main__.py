@@ -18,7 +18,7 @@ import zmq
 from opentelemetry.trace import Status, StatusCode
 
 from libs.protocol import Addresses, topics
-from libs.protocol.adapters import AdapterSet
+from libs.protocol.lora import AdapterSet
 from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest
 from libs.runtime import bus, metrics, service, tracing
 from libs.runtime.settings import Settings

@@ -17,7 +17,7 @@ import os
 import numpy as np
 from tokenizers import Tokenizer
 
-from libs.protocol.adapters import KnownAdapters
+from libs.protocol.lora import KnownAdapters
 from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest, TokenizeResult
 from libs.runtime import metrics, model_store
 from libs.runtime.settings import Settings

@@ -180,7 +180,7 @@ def test_hot_load_serve_unload_reload(server, dirs, want):
     # the running request finished with every token, undisturbed. (Which the client sees first, the stream's last
     # events or the unload's answer, is a race between two connections: the last tokens take one hop more, through
     # the detokenizer. That the scheduler holds the unload until the adapter's rows are done is
-    # tests/scheduler/test_adapters.py's.)
+    # tests/scheduler/test_lora.py's.)
     assert "unloaded" in hot_out and [t for t in hot_out if t != "unloaded"] == [*want[PROMPT, "first", LONG], "end"]
     # unknown again at once
     bad = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "adapter_id": "hot"}}

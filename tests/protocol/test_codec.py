@@ -16,12 +16,8 @@ from libs.protocol.messages import (
     GenerateRequest,
     Heartbeat,
     Hello,
-    NewSequence,
     RequestError,
     Resync,
-    ShardReady,
-    StepPlan,
-    StepResult,
     StopHit,
     StreamOpen,
     TextBatch,
@@ -33,6 +29,7 @@ from libs.protocol.messages import (
     Unknown,
 )
 from libs.protocol.params import Parameters, SamplingParams
+from libs.protocol.step_messages import NewSequence, ShardReady, StepPlan, StepResult
 
 SAMPLES = [
     GenerateRequest(
@@ -187,10 +184,15 @@ def test_round_trip(msg):
 
 
 def test_every_message_kind_is_sampled():
-    from libs.protocol import messages
+    """Every kind of `messages` and `step_messages` (LoRA's: tests/protocol/test_lora.py)."""
+    from libs.protocol import message_base, messages, step_messages
 
-    kinds = {c for c in vars(messages).values() if isinstance(c, type) and issubclass(c, messages.Message)}
-    kinds.discard(messages.Message)
+    kinds = {
+        c
+        for module in (messages, step_messages)
+        for c in vars(module).values()
+        if isinstance(c, type) and issubclass(c, message_base.Message) and c.__module__ == module.__name__
+    }
     assert kinds == {type(m) for m in SAMPLES}
 
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from libs.protocol import ProtocolError, codec
-from libs.protocol.messages import Message
+from libs.protocol.message_base import Message
 from tests.protocol.test_codec import SAMPLES
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -3,9 +3,10 @@
 import numpy as np
 
 from libs.protocol import codec
-from libs.protocol.messages import FINISH_ABORTED, FINISH_EOS, FINISH_LENGTH, FINISH_NONE, StepResult
+from libs.protocol.messages import FINISH_ABORTED, FINISH_EOS, FINISH_LENGTH, FINISH_NONE
 from libs.protocol.messages import TokenizedRequest as Req
 from libs.protocol.params import SamplingParams
+from libs.protocol.step_messages import StepResult
 from services.scheduler.batcher import Batcher
 
 EOS = 2

@@ -5,9 +5,10 @@ import math
 import numpy as np
 
 from libs.protocol import codec
-from libs.protocol.messages import FINISH_ABORTED, StepResult, TokenBatch
+from libs.protocol.messages import FINISH_ABORTED, TokenBatch
 from libs.protocol.messages import TokenizedRequest as Req
 from libs.protocol.params import SamplingParams
+from libs.protocol.step_messages import StepResult
 from services.scheduler.batcher import Batcher
 from services.scheduler.token_batch import token_batch
 

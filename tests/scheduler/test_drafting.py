@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 from libs.protocol import codec
-from libs.protocol.messages import FINISH_EOS, FINISH_LENGTH, FINISH_NONE, StepResult
+from libs.protocol.messages import FINISH_EOS, FINISH_LENGTH, FINISH_NONE
 from libs.protocol.messages import TokenizedRequest as Req
 from libs.protocol.params import SamplingParams
+from libs.protocol.step_messages import StepResult
 from services.scheduler.batcher import Batcher
 from services.scheduler.drafting import MAX_MATCH, PromptIndex, lookup
 

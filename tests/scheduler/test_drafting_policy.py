@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from libs.protocol import codec
-from libs.protocol.messages import StepResult
 from libs.protocol.messages import TokenizedRequest as Req
 from libs.protocol.params import SamplingParams
+from libs.protocol.step_messages import StepResult
 from services.scheduler import drafting
 from services.scheduler.batcher import Batcher
 from services.scheduler.drafting import Drafter, MatchStats, RowStats, StepCost

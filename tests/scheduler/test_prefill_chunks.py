@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from libs.protocol import codec
-from libs.protocol.messages import StepResult
 from libs.protocol.messages import TokenizedRequest as Req
 from libs.protocol.params import SamplingParams
+from libs.protocol.step_messages import StepResult
 from services.scheduler.batcher import Batcher
 
 EOS = 2

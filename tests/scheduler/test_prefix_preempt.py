@@ -3,9 +3,9 @@
 import numpy as np
 
 from libs.protocol import codec
-from libs.protocol.messages import StepResult
 from libs.protocol.messages import TokenizedRequest as Req
 from libs.protocol.params import SamplingParams
+from libs.protocol.step_messages import StepResult
 from services.scheduler.batcher import Batcher
 from services.scheduler.block_allocator import BlockAllocator
 

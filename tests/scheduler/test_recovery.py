@@ -7,9 +7,10 @@ import time
 import numpy as np
 
 from libs.protocol import codec
-from libs.protocol.messages import FINISH_ABORTED, FINISH_LENGTH, StepResult
+from libs.protocol.messages import FINISH_ABORTED, FINISH_LENGTH
 from libs.protocol.messages import TokenizedRequest as Req
 from libs.protocol.params import SamplingParams
+from libs.protocol.step_messages import StepResult
 from services.scheduler.batcher import Batcher
 from services.scheduler.recovery import Forgotten, StreamLog
 from services.scheduler.sequence import Emitted

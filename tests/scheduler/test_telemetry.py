@@ -8,8 +8,9 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from libs.protocol import codec
-from libs.protocol.messages import StepResult, TokenizedRequest
+from libs.protocol.messages import TokenizedRequest
 from libs.protocol.params import SamplingParams
+from libs.protocol.step_messages import StepResult
 from libs.runtime import metrics, tracing
 from services.scheduler.batcher import Batcher
 from services.scheduler.telemetry import StepObserver

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from libs.protocol import codec
-from libs.protocol.messages import NewSequence, StepPlan, StepResult
 from libs.protocol.params import SamplingParams
+from libs.protocol.step_messages import NewSequence, StepPlan, StepResult
 from services.shard.model_runner import ModelRunner
 from tests.tiny_models import EOS
 

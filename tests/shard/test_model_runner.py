@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from libs.protocol import codec
-from libs.protocol.messages import NewSequence, StepPlan
 from libs.protocol.params import SamplingParams
+from libs.protocol.step_messages import NewSequence, StepPlan
 from services.shard.model_runner import ModelRunner
 from tests.reference import _load, reference_generate
 from tests.shard.driver import Request, drive

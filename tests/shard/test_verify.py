@@ -19,8 +19,8 @@ import torch
 from tokenizers import Tokenizer
 
 from bench.engine import Engine, request
-from libs.protocol.messages import NewSequence, StepPlan
 from libs.protocol.params import SamplingParams
+from libs.protocol.step_messages import NewSequence, StepPlan
 from services.scheduler.batcher import Batcher
 from services.scheduler.drafting import MAX_MATCH, Drafter
 from services.shard.model_runner import ModelRunner

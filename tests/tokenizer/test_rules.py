@@ -152,7 +152,7 @@ VALID = [
     dict(decoder_input_details=True),
     dict(repetition_penalty=0.1, frequency_penalty=-2.0, typical_p=0.5, top_n_tokens=5, watermark=True),
     dict(frequency_penalty=2.0, top_n_tokens=0),
-    dict(adapter_id=""),  # no adapter: the base model (an unknown adapter is an error: test_adapters.py)
+    dict(adapter_id=""),  # no adapter: the base model (an unknown adapter is an error: test_lora_validation.py)
     dict(inputs=LONG_33, truncate=20),  # truncation first, then the length checks
     dict(max_new_tokens=25),  # 5 + 25 == 30
 ]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,17 +91,18 @@ class PagedBatch:
 
 
 def allocate_pages(
-    layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device
+    layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, prefault: bool = False
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
     """The paged KV cache: per layer (K, V), zeroed, each `shape` = [kv_heads, blocks, block_size, D] (head-major:
     gathering a row's blocks gives each head's keys as one contiguous matrix), and the same as [kv_heads, slots, D]
-    views (where a step's new K/V go in), formed once."""
-    pages = [tuple(_zeros(shape, dtype, torch.device(device)) for _ in "kv") for _ in range(layers)]
+    views (where a step's new K/V go in), formed once. `prefault` (Settings.kv_prefault): on CPU, every page touched
+    now, so the cache is resident from the start (a memory benchmark subtracts it)."""
+    pages = [tuple(_zeros(shape, dtype, torch.device(device), prefault) for _ in "kv") for _ in range(layers)]
     flat = [tuple(t.view(shape[0], -1, shape[3]) for t in kv) for kv in pages]
     return pages, flat
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool = False) -> torch.Tensor:
     """A zeroed tensor; on CPU in an anonymous mapping, whose pages the kernel hands out zeroed on first touch, so
     a cache of gigabytes costs nothing until its blocks are used. (torch.zeros writes every page at start: on a VM
     whose host backs guest memory lazily that was 9 s for 300 MB after the model was loaded, 35-60 s for 64k tokens
@@ -112,7 +112,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = math.prod(shape) * dtype.itemsize
     buf = mmap.mmap(-1, max(nbytes, 1))
     pages = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
-    if os.environ.get("SWITCHYARD_KV_PREFAULT") == "1":  # resident from the start (a memory bench subtracts it)
+    if prefault:
         pages.zero_()
     return pages
 

@@ -79,7 +79,7 @@ class Constraints:
         self.tokenizer = tokenizer
         # ahead: advance() starts the next masks on the worker, beside the forward pass (llguidance's default pool:
         # 80% of the cores, so 1 thread on 2). Off: apply() fills them all on the step's path with `threads`. Where
-        # torch's threads take every core, the worker only competes with them (SWITCHYARD_GRAMMAR_FILL=inline)
+        # torch's threads take every core, the worker only competes with them (Settings.grammar_fill)
         self.ahead = ahead
         self.eos_ids = list(tokenizer.eos_tokens)
         self.words = (tokenizer.vocab_size + 31) // 32  # int32 words per row of the bitmask

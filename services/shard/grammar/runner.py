@@ -47,14 +47,16 @@ class ShardGrammars:
     no more than `len()` here.
     """
 
-    def __init__(self, model_dir: str, eos_ids: Sequence[int], enabled: bool = True) -> None:
+    def __init__(self, model_dir: str, eos_ids: Sequence[int], enabled: bool = True, fill: str = "ahead") -> None:
+        """`fill` (Settings.grammar_fill): "ahead", masks filled on a worker beside the forward pass, or "inline", on
+        the step's path with every core."""
         path = os.path.join(model_dir, "tokenizer.json")
         self._reported = (0, time.monotonic())  # (constrained steps, when) at the last totals line
         self._cons: Constraints | None = None
         self._future: concurrent.futures.Future | None = None
         if enabled and os.path.exists(path) and eos_ids:
             pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-load")
-            ahead = os.environ.get("SWITCHYARD_GRAMMAR_FILL", "ahead") != "inline"
+            ahead = fill != "inline"
             threads = None if ahead else os.cpu_count()
             self._future = pool.submit(Constraints.from_file, path, list(eos_ids), ahead=ahead, threads=threads)
             pool.shutdown(wait=False)

@@ -24,7 +24,6 @@ Anything else keeps transformers' forward; the reason is logged and kept on the 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -294,10 +293,8 @@ def unsupported(model: torch.nn.Module, tp: int = 1) -> str:
 
 
 def build(model: torch.nn.Module, tp: int = 1, enabled: bool = True) -> tuple[LeanDecoder | None, str]:
-    """The lean walk for this model, or None and why not (logged once, at load). SWITCHYARD_LEAN=0 in the shard's
-    environment turns it off for a whole server (to compare the two forwards end to end)."""
-    if os.environ.get("SWITCHYARD_LEAN", "1") == "0":
-        enabled = False
+    """The lean walk for this model, or None and why not (logged once, at load). `enabled` False (Settings.lean:
+    SWITCHYARD_LEAN=0 for a whole server, to compare the two forwards end to end) keeps transformers' forward."""
     reason = "turned off" if not enabled else unsupported(model, tp)
     if reason:
         log.info("forward: transformers' own (%s)", reason)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from libs.protocol.messages import NewSequence, StepPlan
 from libs.protocol.params import SamplingParams
+from libs.protocol.step_messages import NewSequence, StepPlan
 from services.shard.lora import products
 from services.shard.model_runner import ModelRunner
 from tests.lora_adapters import (

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from libs.runtime.settings import Settings
 from services.shard.model.decoder_walk import unsupported
 from services.shard.model_runner import ModelRunner
 from tests.reference import reference_generate
@@ -94,8 +95,8 @@ def test_models_the_walk_does_not_know_keep_transformers(tiny_dirs):
 
 
 def test_the_environment_turns_the_walk_off(tiny_dirs, monkeypatch):
-    monkeypatch.setenv("SWITCHYARD_LEAN", "0")
-    runner = ModelRunner(str(tiny_dirs["gemma3"]), num_blocks=8, block_size=4)
+    monkeypatch.setenv("SWITCHYARD_LEAN", "0")  # Settings.lean, as the shard hands it to its runner
+    runner = ModelRunner(str(tiny_dirs["gemma3"]), num_blocks=8, block_size=4, lean=Settings.from_env().lean)
     assert runner.lean is None and runner.lean_reason == "turned off"
 
 

@@ -1,22 +1,13 @@
 """LoRA adapters loaded and unloaded while serving, as one replica's scheduler runs them (docs/lora.md).
 
-The scheduler owns the replica's run-time set (`wanted`: name → folder). A change goes to the shards as the whole
-set (`ShardAdapters`) on the plan stream, so every tensor-parallel rank applies it between the same two steps, and
-a shard that restarts gets the same message after the probe and reloads what was loaded at run time. Changes run
-one at a time; the next starts once every rank acked the last.
-
-- load: the name is accepted (announced, admitted) only after every rank loaded it; a rank's refusal undoes it on
-  the others and answers 400 with the reason;
-- unload: the name stops being accepted at once (announced; a request that still arrives is refused as unknown),
-  and the shards drop it once no request of this replica runs or waits with it.
-
-Each load has a generation that seeds the adapter's prefix-cache hashes, so blocks cached by an earlier adapter
-of the same name never serve the new one.
-
-The served set outlives the scheduler: every change is written to the server's run directory
-(`lora-replica-<r>.json`, atomically), and a restarted scheduler starts from it instead of the start-up list.
-So after a `kill -9` it sends its shards the set they hold (same folders, same generations: nothing is reloaded)
-and announces the same names, and a resubmitted request on a run-time adapter is served, not refused.
+`LoraControl` owns the replica's run-time set (name → folder) and sends it whole (`ShardAdapters`) on the plan
+stream, so every tensor-parallel rank changes between the same two steps and a restarted shard reloads it after
+the probe. Changes run one at a time, each once every rank acked the last. A load is accepted only after every
+rank loaded it (one rank's refusal undoes it: 400); an unload refuses new requests at once and reaches the shards
+once no request of the replica uses the adapter. Each load's generation seeds the adapter's prefix-cache key, so
+an earlier adapter of the same name never serves it. The served set is recorded in the run directory
+(`lora-replica-<r>.json`, atomically), where a restarted scheduler takes it over. It holds no scheduler: the
+batcher is asked whether an adapter is in use and told its key; bus traffic goes through two callables.
 """
 
 from __future__ import annotations
@@ -25,13 +16,19 @@ import json
 import logging
 import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from libs.protocol import topics
-from libs.protocol.adapters import AdapterDone, AdapterSet, LoadAdapter, ShardAdapters, ShardAdaptersAck, UnloadAdapter
+from libs.protocol.lora import AdapterDone, AdapterSet, LoadAdapter, ShardAdapters, ShardAdaptersAck, UnloadAdapter
+from libs.protocol.message_base import Message
 from libs.protocol.messages import RequestError, TokenizedRequest
-from libs.runtime import bus, metrics
+from libs.runtime import metrics
+
+if TYPE_CHECKING:
+    from services.scheduler.batcher import Batcher
 
 log = logging.getLogger("switchyard.scheduler")
 
@@ -43,36 +40,46 @@ class _Op:
     acks: dict[int, dict[str, str]] = field(default_factory=dict)  # rank → its refusals
 
 
-class AdapterControl:
-    def __init__(self, service) -> None:
-        self.svc = service
-        s = service.settings
-        self.ranks = max(1, s.num_shard)
-        self.wanted: dict[str, str] = dict(e.split("=", 1) for e in s.lora_adapters.split(",") if e)
+class LoraControl:
+    def __init__(
+        self,
+        batcher: Batcher,  # asked `adapter_in_use`, told `key_adapter`
+        *,
+        replica: int,
+        ranks: int,  # the replica's shards (Settings.num_shard): each must answer a change
+        start: dict[str, str],  # the start-up adapters, name → folder (Settings.lora_adapters)
+        model_id: str,  # no adapter may take the base model's name
+        run_dir: str,  # where the served set is recorded (Settings.run_dir; "": nowhere)
+        publish: Callable[[bytes, Message], None],  # on the event bus: (topic, message)
+        to_shards: Callable[[Message], None],  # on the plan stream, to every rank
+    ) -> None:
+        self.batcher, self.replica, self.ranks, self.model_id = batcher, replica, max(1, ranks), model_id
+        self.publish, self.to_shards = publish, to_shards
+        self.wanted: dict[str, str] = dict(start)
         self.generations: dict[str, int] = {}  # start-up adapters have generation 0 (absent)
         self.queue: deque[LoadAdapter | UnloadAdapter] = deque()
         self.inflight: _Op | None = None
         self.ops = self.loads = 0
-        run_dir = os.environ.get("SWITCHYARD_RUN_DIR")
-        self.state_path = Path(run_dir) / f"lora-replica-{service.replica}.json" if run_dir else None
+        self.state_path = Path(run_dir) / f"lora-replica-{replica}.json" if run_dir else None
         self.restored = self._restore()  # the names a restarted scheduler took over from its predecessor
         self.accepting: dict[str, None] = dict.fromkeys(self.wanted)  # ordered: start-up order, then loads
         m = metrics.get()
         if m is None:  # a scheduler built without service.run (tests): metrics of its own, unexported
-            m = metrics.Metrics("scheduler", service.replica)
+            m = metrics.Metrics("scheduler", replica)
         self.requests, self.tokens, self.loaded = m.lora_requests, m.lora_generated_tokens, m.lora_adapters_loaded
-        self.loaded.labels(replica=str(service.replica)).set(len(self.accepting))
+        self.loaded.labels(replica=str(replica)).set(len(self.accepting))
 
     # ---- requests -------------------------------------------------------------------------
-    def admits(self, req: TokenizedRequest) -> bool:
+    def admits(self, req: TokenizedRequest, new: bool = True) -> bool:
         """False (and the request refused as the tokenizer would) when it names an adapter not served now: one
-        being unloaded, whose refusal overtook the tokenizer's check."""
+        being unloaded, whose refusal overtook the tokenizer's check. `new`: not a repeated delivery of a request
+        the batcher holds (counted once)."""
         if req.adapter and req.adapter not in self.accepting:
             message = f"`adapter_id` `{req.adapter}` is not a loaded LoRA adapter"
             err = RequestError(request_id=req.request_id, message=message, error_type="validation")
-            self.svc.events.publish(topics.out(req.ingress), err)
+            self.publish(topics.out(req.ingress), err)
             return False
-        if req.adapter and req.request_id not in self.svc.batcher.by_request:
+        if req.adapter and new:
             self.requests.labels(adapter=req.adapter).inc()
         return True
 
@@ -91,7 +98,7 @@ class AdapterControl:
         if isinstance(msg, LoadAdapter):
             if name in self.wanted or name in queued:
                 return self._done(msg, f"The lora adapter '{name}' has already been loaded.", 400)
-            if name in (self.svc.settings.model_id, "tgi"):
+            if name in (self.model_id, "tgi"):
                 return self._done(msg, f"The lora adapter name '{name}' names the base model.", 400)
         else:
             if name not in self.accepting:
@@ -108,16 +115,16 @@ class AdapterControl:
             return
         msg = self.queue[0]
         if isinstance(msg, UnloadAdapter):
-            if any(s.req.adapter == msg.name for s in self.svc.batcher.by_request.values()):
+            if self.batcher.adapter_in_use(msg.name):
                 return
             del self.wanted[msg.name]
             self.generations.pop(msg.name, None)
-            self.svc.batcher.hash_keys.pop(msg.name, None)
+            self.batcher.key_adapter(msg.name, None)
         else:
             self.loads += 1
             self.wanted[msg.name] = msg.path
             self.generations[msg.name] = self.loads
-            self.svc.batcher.hash_keys[msg.name] = f"{msg.name}\0{self.loads}"
+            self.batcher.key_adapter(msg.name, f"{msg.name}\0{self.loads}")
         self.queue.popleft()
         self.ops += 1
         self.inflight = _Op(self.ops, msg)
@@ -128,7 +135,7 @@ class AdapterControl:
         """The run-time set to every rank (also after a probe: a restarted shard reloads it)."""
         op = self.inflight.op if self.inflight is not None else 0
         msg = ShardAdapters(op=op, adapters=dict(self.wanted), generations=dict(self.generations))
-        bus.send(self.svc.plans, msg)
+        self.to_shards(msg)
 
     def ack(self, msg: ShardAdaptersAck) -> None:
         op = self.inflight
@@ -140,21 +147,21 @@ class AdapterControl:
         self.inflight = None
         name = op.msg.name
         if isinstance(op.msg, UnloadAdapter):
-            self.svc.log.info("LoRA adapter %s unloaded", name)
+            log.info("LoRA adapter %s unloaded", name)
             self._done(op.msg, None, 200)
         else:
             errors = [e[name] for e in op.acks.values() if name in e]
             if errors:  # ranks that loaded it drop it again
                 self.wanted.pop(name, None)
                 self.generations.pop(name, None)
-                self.svc.batcher.hash_keys.pop(name, None)
+                self.batcher.key_adapter(name, None)
                 self.resend()
-                self.svc.log.warning("LoRA adapter %s refused: %s", name, errors[0])
+                log.warning("LoRA adapter %s refused: %s", name, errors[0])
                 self._done(op.msg, errors[0], 400)
             else:
                 self.accepting[name] = None
                 self._save()
-                self.svc.log.info("LoRA adapter %s loaded from %s", name, op.msg.path)
+                log.info("LoRA adapter %s loaded from %s", name, op.msg.path)
                 self.announce()  # before the answer: the tokenizers hear the name first
                 self._done(op.msg, None, 200)
         self.tick()
@@ -162,8 +169,8 @@ class AdapterControl:
     def announce(self) -> None:
         """The names new requests may use, to http and the tokenizers (on every change and every heartbeat)."""
         names = list(self.accepting)
-        self.loaded.labels(replica=str(self.svc.replica)).set(len(names))
-        self.svc.events.publish(topics.lora(self.svc.replica), AdapterSet(replica=self.svc.replica, names=names))
+        self.loaded.labels(replica=str(self.replica)).set(len(names))
+        self.publish(topics.lora(self.replica), AdapterSet(replica=self.replica, names=names))
 
     # ---- across restarts -------------------------------------------------------------------
     def _save(self) -> None:
@@ -193,10 +200,10 @@ class AdapterControl:
         self.wanted = {name: path for name, path, _ in adapters}
         self.generations = {name: gen for name, _, gen in adapters if gen}
         for name, gen in self.generations.items():
-            self.svc.batcher.hash_keys[name] = f"{name}\0{gen}"
+            self.batcher.key_adapter(name, f"{name}\0{gen}")
         log.info("LoRA adapters taken over from the previous scheduler: %s", ", ".join(self.wanted) or "none")
         return list(self.wanted)
 
     def _done(self, msg: LoadAdapter | UnloadAdapter, error: str | None, status: int) -> None:
-        done = AdapterDone(op_id=msg.op_id, replica=self.svc.replica, error=error, status=status)
-        self.svc.events.publish(topics.out(msg.ingress), done)
+        done = AdapterDone(op_id=msg.op_id, replica=self.replica, error=error, status=status)
+        self.publish(topics.out(msg.ingress), done)

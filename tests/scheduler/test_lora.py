@@ -1,4 +1,4 @@
-"""Hot load / unload as one replica's scheduler runs it (services.scheduler.adapters), without processes: the shards'
+"""Hot load / unload as one replica's scheduler runs it (services.scheduler.lora), without processes: the shards'
 answers are given by hand. Every rank must answer before the route's answer goes out; a refusal on one rank
 undoes the load on the others; an unload refuses new requests at once and reaches the shards only once the
 adapter's last request ended; a reload under the same name seeds its prefix hashes anew."""
@@ -8,12 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from libs.protocol import topics
-from libs.protocol.adapters import AdapterDone, AdapterSet, LoadAdapter, ShardAdapters, ShardAdaptersAck, UnloadAdapter
+from libs.protocol.lora import AdapterDone, AdapterSet, LoadAdapter, ShardAdapters, ShardAdaptersAck, UnloadAdapter
 from libs.protocol.messages import RequestError
-from libs.runtime.settings import Settings
-from services.scheduler import adapters as module
-from services.scheduler.adapters import AdapterControl
 from services.scheduler.batcher import Batcher
+from services.scheduler.lora import LoraControl
 from tests.scheduler.test_prefix_preempt import EOS, req, result
 
 
@@ -25,22 +23,24 @@ class _Events:
         self.sent.append((topic, msg))
 
 
-class _Log:
-    def info(self, *a):
-        pass
-
-    warning = info
+def _control(svc, run_dir: str = "") -> LoraControl:
+    return LoraControl(
+        svc.batcher,
+        replica=0,
+        ranks=2,
+        start={"start": "/adapters/start"},
+        model_id="base",
+        run_dir=run_dir,
+        publish=svc.events.publish,
+        to_shards=svc.to_shards.append,
+    )
 
 
 @pytest.fixture
-def control(monkeypatch):
-    to_shards = []
-    monkeypatch.setattr(module.bus, "send", lambda sock, msg: to_shards.append(msg))
-    settings = Settings(num_shard=2, lora_adapters="start=/adapters/start", model_id="base")
+def control():
     batcher = Batcher(40, max_batch_size=8, max_batch_prefill_tokens=256, eos_ids={EOS}, block_size=4)
-    svc = SimpleNamespace(settings=settings, replica=0, batcher=batcher, events=_Events(), plans=None, log=_Log())
-    c = AdapterControl(svc)
-    return c, svc, to_shards
+    svc = SimpleNamespace(batcher=batcher, events=_Events(), to_shards=[])
+    return _control(svc), svc, svc.to_shards
 
 
 def _done(svc):
@@ -63,7 +63,7 @@ def test_load_answers_after_every_rank(control):
     assert [(t, d.op_id, d.error) for t, d in [(t, m) for t, m in svc.events.sent if isinstance(m, AdapterDone)]] == [
         (topics.out(3), "x", None)
     ]
-    assert svc.batcher.hash_keys == {"hot": "hot\x001"}
+    assert svc.batcher.prefix.hash_keys == {"hot": "hot\x001"}
     c.request(LoadAdapter(op_id="y", ingress=3, name="hot", path="/other"))
     assert _done(svc)[-1].status == 400 and "already been loaded" in _done(svc)[-1].error
 
@@ -76,7 +76,7 @@ def test_a_refusal_on_one_rank_undoes_the_load(control):
     c.ack(ShardAdaptersAck(op=op, rank=1, errors={"bad": "LoRA adapter 'bad': uses DoRA"}))
     assert _done(svc)[-1].error == "LoRA adapter 'bad': uses DoRA" and _done(svc)[-1].status == 400
     assert to_shards[-1].adapters == {"start": "/adapters/start"}  # rank 0 drops it again
-    assert "bad" not in c.accepting and svc.batcher.hash_keys == {}
+    assert "bad" not in c.accepting and svc.batcher.prefix.hash_keys == {}
 
 
 def test_unload_waits_for_the_adapters_requests(control):
@@ -106,13 +106,12 @@ def test_unload_waits_for_the_adapters_requests(control):
     assert _done(svc)[-1].status == 404 and _done(svc)[-1].error == "The lora adapter 'start' cannot be found."
 
 
-def test_a_restarted_scheduler_takes_over_the_served_set(control, monkeypatch, tmp_path):
-    """The served set is recorded in the run directory on every change; a new AdapterControl (a scheduler after
+def test_a_restarted_scheduler_takes_over_the_served_set(control, tmp_path):
+    """The served set is recorded in the run directory on every change; a new LoraControl (a scheduler after
     kill -9) starts from it: run-time loads kept with their folders and generations (the shards reload nothing),
     a start-up adapter unloaded at run time stays unloaded, and the next load gets a fresh generation."""
-    monkeypatch.setenv("SWITCHYARD_RUN_DIR", str(tmp_path))
     _, svc, to_shards = control
-    c = AdapterControl(svc)  # this one records (the fixture's was built without a run directory)
+    c = _control(svc, str(tmp_path))  # this one records (the fixture's was built without a run directory)
     assert c.restored == [] and not (tmp_path / "lora-replica-0.json").exists()
     for msg in (LoadAdapter(op_id="a", ingress=0, name="hot", path="/adapters/hot"),
                 UnloadAdapter(op_id="b", ingress=0, name="start")):  # fmt: skip
@@ -121,11 +120,11 @@ def test_a_restarted_scheduler_takes_over_the_served_set(control, monkeypatch, t
         c.ack(ShardAdaptersAck(op=to_shards[-1].op, rank=1))
     assert [d.error for d in _done(svc)] == [None, None]
 
-    svc.batcher.hash_keys.clear()
-    after = AdapterControl(svc)
+    svc.batcher.prefix.hash_keys.clear()
+    after = _control(svc, str(tmp_path))
     assert after.restored == ["hot"] and list(after.accepting) == ["hot"]
     assert after.wanted == {"hot": "/adapters/hot"} and after.generations == {"hot": 1}
-    assert svc.batcher.hash_keys == {"hot": "hot\x001"}
+    assert svc.batcher.prefix.hash_keys == {"hot": "hot\x001"}
     after.resend()  # what the probe sends: the set the shards already hold
     assert to_shards[-1].adapters == {"hot": "/adapters/hot"} and to_shards[-1].generations == {"hot": 1}
     after.request(LoadAdapter(op_id="c", ingress=0, name="next", path="/adapters/next"))
@@ -135,14 +134,13 @@ def test_a_restarted_scheduler_takes_over_the_served_set(control, monkeypatch, t
 def test_a_restarted_http_process_reads_what_the_schedulers_recorded(control, monkeypatch, tmp_path):
     """http's side of the record (services/http/adapters.py): before any announcement a restarted http process
     takes each replica's recorded set, the start-up list for a replica that recorded nothing; announcements win."""
-    from libs.protocol.adapters import KnownAdapters
+    from libs.protocol.lora import KnownAdapters
     from services.http import adapters as http_adapters
 
     monkeypatch.setattr(http_adapters, "KNOWN", KnownAdapters())
     assert not http_adapters.seed_from_records(2, ["start"], str(tmp_path))  # nothing recorded: the list stands
-    monkeypatch.setenv("SWITCHYARD_RUN_DIR", str(tmp_path))
     _, svc, to_shards = control
-    c = AdapterControl(svc)
+    c = _control(svc, str(tmp_path))
     c.request(LoadAdapter(op_id="a", ingress=0, name="hot", path="/adapters/hot"))
     for rank in (0, 1):
         c.ack(ShardAdaptersAck(op=to_shards[-1].op, rank=rank))

@@ -1,10 +1,10 @@
-"""The hot load/unload messages (libs.protocol.adapters) cross the codec like every other message, and the names
+"""The hot load/unload messages (libs.protocol.lora) cross the codec like every other message, and the names
 http and the tokenizers accept are those every announcing replica holds (the start-up list until one announces)."""
 
 import pytest
 
 from libs.protocol import codec, topics
-from libs.protocol.adapters import (
+from libs.protocol.lora import (
     AdapterDone,
     AdapterSet,
     KnownAdapters,
@@ -29,6 +29,13 @@ def test_round_trip(msg):
     assert codec.decode(codec.encode(msg)) == msg
     topic, back = codec.decode_pub(codec.encode_pub(topics.lora(3), msg))
     assert topic == b"lora.0003" and back == msg
+
+
+def test_every_lora_kind_is_sampled():
+    from libs.protocol import lora, message_base
+
+    kinds = {c for c in vars(lora).values() if isinstance(c, type) and issubclass(c, message_base.Message)}
+    assert kinds - {message_base.Message} == {type(m) for m in MESSAGES}
 
 
 def test_known_adapters_are_those_every_replica_holds():

@@ -11,7 +11,7 @@ and with each heartbeat (a restarted http or tokenizer learns the current set wi
 
 from __future__ import annotations
 
-from libs.protocol.messages import Message
+from libs.protocol.message_base import Message
 
 
 class LoadAdapter(Message, tag="load_adapter", kw_only=True):
@@ -53,7 +53,7 @@ class AdapterSet(Message, tag="adapter_set", kw_only=True):
     names: list[str] = []  # the adapters a new request may name on this replica
 
 
-ANY_ADAPTER_MESSAGE = LoadAdapter | UnloadAdapter | AdapterDone | ShardAdapters | ShardAdaptersAck | AdapterSet
+ANY_LORA_MESSAGE = LoadAdapter | UnloadAdapter | AdapterDone | ShardAdapters | ShardAdaptersAck | AdapterSet
 
 
 class KnownAdapters:
