@@ -39,7 +39,7 @@ from libs.runtime.async_bus import AsyncEventBus
 from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import ABANDONED_KEEP_S, ADMIT_TIMEOUT, GIVE_UP_S, STALL_S
-from services.http import adapters, telemetry
+from services.http import lora, telemetry
 from services.http.errors import LOST, Failure
 from services.http.timing import Timing
 
@@ -152,7 +152,7 @@ class Ingress:
                 if q is not None:
                     q.put_nowait(msg)
             elif isinstance(msg, (AdapterSet, AdapterDone)):  # LoRA adapters loaded or unloaded while serving
-                adapters.on_event(msg)
+                lora.on_event(msg)
 
     async def _submit(self, p: Pending) -> None:
         p.submitted = p.heard = time.monotonic()

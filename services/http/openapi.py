@@ -221,7 +221,7 @@ def _paths() -> dict:
 
 
 def _lora_paths() -> dict:
-    """vLLM's routes that load and unload LoRA adapters while serving (services.http.adapters)."""
+    """vLLM's routes that load and unload LoRA adapters while serving (services.http.lora)."""
     text = {"description": "vLLM's success text", "content": {"text/plain": {"schema": {"type": "string"}}}}
     error = {"content": {"application/json": {"schema": {"type": "object"}}}}  # vLLM's error object
     errors = {"400": {"description": "Bad adapter, or the name is taken", **error}}

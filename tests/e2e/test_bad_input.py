@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
-from services.http.adapters import ROUTES as ADAPTER_ROUTES
+from services.http.lora import ROUTES as ADAPTER_ROUTES
 from tests.e2e.conftest import sse_events
 
 pytestmark = pytest.mark.e2e

@@ -132,21 +132,21 @@ def test_a_restarted_scheduler_takes_over_the_served_set(control, tmp_path):
 
 
 def test_a_restarted_http_process_reads_what_the_schedulers_recorded(control, monkeypatch, tmp_path):
-    """http's side of the record (services/http/adapters.py): before any announcement a restarted http process
+    """http's side of the record (services/http/lora.py): before any announcement a restarted http process
     takes each replica's recorded set, the start-up list for a replica that recorded nothing; announcements win."""
     from libs.protocol.lora import KnownAdapters
-    from services.http import adapters as http_adapters
+    from services.http import lora as http_lora
 
-    monkeypatch.setattr(http_adapters, "KNOWN", KnownAdapters())
-    assert not http_adapters.seed_from_records(2, ["start"], str(tmp_path))  # nothing recorded: the list stands
+    monkeypatch.setattr(http_lora, "KNOWN", KnownAdapters())
+    assert not http_lora.seed_from_records(2, ["start"], str(tmp_path))  # nothing recorded: the list stands
     _, svc, to_shards = control
     c = _control(svc, str(tmp_path))
     c.request(LoadAdapter(op_id="a", ingress=0, name="hot", path="/adapters/hot"))
     for rank in (0, 1):
         c.ack(ShardAdaptersAck(op=to_shards[-1].op, rank=rank))
-    http_adapters.KNOWN.update(AdapterSet(replica=1, names=["start", "hot", "other"]))  # replica 1 announced
-    assert http_adapters.seed_from_records(2, ["start"], str(tmp_path))
-    assert http_adapters.KNOWN.by_replica == {0: ["start", "hot"], 1: ["start", "hot", "other"]}
+    http_lora.KNOWN.update(AdapterSet(replica=1, names=["start", "hot", "other"]))  # replica 1 announced
+    assert http_lora.seed_from_records(2, ["start"], str(tmp_path))
+    assert http_lora.KNOWN.by_replica == {0: ["start", "hot"], 1: ["start", "hot", "other"]}
     (tmp_path / "lora-replica-0.json").write_text("{not json")
-    monkeypatch.setattr(http_adapters, "KNOWN", KnownAdapters())
-    assert not http_adapters.seed_from_records(2, ["start"], str(tmp_path)) and http_adapters.KNOWN.by_replica == {}
+    monkeypatch.setattr(http_lora, "KNOWN", KnownAdapters())
+    assert not http_lora.seed_from_records(2, ["start"], str(tmp_path)) and http_lora.KNOWN.by_replica == {}

@@ -17,9 +17,9 @@ from aiohttp import web
 
 from libs.protocol.messages import GenerateRequest
 from libs.runtime.settings import Settings
-from services.http.adapters import check_model
 from services.http.errors import Failure, error_response, openai_stream_error
 from services.http.generation import Permits, bus_request, collect
+from services.http.lora import check_model
 from services.http.openai import requests as oa
 from services.http.openai import responses as oar
 from services.http.openai import tools

@@ -16,7 +16,7 @@ from aiohttp import web
 from libs.protocol.messages import GenerateRequest
 from libs.runtime import metrics
 from libs.runtime.settings import Settings
-from services.http import adapters, openapi
+from services.http import lora, openapi
 from services.http.errors import DEPTH, Failure, error_body, error_response
 from services.http.generation import Permits, bus_request, collect
 from services.http.ingress import Ingress
@@ -75,7 +75,7 @@ class Routes:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/docs", self.docs)
         app.router.add_get("/api-doc/openapi.json", self.openapi)
-        adapters.install(app, self.settings, self.ingress)  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter
+        lora.install(app, self.settings, self.ingress)  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     # ---- helpers --------------------------------------------------------------------------
     async def _read(self, request: web.Request, kind: type, stream: bool = False, mode: str = "generate"):
@@ -216,7 +216,7 @@ class Routes:
             sha=None,
             docker_label=os.environ.get("DOCKER_LABEL") or None,
             model_dtype=s.dtype,
-            lora_adapters=adapters.names(s),
+            lora_adapters=lora.names(s),
             quantization=s.quantize or None,
         )
 
@@ -228,7 +228,7 @@ class Routes:
         model = tgi.ModelInfo(id=base, object="model", created=0, owned_by=base)
         loras = [
             tgi.ModelInfo(id=n, object="model", created=0, owned_by=base, parent=base)
-            for n in adapters.names(self.settings)
+            for n in lora.names(self.settings)
         ]
         return json_response(tgi.ModelsInfo(object="list", data=[model, *loras]))
 

@@ -1,20 +1,12 @@
 """LoRA adapters as the http side sees them: which names a request may use, and vLLM's routes that load and unload
 them while serving (docs/lora.md).
 
-The names: the start-up list from the settings until the schedulers announce theirs (`AdapterSet` on `lora.`,
-on every change and every heartbeat), then the adapters every replica serves. OpenAI's `model` names the base
-model (absent, "tgi", or the served model's id) or one of them. Any other name is vLLM's 404 "The model `X` does
-not exist." before anything is generated (TGI would answer from the base model). TGI's `parameters.adapter_id`
-is checked by the tokenizer instead (a 422, with the validation errors).
-
-`POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter {"lora_name"}` send
-the change to every replica's scheduler and answer once each replica answered (its every rank loaded or dropped
-the adapter), with vLLM's texts: a plain-text success, or vLLM's error object (400 bad adapter or name taken,
-404 unknown name). A load refused by one replica is undone on the others.
-
-A restarted http process starts from the sets the schedulers recorded in the run directory (every change, see
-services/scheduler/adapters.py) rather than the start-up list, so a run-time adapter is not a 404 before the
-first announcement.
+The names: the start-up list until the schedulers announce theirs (`AdapterSet` on `lora.`, on every change and
+heartbeat), then those every replica serves; a restarted http process starts from the sets the schedulers recorded
+in the run directory (services/scheduler/lora.py). OpenAI's `model` names the base model (absent, "tgi", the model
+id) or one of them, else vLLM's 404 before anything is generated; TGI's `adapter_id` is the tokenizer's to check.
+`POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` send the change to every replica's scheduler and answer
+once each answered, with vLLM's texts and errors (400 bad adapter or name taken, 404 unknown name).
 """
 
 from __future__ import annotations
