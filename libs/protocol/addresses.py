@@ -1,18 +1,13 @@
 """Bus addresses, all derived from one setting (`SWITCHYARD_BUS`).
 
-- `ipc:///path/to/run-dir`: one socket file per address inside a private (0700) run directory,
-  for everything on one host;
-- `tcp://host:port`: the router's addresses on port, port+1, …, port+4 and replica r's on
-  port+10+3r … port+12+3r, for services spread over hosts;
-- `tcp://host:port?replicas=host2:port2`: the schedulers elsewhere: replica r's on host2 at
-  port2+3r … port2+3r+2; or `?replicas=h0:p0,h1:p1,…`, one host:port per replica (in, plan and
-  results on p, p+1, p+2), e.g. one Kubernetes Service per replica.
+- `ipc:///path/to/run-dir`: one socket file per address inside a private (0700) run directory, for one host;
+- `tcp://host:port`: the router's addresses on port … port+4 and replica r's on port+10+3r … port+12+3r;
+- `tcp://host:port?replicas=host2:port2`: the schedulers elsewhere, replica r's on host2 at port2+3r … port2+3r+2;
+  or `?replicas=h0:p0,h1:p1,…`, one host:port per replica (in, plan and results on p, p+1, p+2).
 
-Only the router and the schedulers bind; everyone else connects. A binding process names an
-address of its own host: an IP of one of its interfaces, 0.0.0.0 for all of them, or a name that
-resolves to one (ZeroMQ resolves names on bind too). So on a multi-host deployment each process's
-spec may differ: the router binds `tcp://0.0.0.0:5550` while the others connect to
-`tcp://router-host:5550` (docs/deployment.md).
+Only the router and the schedulers bind; everyone else connects. A binding process names an address of its own
+host (an IP of one of its interfaces, 0.0.0.0 for all of them, or a name that resolves to one: ZeroMQ resolves
+names on bind too), so on a multi-host deployment each process's spec may differ (docs/deployment.md).
 """
 
 from __future__ import annotations

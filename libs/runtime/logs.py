@@ -1,20 +1,14 @@
 """Logging for every process: plain text lines, or one JSON object per line (`--json-output`).
 
-    log = logs.setup("scheduler", settings.index)                 # once, at start
-    log.info("request %s admitted", rid, extra={"request_id": rid})
-
-JSON lines (SWITCHYARD_JSON_OUTPUT=true) carry timestamp (UTC, RFC 3339), level (TGI's spelling:
-TRACE/DEBUG/INFO/WARN/ERROR), service (the role), index, pid, target (the logger), message, and
-request_id when the record has one; an exception adds "exception" (the traceback, in the string).
-
-Plain text is one line per record too: control characters in messages and request ids (which a
-client may choose) are escaped, and traceback lines are indented, so no client input can start a
-line that looks like a record of its own.
-
-The level comes from LOG_LEVEL (else RUST_LOG) in RUST_LOG's syntax, as TGI's launcher reads it:
-"info", "warn", "debug", or directives such as "text_generation_router=debug,info". A bare level
-sets the global level; `target=level` sets one logger (TGI's text_generation_* targets name our
-`switchyard` loggers); unknown words are ignored, and the default is info.
+`setup(role, index)` once at start returns `switchyard.<role>`; a record names its request with
+`extra={"request_id": rid}`. JSON lines (SWITCHYARD_JSON_OUTPUT=true) carry timestamp (UTC, RFC 3339), level (TGI's
+spelling: TRACE/DEBUG/INFO/WARN/ERROR), service (the role), index, pid, target (the logger), message, request_id
+when the record has one, and "exception" (the traceback, in the string) when there is one. Plain text is one line
+per record too: control characters in messages and request ids (which a client may choose) are escaped and
+traceback lines indented, so no client input can start a line that looks like a record of its own. The level comes
+from LOG_LEVEL (else RUST_LOG) in RUST_LOG's syntax, as TGI's launcher reads it: a bare level sets the global
+level, `target=level` one logger (TGI's text_generation_* targets name our `switchyard` loggers); unknown words
+are ignored, and the default is info.
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
 """Prometheus metrics: one registry per process, carried in heartbeats, merged by http for /metrics.
 
-Why this shape: every process records into its own `prometheus_client` registry; its heartbeat
-(`Heartbeat.metrics`, once a second) carries `exposition()`, a compact text of what it recorded;
-the http process merges the last text of every process with `Aggregator.render()` (or plain
-`merge(texts)`), summing samples with the same name and labels. So /metrics scrapes one endpoint
-for the whole server, with TGI's metric names, labels and buckets.
-
-Use, in a service (`service.run` already calls `init` for the synchronous services):
-
-    m = metrics.init("scheduler", settings.index, settings)   # once, at start
-    m.queue_size.set(len(waiting))                             # TGI's tgi_queue_size
-    m.batch_inference_count.labels(method="decode").inc()
-    m.step_duration.labels(phase="forward").observe(seconds)
-    metrics.get()                                              # the same object, anywhere later
-
-and in http (which does not use `service.run`): `metrics.init("http", index, settings)`, then
-`agg = metrics.Aggregator("http", index)`; `agg.observe(hb)` for every heartbeat heard (its own
-asyncio heartbeat should carry `metrics.exposition()` too, for other http processes);
-`/metrics` answers `agg.render()` (text/plain; version=0.0.4).
-
-Metrics for the lead to record (beyond TGI's): time_to_first_token / inter_token_latency (http),
-hop_queue_depth / hop_duration {hop}, step_duration {phase=plan|forward|sample|publish},
-kv_blocks_used / kv_blocks_free, prefix_cache_queried_tokens / prefix_cache_hit_tokens,
-speculative_draft_tokens / speculative_accepted_tokens (scheduler), tokenized_tokens (tokenizer),
-detokenized_tokens (detokenizer). Each process adds switchyard_process_up and
-switchyard_process_{cpu_seconds_total,resident_memory_bytes,…} labelled {role,index}; the aggregator adds
-switchyard_process_restarts_total.
-
-Compact heartbeat text (format and merge: `libs.runtime.promtext`): unlabelled metrics that are
-still zero are left out (the merger fills them in at zero from its own definitions), labelled
-metrics appear once a label set is used, histogram buckets equal to the bucket below are left out
-(cumulative counts, so the merger restores them), and no HELP lines. Counters keep TGI's bare
-names (`tgi_request_count`, no `_total`); Switchyard's own counters end in `_total` as Prometheus
-advises.
+Every process records into its own `prometheus_client` registry (`init` once at start, `get()` anywhere later);
+its heartbeat carries `exposition()`, a compact text of what it recorded (format and merge:
+`libs.runtime.promtext`), and http's `Aggregator` merges the last text of every process, summing samples with the
+same name and labels. So /metrics scrapes one endpoint for the whole server, with TGI's metric names, labels and
+buckets. Counters keep TGI's bare names (`tgi_request_count`, no `_total`); Switchyard's own counters end in
+`_total`. Each process adds switchyard_process_* labelled {role,index}; the aggregator adds
+switchyard_process_restarts_total. docs/observability.md shows the wiring in a service and in http.
 """
 
 from __future__ import annotations
@@ -198,10 +172,10 @@ class Metrics:
         return self._detokenized.labels(index=str(self.index))
 
     def exposition(self) -> str:
-        """The compact text a heartbeat carries (see the module docstring)."""
+        """The compact text a heartbeat carries (docs/observability.md)."""
         families: dict[str, promtext.Family] = {}
         for obj in self._objects:
-            try:  # values read straight from the metric objects: collect() costs ~10 ms here
+            try:  # values read straight from the metric objects: collect() is far slower
                 families[obj._name] = _fast_family(obj)
             except AttributeError:  # another prometheus_client layout: the slow, public way
                 for fam in obj.collect():

@@ -1,23 +1,13 @@
 """OpenTelemetry tracing: one span per hop, linked through W3C `traceparent` strings on the bus.
 
-A request's trace crosses processes, so the context travels as text: http reads the client's
-`traceparent` header (or starts a trace), and each message that carries a request on
-(GenerateRequest.traceparent, TokenizedRequest.traceparent) holds the traceparent of the span that
-sent it. Every hop continues from there:
-
-    tracing.init(settings.otlp_service_name, settings.otlp_endpoint)   # once per process
-    with tracing.span("tokenizer", req.traceparent, request_id=rid) as sp:
-        ...
-        out.traceparent = tracing.current_traceparent()                # inside the span
-
-A hop whose span does not fit one `with` block (a request waiting in the scheduler's queue):
-
-    sp = tracing.start("scheduler_queue", req.traceparent)   # ... later: sp.end()
-    tracing.traceparent_of(sp)                               # its context, to pass on
-
-Without an endpoint nothing is recorded or exported, but a continued traceparent still passes
-through unchanged, so a later hop with tracing on stays in the client's trace. Export is OTLP over
-gRPC with a BatchSpanProcessor (spans leave in the background, never on the hot path), as TGI's
+A request's trace crosses processes, so its context travels as text: http reads the client's `traceparent` header
+(or starts a trace), and each message that carries a request on (GenerateRequest.traceparent,
+TokenizedRequest.traceparent) holds the traceparent of the span that sent it. A hop continues from there with
+`span(name, traceparent)` around a block (`current_traceparent()` inside it names the span to pass on), or with
+`start(...)` / `.end()` and `traceparent_of(sp)` when the hop outlives one block (a request waiting in the
+scheduler's queue). `init` once per process; without an endpoint nothing is recorded or exported, but a continued
+traceparent passes through unchanged, so a later hop with tracing on stays in the client's trace. Export is OTLP
+over gRPC with a BatchSpanProcessor (spans leave in the background, never on the hot path), as TGI's
 `--otlp-endpoint` / `--otlp-service-name`.
 """
 

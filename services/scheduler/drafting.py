@@ -1,36 +1,14 @@
 """Drafting for speculative decoding (`--speculate N`): prompt lookup, and the rule that turns it down by itself.
 
-Prompt lookup (no draft model): a row's last n tokens (n = 3, then 2, then 1) are looked up in the row's own prompt
-and output; the most recent earlier occurrence proposes the up-to-N tokens that followed it. Each row keeps an index
-of its n-grams, grown by the tokens it appends, so a lookup is a few dict reads, not a scan of the row.
-
-How long the match is (its n tokens and as many before them as also agree, up to MAX_MATCH) says most about whether
-a draft is right. Measured with SmolLM2-135M on the bench's prompts (greedy): a draft after a one-token match is
-accepted ~19 % (free writing) to ~38 % (copying) of the time, after 4–7 matching tokens ~80–90 %, after 16 or more
-~97–99 %; free writing finds mostly one-token matches, copying mostly long ones.
-
-A draft must pay for the position it costs in the step's forward (attention, MLP, LM head, a pick). Per step:
-- a row's drafts are worth what they are expected to add: with p the chance that a draft is accepted when the
-  drafts before it were, its j-th draft adds p**j tokens. p is the acceptance of drafts from matches of that length
-  (MatchStats: decayed counts over every row, greedy and sampled rows apart), times the row's own record (RowStats:
-  its accepted drafts over what their match lengths predicted, so a sampled row at a high temperature counts less);
-- the step's time comes from the step results' `forward_s` (StepCost: per batch size, a fixed part, a row and a
-  drafted position, fitted on decode-only steps);
-- only drafts worth (1 + MARGIN) times the tokens their position costs at the plain step's rate are weighed (the
-  model is fitted on a noisy machine, and a draft costs beyond the forward too: lookup, a longer result); of
-  those the best are taken first, as many as give the most predicted tokens per second, and none unless that
-  beats the same step without drafts by GAIN_MARGIN. A batch of one on a CPU, whose step is mostly the weights'
-  read, drafts freely; a large batch, whose step grows with every position, drafts only where a drafted position is
-  cheap enough (SmolLM2 at 16 rows, bf16, served: a drafted position cost 0.83 of a row's share of the step, so
-  a draft breaks even at 83 % acceptance and only long matches are taken: free writing drafted 981 positions in a
-  run, 76 % accepted, and kept 1.02× the plain rate; a batch size that stopped drafting tries again after a few
-  hundred steps, when its measured price has faded back toward the prior).
-  When not even sure drafts would be taken, nothing is looked up;
-- every draft fits the row's max_new_tokens (the bonus token included), the step's token budget and the KV
-  blocks that are free without preempting anyone. Grammar-constrained rows draft like any other: the shard masks
-  each of their picks by the grammar after the drafts before it (services/shard/grammar/matchers.py), so a draft the
-  grammar refuses is rejected like a wrong one.
-The shard's verification (services/shard/verify.py) keeps outputs exactly what they would be without drafts.
+Prompt lookup (no draft model): a row's last n tokens (n = 3, then 2, then 1) are looked up in its own prompt and
+output (`PromptIndex`, grown as the row appends), and the most recent earlier occurrence proposes the up-to-N tokens
+that followed it. A j-th draft is worth p**j tokens, p the acceptance of its match-length class over every row
+(`MatchStats`, greedy and sampled apart) times the row's own record (`RowStats`); a drafted position's price comes
+from decode-only steps' `forward_s`, fitted per batch size (`StepCost`). `Drafter.choose` weighs only drafts worth
+(1 + MARGIN) times their position's cost, takes the best, as many as give the most predicted tokens per second, and
+none unless that beats the plain step by GAIN_MARGIN. Drafts fit the row's max_new_tokens; the batcher trims them to
+its token budget and free KV blocks. Grammar-constrained rows draft too, and the shard's verification
+(services/shard/verify.py) keeps outputs what they would be without drafts. docs/speculative-decoding.md tells why.
 """
 
 from __future__ import annotations
@@ -38,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 MAX_NGRAM = 3  # the longest suffix looked up
-MAX_MATCH = 16  # a match is measured back this far
-# match length classes: 1, 2, 3, 4-7, 8-15, 16+ tokens; and each one's prior acceptance, below what was measured
-# for copying (a class is learnt from its first drafts; where positions are dear it may never be tried)
+MAX_MATCH = 16  # a match's length is counted back this far
+# match length classes: 1, 2, 3, 4-7, 8-15, 16+ tokens; and each one's prior acceptance, on the low side of what
+# copying reaches (a class is learnt from its first drafts; where positions are dear it may never be tried)
 LENGTH_CLASSES = (1, 2, 3, 4, 8, 16)
 PRIOR_P = (0.2, 0.4, 0.6, 0.75, 0.85, 0.9)
 PRIOR_WEIGHT = 4.0  # how many drafted rows' worth of evidence a class's prior is
@@ -49,10 +27,10 @@ MAX_P = 0.98  # no draft is ever sure
 ROW_DECAY = 0.8  # weight of a row's older record at each drafted step
 ROW_PRIOR = 1.0  # the row's record starts as this many drafts that did as predicted
 REVERT = 0.97  # per step without drafts, a row's record shrinks by this factor (back toward "as predicted")
-MARGIN = 0.25  # a draft must bring this much more than its position costs (a measured price, on a noisy machine)
+MARGIN = 0.25  # a draft must bring this much more than its position costs (its price is measured on a noisy machine)
 GAIN_MARGIN = 0.1  # and a step's drafts together must promise this much more than the plain step's tokens/s: how
-# a step's time splits between "verifying at all" and "a position" is poorly known on a machine whose step times
-# wander ±10 ms (measured: drafts chosen at a predicted 0–5 % gain lost 4 % end to end)
+# a step's time splits between "verifying at all" and "a position" is poorly known where step times wander, so a
+# small predicted gain can be a loss end to end
 FIXED_POSITIONS = 16.0  # prior of the step's time model: the fixed part of a step costs as much as 16 rows
 PRIOR_STRENGTH = 4.0  # the prior per-row slope counts as this much spread of rows (rows²) in the fit
 DECAY = 0.98  # weight of a batch size's older steps in its time model at each new step (~50 steps' memory)
@@ -183,23 +161,18 @@ class StepCost:
     (rows 1, 2–3, 4–7, 8–15, …: at one row a step is mostly the weights' read and a drafted position is nearly
     free, at 16 it is mostly compute): t ≈ fixed + per_row × R + (once + per_draft × D if D drafts), fitted by
     least squares over that size's steps, older ones weighing DECAY less at each new one. `once` is what verifying
-    any draft costs (measured in process: 16 drafts of one cost 35.6 ms at 16 rows, 64 of them 127 ms: ~5 ms once
-    and 1.9 ms each), pulled toward 0 (RIDGE_ONCE).
+    any draft costs, pulled toward 0 (RIDGE_ONCE).
 
     - Priors: the fixed part costs FIXED_POSITIONS rows (PRIOR_STRENGTH rows² of evidence), and a drafted position
       what a row does by that split (DRAFT_PRIOR² drafts²), so the model answers before anything varied; in steady
       serving R hardly varies, so the per-row slope stays near its prior, which matters little as the step is
       predicted at the R it was measured at.
-    - A drafted position is priced from the same fit as the plain step, so the two cannot drift apart (a price
-      measured against a separate plain model went to zero once that model held a few cold first steps: a
-      batch size then drafted everything, 17 % of it right, at 0.74× the plain rate). At least one decode step in
-      PLAIN_EVERY goes without drafts, anchoring the fixed part.
+    - A drafted position is priced from the same fit as the plain step, so the two cannot drift apart
+      (docs/speculative-decoding.md). At least one decode step in PLAIN_EVERY goes without drafts, anchoring the
+      fixed part.
     - A step slower than OUTLIER times the prediction (a cold kernel: oneDNN's first call of a shape) counts as
       that much; as the evidence for D fades when a size stops drafting, its price goes back toward the prior and
-      drafting is tried again after a few hundred steps.
-
-    Measured end to end (SmolLM2-135M, 16 streams, bf16, 2 threads): a drafted position costs 3.3 ms against
-    4.0 ms a row, so free writing's drafts (37–69 % accepted) lost on every step that carried them."""
+      drafting is tried again after a few hundred steps."""
 
     def __init__(self) -> None:
         self._sums: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # size class → (XᵀX, Xᵀt, steps seen)

@@ -1,23 +1,13 @@
 """Structured output at the tokenizer: every accepted request shape → one llguidance grammar, checked and compiled.
 
-Engine: llguidance (MIT; one ~8 MB wheel, no torch dependency; reads tokenizer.json directly; compiles a JSON
-schema in ~0.5-12 ms and computes a token mask in ~0.02-0.2 ms on Gemma's 262k vocabulary). xgrammar was the
-alternative: ~130 ms per schema there, ~1 GB of dependencies, and compiled grammars of megabytes, too big for the
-bus. With llguidance only the grammar *text* travels (tokenizer → admit → scheduler → shard), and every process
-that needs a matcher compiles it again in milliseconds. See docs/structured-output.md.
-
-Shapes accepted (`grammar_text` for `parameters.grammar` / `response_format`, `tool_grammar` for tools):
-- TGI: `{"type":"json"|"json_object","value": <schema object or JSON string>}`, `{"type":"regex","value":…}`,
-  `{"type":"json_schema","value":{"name"?,"schema":{…}}}`;
-- beyond TGI: `{"type":"gbnf"|"lark","value":…}`, a bare string (GBNF, or Lark), schemas without a top-level
-  `properties`;
-- OpenAI `response_format`: `{"type":"json_object"}`, `{"type":"json_schema","json_schema":{"name","schema",
-  "strict"}}`, `{"type":"text"}` (no constraint).
-
-JSON grammars bound their whitespace (one space, or one newline and an indent, between tokens), so a random model
-cannot loop on blanks. A schema with `properties` is read as outlines (TGI's compiler) reads it: an object, with
-no keys beyond those listed unless it says otherwise (JSON Schema's defaults would allow any type and any extra
-key: TGI's own tool schema has no `"type": "object"`, and a model would wander off into keys nobody asked for).
+Only the grammar *text* travels on (tokenizer → admit → scheduler → shard); every process that needs a matcher
+compiles it again against the same tokenizer.json. `grammar_text` reads TGI's `parameters.grammar` (`json`,
+`json_object`, `regex`, `json_schema`), `gbnf` / `lark` and bare strings beyond TGI, and OpenAI's `response_format`
+(`json_object`, `json_schema`, `text`: no constraint); `tool_grammar` turns `tools` + `tool_choice` into one
+grammar; `GrammarCompiler` compiles against the served vocabulary, with limits and a timeout. JSON grammars bound
+their whitespace, so a random model cannot loop on blanks, and a schema with `properties` is read as outlines (TGI's
+compiler) reads it: an object, with no keys beyond those listed unless it says otherwise (TGI's own tool schema has
+no `"type": "object"`). docs/structured-output.md tells the shapes in full, and why llguidance.
 """
 
 from __future__ import annotations
@@ -291,7 +281,7 @@ WAIT_SLICE_S = 0.25  # how often a wait for a compile hands back to the service 
 class GrammarCompiler:
     """Compiles grammars against the served tokenizer, with limits and a wall-clock timeout per request.
 
-    The LLTokenizer is built on a thread at start (Gemma's 262k vocabulary: ~3 s, during which llguidance holds the
+    The LLTokenizer is built on a thread at start (seconds for a large vocabulary, during which llguidance holds the
     GIL); the first grammar request waits for it. Compiles run on a small pool: llguidance releases
     the GIL while it builds a matcher, so the service loop keeps answering other requests meanwhile. A compile
     that times out keeps its worker until llguidance's own fuel limits stop it; the request gets its 422 at once.
@@ -312,7 +302,7 @@ class GrammarCompiler:
         self.limits = limits
         self.disabled = disabled
         # grammar texts that compiled already: the same text against the same tokenizer and limits always does,
-        # so a schema many requests share (a client's tool list) is compiled once (Gemma: 10-30 ms each)
+        # so a schema many requests share (a client's tool list) is compiled once
         self._valid: OrderedDict[str, None] = OrderedDict()
         self._cache_size = cache_size
         self.compiled = self.reused = 0
@@ -320,7 +310,7 @@ class GrammarCompiler:
         # there, so a compile near the 5 s timeout never makes it look gone (stale after 3 s without one)
         self.on_wait: Callable[[], None] | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar")
-        # no slices: they speed up masks (the shard's work); a compile is as fast without, the build 2.8 s, not 4.7
+        # no slices: they speed up masks (the shard's work); a compile is as fast without, and the build quicker
         self._tokenizer = self._pool.submit(LLTokenizer, tokenizer_json, eos_token=list(eos_ids), slices=[])
         self._parser_limits = LLParserLimits(
             max_grammar_size=limits.max_grammar_size, max_lexer_states=limits.max_lexer_states, verbose_errors=False
@@ -355,7 +345,7 @@ class GrammarCompiler:
         batch)."""
         if self.disabled:
             raise ValidationError("grammar is not supported")
-        self._wait(self._tokenizer)  # its load (Gemma: ~10 s, once) does not count against the request's timeout
+        self._wait(self._tokenizer)  # its load (once, seconds) does not count against the request's timeout
         t0 = time.perf_counter()
         if text in self._valid:
             self._valid.move_to_end(text)

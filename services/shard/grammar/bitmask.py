@@ -15,7 +15,7 @@ def mask_rows(
     """CPU: -inf at every id of `logits[rows[j]]` that bit row j of `bits` ([len(rows), words] uint32) does not
     allow; ids past the bitmask's width are never allowed.
 
-    A bool masked_fill over 262k scores costs ~5x one pass on CPU, and a [rows, vocab] torch.where two: only the
+    A bool masked_fill, or a [rows, vocab] torch.where, costs several plain passes over the scores on CPU: only the
     small side of each row is written. Where most ids are allowed (inside a JSON string) that is the blocked ids,
     set to -inf; where few are (JSON punctuation), the row becomes -inf and its allowed scores are put back. The
     side is chosen on the packed words (a popcount), the words of each row inverted or not so that one unpack
@@ -25,10 +25,10 @@ def mask_rows(
     width = logits.shape[-1]
     few_allowed = 2 * np.bitwise_count(bits).sum(axis=1) < width
     small = np.where(few_allowed[:, None], bits, ~bits)  # per row: the bits of the ids to write
-    # viewed as bool: flatnonzero reads bools ~4x faster than uint8
+    # viewed as bool: flatnonzero reads bools faster than uint8
     unpacked = np.unpackbits(small.view(np.uint8), axis=1, bitorder="little").view(bool)[:, :width]
     beyond = 32 * bits.shape[1]  # ids past the bitmask (a model's padded vocabulary): never allowed
-    # numpy's writes, single-threaded, cost ~1/6 of torch's index ops here (which also fan out to every core);
+    # numpy's writes, single-threaded, cost far less than torch's index ops here (which also fan out to every core);
     # bf16 is written as its int16 bit patterns (numpy has no bf16): the kept scores are copied bit for bit
     scores, neg_inf = logits, float("-inf")
     if logits.dtype in (torch.float32, torch.float16):

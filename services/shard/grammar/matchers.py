@@ -1,27 +1,14 @@
 """Grammar-constrained sampling on the shard: one llguidance matcher per constrained sequence.
 
 The tokenizer checked and compiled each grammar already (services.tokenizer.grammar); only its text arrives here,
-and compiling it again against the same tokenizer.json takes milliseconds (fresh matchers are cached by text, so a
-tool schema shared by many requests compiles once). Per step:
-
-    open(seq, grammar, replay)   a new sequence with a grammar; `replay` = the tokens it generated already
-                                 (preemption and recompute, a restarted shard): the matcher is rebuilt from them
-    apply(logits, keys, drafts)  after the penalties, before temperature / top-k / top-p (TGI's order): every
-                                 token the grammar does not allow → -inf; returns the rows that have none left.
-                                 A drafted row (speculative decoding) has a pick per position: its mask at pick j
-                                 is the grammar's after drafts d1..dj (llguidance fills them all in one call and
-                                 rolls the matcher back); picks past a draft the grammar refuses are never kept
-    advance(keys, tokens)        the sampled tokens move the matchers on; the masks of the next step are then
-                                 filled on a worker thread while the next forward pass runs (llguidance releases
-                                 the GIL and fills rows in parallel)
-    discard(seq)                 the sequence is finished
-
-The model runner reaches these through services/shard/grammar/runner.py (built at start, one step's sampling hook).
-
-EOS is allowed exactly when the grammar is complete (llguidance sets the bits of every EOS id the LLTokenizer was
-given, so build it with all of the model's EOS ids); once the grammar cannot go on, EOS is all that is allowed.
-A row left with no allowed token (a matcher in error, e.g. after a token it refused) is reported for that
-sequence alone and gets EOS as its only choice, so the batch's sampling never sees a row of -inf.
+and fresh matchers are cached by text. `open(seq, grammar, replay)` builds a sequence's matcher, replaying the
+tokens it generated (preemption, a restarted shard); `apply(logits, keys, drafts)` runs after the penalties and
+before the warpers (TGI's order), sets every token the grammar refuses to -inf, and masks a drafted row's pick j by
+the grammar after its first j drafts; `advance(keys, tokens)` moves the matchers on and, with `ahead`, fills the
+next step's masks on a worker thread beside the forward pass; `discard(seq)` drops one. EOS is allowed exactly when
+the grammar is complete (build the LLTokenizer with all the model's EOS ids). A row left with no allowed token is
+reported for its sequence alone and gets EOS as its only choice, so sampling never sees a row of -inf. The model
+runner reaches this through services/shard/grammar/runner.py; docs/structured-output.md tells why.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """Token masks of a regex grammar, remembered by the state the regex is in.
 
-A grammar that is one regex (TGI's `{"type":"regex"}`) allows, after any output, exactly the tokens whose bytes
-start some string that completes the match (and EOS where the output already matches). That set depends only on
-the strings that may still follow, so two outputs in the same state of the regex's DFA get the same mask. A mask
-is a walk of the whole token trie in llguidance (~1 ms on Gemma's 262k vocabulary for a regex whose lexer state
-changes with every token, as a bounded count's does; its own cache keeps one entry), while a regex has a few hundred
-states: after the first rows, a grammar's masks are copies. llguidance still computes every mask it is asked for
-and moves every matcher; only the fill of a state seen before is skipped.
-
-The DFA is `interegular`'s (the regex library outlines builds its token indexes on). interegular reads Python's
-regex syntax and llguidance reads Rust's, so the cache is used only for regexes whose meaning the two agree on
-(`shared_syntax`): literals, `.`, classes of literals and ranges (negated or not), groups, alternation and
-greedy or lazy quantifiers. Anything else (`\\d`, `\\w` and the other classes whose Unicode extent differs, `\\p{…}`,
-set operations, anchors, flags) leaves the masks to llguidance alone. A row whose output ends inside a UTF-8
-character, or holds a special token, leaves the cache for the rest of its sequence. tests/shard/grammar/test_regex_states.py
-compares every cached mask with llguidance's own along random walks. The masks all regexes remember are bounded by
-one budget per shard (`MaskBudget`; Constraints' `regex_mask_bytes`, 64 MiB: 2,048 of Gemma's masks); a regex that
-leaves the shard's grammar cache gives its masks back.
+A one-regex grammar (TGI's `{"type":"regex"}`) allows, after any output, exactly the tokens whose bytes start some
+string that completes the match (and EOS where the output already matches): that set depends only on the state of
+the regex's DFA, so outputs in one state share one mask, and a state seen before is a copy, not a walk of the whole
+token trie. llguidance still computes every mask it is asked for and moves every matcher; only the fill of a state
+seen before is skipped. The DFA is `interegular`'s, which reads Python's regex syntax where llguidance reads Rust's,
+so the cache serves only regexes both read alike (`shared_syntax`); a row whose output ends inside a UTF-8
+character, or holds a special token, leaves it for the rest of its sequence. The masks of all regexes share one
+budget per shard (`MaskBudget`); a regex leaving the shard's grammar cache gives its masks back.
+docs/structured-output.md tells why; tests/shard/grammar/test_regex_states.py checks cached masks against llguidance.
 """
 
 from __future__ import annotations

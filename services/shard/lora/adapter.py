@@ -1,12 +1,11 @@
 """Reading one peft LoRA adapter folder against a base model: which linears it targets, at which rank and scale.
 
-A folder written by peft's `save_pretrained` holds `adapter_config.json` and `adapter_model.safetensors`, whose
-keys are `base_model.model.<module>.lora_A.weight` ([r, in]) and `...lora_B.weight` ([out, r]). We decide the
-targeted modules from the config as peft does when it builds the adapter (target_modules as a list of name
-suffixes or a full-match regex, `all-linear`, layers_to_transform / layers_pattern, exclude_modules), take each
-module's rank and alpha from rank_pattern / alpha_pattern, and then require the file to hold exactly those
-modules' A and B with shapes that fit the base layers. The scaling (alpha / r, or alpha / sqrt(r) with rsLoRA)
-is folded into B here, so serving is two plain matmuls.
+A folder written by peft's `save_pretrained` holds `adapter_config.json` and `adapter_model.safetensors` (keys
+`base_model.model.<module>.lora_A.weight` [r, in] and `...lora_B.weight` [out, r]). The targeted modules are
+decided from the config as peft decides them (target_modules as name suffixes or a full-match regex, `all-linear`,
+layers_to_transform / layers_pattern, exclude_modules; each module's rank and alpha from rank_pattern /
+alpha_pattern), then the file must hold exactly those modules' A and B with shapes that fit the base layers. The
+scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into B here, so serving is two plain matmuls.
 
 Everything we cannot serve exactly is refused with an `AdapterError` naming the adapter and the problem, before
 anything is installed: a request never meets a half-loaded adapter.

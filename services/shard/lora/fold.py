@@ -1,24 +1,14 @@
 """The stacked form's shrink folded into the base model's own oneDNN product, and in bf16 a family's expands into one.
 
-In the stacked form (services/shard/lora/registry.py) a family of projections that read the same input (q/k/v, gate/up, or
-one linear alone) costs, besides its base product, one shrink, one mask and one expand per member. On a CPU these
-products of a few rows are decided by their count, not their arithmetic (bf16, 16 rows, AMD EPYC: a [16, 64] x
-[64, 576] expand takes ~25 µs, the base q/k/v product ~110 µs). So where the family's base product is
-services/shard/model/onednn.py's packed one, the family gets a second packed weight, [W; A]: the base weights with
-every adapter's A stacked under them. One product then gives the base output and the shrink (the extra columns;
-the first columns equal the base product bit for bit, tested), the mask keeps each token's own adapter's columns,
-and in bf16 one expand against B laid out block-diagonally ([C, out]: each member's B.T in its own columns, zeros
-elsewhere) adds every member's delta at once. Per layer of SmolLM2's shape: 4 products + 4 masks + 4 expands
-instead of 4 + 4 shrinks + 4 masks + 7 expands (`python -m launcher.bench.lora_step`). In float32 (MKL's sgemm,
-without oneDNN's bf16 floor) each member expands against its own block instead, which reads a third (q/k/v) or
-half (gate/up) of B's bytes: 1.5-1.7x faster at 16 and 64 rows on an AVX2 CPU (docs/benchmarks.md, "Round 13").
-
-Cost: the family's linear weights are packed twice while adapters target it (the plain packing serves steps
-without adapter rows, which must not pay for the adapters' columns): the adapted linears' size once more in memory,
-rebuilt at every load and unload. Used only where it applies exactly: every member of the family is a packed
-oneDNN linear (a whole fused group, or a lone packed linear), unsharded, in the adapters' dtype; anything else
-(tensor parallel, quantized layers, float32 adapters over a bf16 model, q/v adapted but not k) keeps lora.py's
-products.
+Where a family's base product (q/k/v, gate/up, or one linear alone) is services/shard/model/onednn.py's packed one,
+the family gets a second packed weight, [W; A]: the base weights with every adapter's A stacked under them. One
+product then gives the base output and the shrink (the first columns equal the base product bit for bit, tested),
+the mask keeps each token's own adapter's columns, and one expand against B laid out block-diagonally ([C, out])
+adds every member's delta; in float32, and for a lone linear, each member expands against its own block instead.
+The plain packing stays for steps without adapter rows, so adapted linears are packed twice, rebuilt at every load
+and unload. Used only where it applies exactly: every member a packed oneDNN linear (a whole fused group, or a lone
+packed linear), unsharded, in the adapters' dtype; anything else (tensor parallel, quantized layers, float32
+adapters over a bf16 model, q/v adapted but not k) keeps registry.py's products. docs/lora.md tells why.
 """
 
 from __future__ import annotations
@@ -33,7 +23,7 @@ from services.shard.model.onednn import SharedInputProduct, linear, pack
 
 def group_of(layers, dtype: torch.dtype) -> list | None:
     """The family's modules in the order of their packed product (a fused group's order, or the one linear), when
-    `layers` (lora.py's LoraLayer) are exactly that product's members and can fold (adapters in `dtype`, the
+    `layers` (registry.py's LoraLayer) are exactly that product's members and can fold (adapters in `dtype`, the
     weights'); else None."""
     modules = [layer.module for layer in layers]
     if any(layer.split is not None for layer in layers) or modules[0].weight.dtype != dtype:
@@ -53,7 +43,7 @@ def per_member_expands(dtype: torch.dtype) -> bool:
 
 class FoldedProduct(SharedInputProduct):
     """[W; A] packed for one family and its expands (B per member, or block-diagonal in bf16); the step's output is
-    shared by the members as cpu_linear's fused product shares its own (`columns_for(member, x)`, member = index
+    shared by the members as onednn.py's fused product shares its own (`columns_for(member, x)`, member = index
     in `modules`)."""
 
     def __init__(
@@ -63,7 +53,7 @@ class FoldedProduct(SharedInputProduct):
         columns: dict[int, tuple],
         step_groups: Callable[[], RowGroups],
     ) -> None:
-        """`columns`: id(module) → that member's (c0, c1, B.T) in the stack's columns (lora.py's stacked_columns);
+        """`columns`: id(module) → that member's (c0, c1, B.T) in the stack's columns (registry.py's stacked_columns);
         `step_groups`: the registry's grouping of the step being run."""
         super().__init__([m.out_features for m in modules])
         weights = [m.weight.detach() for m in modules]
@@ -92,9 +82,9 @@ class FoldedProduct(SharedInputProduct):
         self.calls = 0  # folded products computed (tests: the fold fired)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        # Called 120 times a decode step of SmolLM2's shape: every tensor op here costs ~3 µs of Python and
+        # Called for every adapted family of every layer at each step: every tensor op here costs its Python and
         # dispatch whatever its size, so 2-D inputs (the lean walk's) skip the reshape and view, and one expand
-        # over every column adds into the output without slicing it (docs/benchmarks.md, "Round 14").
+        # over every column adds into the output without slicing it.
         groups = self.step_groups()
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         groups.check(flat)

@@ -1,6 +1,6 @@
 """One step's LoRA products, the functions services/shard/lora/registry.py's layers call: the step's rows grouped by
-adapter slot (`group_rows`, once per step), and the two forms of the adapters' products (lora.py's docstring says
-which runs when):
+adapter slot (`group_rows`, once per step), and the two forms of the adapters' products (registry.py's docstring
+says which runs when):
 - grouped: `shrink` gathers the adapter tokens once and multiplies each slot's run of them by that slot's A;
   `expand` writes every slot's delta into one buffer and adds it back in one scatter (a slice when the adapter
   tokens are one run);
@@ -55,7 +55,7 @@ class RowGroups:
         """y[order] += delta ([count, out], in `order`), in place."""
         if isinstance(self.order, slice):
             y[self.order].add_(delta)
-        else:  # index_add_ into a fused product's column slice (strided rows) runs ~10x slower than these three
+        else:  # index_add_ into a fused product's column slice (strided rows) runs far slower than these three
             rows = y.index_select(0, self.order)
             rows.add_(delta)
             y.index_put_((self.order,), rows)

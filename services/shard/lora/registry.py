@@ -1,46 +1,14 @@
-"""Many LoRA adapters over one base model, mixed in one packed forward.
+"""Many LoRA adapters over one base model, mixed in one packed forward (docs/lora.md tells the design and why).
 
-The registry holds up to `max_loras` adapters, each in a slot. Once per step the runner says which adapter each
-row (or packed token) runs with; `group_rows` turns that into the adapter tokens' packed positions ordered by slot
-(a slice when that is one contiguous run, else an index tensor) and each slot's run of them. Every targeted
-linear then computes its base output as before and, for each adapter present, adds `(x[rows] @ A.T) @ B.T` to its
-rows only: a shrink to rank r and an expand, with no per-token gather of weights. Base-model rows are never
-touched (their outputs are the base product bit for bit).
-The products and the step's grouping are in services/shard/lora/products.py; this module holds the adapters, the
-layers' wrappers and which form runs.
-
-Sibling projections that read the same input (q/k/v, gate/up: cpu_linear's fused groups) share the shrink: their
-A side by side, one product for all of them (`SharedShrink`), computed at the first sibling's call and handed to
-the others while they are called with that same tensor. In large steps the adapter tokens are gathered once per
-input (not once per adapter) and every adapter's delta goes into one buffer, added back in one scatter per layer.
-
-Small steps (decode, prefills up to ~1k tokens: STACKED_MAX_WORK) take the stacked form instead:
-every adapter of the family side by side in one A, one shrink for all tokens, a 0/1 mask that keeps each token's
-own adapter's columns (base tokens: none, so they add exact zeros), and one expand per layer. A decode step of
-SmolLM2's shape (30 layers x 7 thin projections, products of a few rows) is decided by the number of products
-and the bytes of adapter weights read, not by their arithmetic: per layer 4 shrinks, 4 masks and 7 expands,
-against 7 x 3 without sharing and ~80 small products and index ops grouped (`python -m launcher.bench.lora_step`).
-Where the base product is cpu_linear's packed one, the shrink is folded into it and a family's expands into one
-(services/shard/lora/fold.py; off with `fold=False`, `--disable-lora-fold`).
-Large steps, where the masked-out columns' arithmetic counts (it grows with every adapter loaded in the layer,
-present in the step or not), stay grouped; the choice is per layer family, by tokens x stacked columns.
-
-The adapters' weights and products are in the model's dtype unless the registry is given another (`dtype`):
-float32 adapters over a bfloat16 model read twice the adapter bytes but run torch's float32 small products, which
-cost less per call than its bfloat16 ones on some CPUs (`launcher.bench.lora_step --adapter-dtypes` compares).
-
-Hooking: each targeted linear's `forward` is wrapped around whatever forward is installed at that time — torch's,
-services/shard/model/onednn.py's prepacked oneDNN product or its fused q/k/v / gate/up member (which returns this
-member's column slice of the fused output: the delta is added in place to those columns only), a quantized
-layer's, or transformers' tensor-parallel forward. So `use_onednn` must run before adapters are loaded (it
-replaces `forward` itself); `LoraRegistry.check_hooks` says when something replaced ours afterwards.
-
-Tensor parallel (the wrapper sits outside transformers' TP forward, which does the collectives):
-- column-parallel layers (q/k/v/gate/up): x is whole and y is this rank's columns, so the rank holds the rows of B
-  for its columns and the full A; no communication.
-- row-parallel layers (o/down): x is this rank's slice of the inputs and y is already all-reduced, so the rank
-  holds A's columns for its inputs and the full B; the shrink outputs of every adapter present ([rows, r] each,
-  small) are summed over the ranks in one all-reduce per layer, then expanded on every rank.
+The registry holds up to `max_loras` adapters in slots; `set_step` says which adapter each row runs with, and every
+targeted linear adds `(x[rows] @ A.T) @ B.T` per adapter present to its rows only: base rows stay the base product
+bit for bit. Siblings that read one input (q/k/v, gate/up) share the shrink (`SharedShrink`). Small steps take the
+stacked form (every adapter's A side by side, a 0/1 mask, one expand; folded into the base product by fold.py where
+it applies), large ones group rows by adapter (products.py); the choice is per layer family (STACKED_MAX_WORK). Each
+targeted linear's `forward` wraps whatever is installed then (torch's, oneDNN's packed or fused member, a quantized
+layer's, transformers' tensor-parallel one), so `use_onednn` must run before adapters load; `check_hooks` says when
+something replaced a wrapper. Under tensor parallelism a rank holds B's rows of its output columns, or A's columns
+of its inputs (row-parallel layers, whose shrinks are all-reduced once per layer).
 """
 
 from __future__ import annotations
@@ -64,9 +32,8 @@ from services.shard.lora.products import (
 from services.shard.model.onednn import FUSED_GROUPS
 from services.shard.tensor_parallel import tp_split
 
-# The stacked form (module docstring) runs while tokens x a layer's stacked columns stay within STACKED_MAX_WORK:
-# SmolLM2's shape, 4 adapters of r 16 (64 columns), CPU time of a step, base / mix (busy machine): stacked 73 / 88 /
-# 90 / 90 / 84 % at 128 / 256 / 512 / 1024 / 2048 tokens, grouped 65 / 78 / 76 / 86 / 86 %.
+# The stacked form (module docstring) runs while tokens x a layer's stacked columns stay within STACKED_MAX_WORK
+# (about 1k tokens with 4 adapters of r 16); past it the masked-out columns' arithmetic counts and rows are grouped.
 STACKED_MAX_WORK = 1024 * 64
 
 
@@ -75,7 +42,7 @@ class SharedShrink:
     their A side by side, one product for all of them — per adapter present in large steps (`a`: slot → the
     members' A of that slot), one for every adapter in small ones (`stack`). Computed at the first member's call
     for an input and handed to the others while they are called with that same tensor in that step (as
-    cpu_linear's fused product); a member called again, or with another input, computes it anew."""
+    onednn.py's fused product); a member called again, or with another input, computes it anew."""
 
     def __init__(self, members: list[LoraLayer], fold: bool = True) -> None:
         self.members = members
@@ -102,7 +69,7 @@ class SharedShrink:
         device = parts[0].device
         self.stack = Stack(tuple(column_slots), torch.cat(parts), torch.tensor(column_slots, device=device))
         self.width = -(-col // len(members))  # stacked columns per member: what the masked products cost
-        self.folded: FoldedProduct | None = None  # the stack folded into the base product (lora_fused.py)
+        self.folded: FoldedProduct | None = None  # the stack folded into the base product (fold.py)
         modules = group_of(members, self.stack.a.dtype) if fold else None
         if modules is not None:
             columns = {id(m.module): m.stacked_columns for m in members}
@@ -200,9 +167,9 @@ class LoraRegistry:
         fold: bool = True,
     ) -> None:
         self.model = model
-        self.fold = fold  # small steps' shrink folded into the base product where it applies (lora_fused.py)
+        self.fold = fold  # small steps' shrink folded into the base product where it applies (fold.py)
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.dtype = dtype  # the adapters' weights and products (None: the model's; module docstring)
+        self.dtype = dtype  # the adapters' weights and products (None: the model's; docs/lora.md tells when not)
         self.slots: list[str | None] = [None] * max_loras
         self.adapters: dict[str, LoraAdapter] = {}
         self.layers: dict[str, LoraLayer] = {}

@@ -1,30 +1,14 @@
 """The model's linear layers through oneDNN with prepacked weights, on CPU; projections that read the same input
 fused into one product.
 
-torch's CPU `linear` calls MKL's sgemm. On the AMD machines this project is measured on, MKL runs the small-M
-products of a decode step (M = batch size) well below memory bandwidth, and the LM head — the biggest matrix of
-a small model (Gemma-3-270M: 168M of its 268M parameters) — worst of all; oneDNN with the weight reordered once
-into its blocked layout does the same products faster there (`python -m launcher.bench.linear`; figures in
-docs/benchmarks.md). The numbers differ from MKL's only in float rounding (summation order), as MKL's own differ
-between batch sizes.
-
-Fusion. A layer's q/k/v projections all read the same hidden states, and so do an MLP's gate and up projections:
-one product with the weights stacked ([q; k; v]) does the work of three with one pass over the input and one
-thread fork, which matters most at decode sizes (docs/benchmarks.md). Each output element is the same dot product
-over the same K, so the fused outputs equal the separate ones bit for bit (tested). transformers' modules still
-call `q_proj(x)`, `k_proj(x)`, `v_proj(x)` one by one: the first call of a group computes the fused product for `x`
-and the others take their column slice of it, for as long as they are called with that same tensor object; a
-member called with another input just computes the product again.
-
-Dtypes. float32 always; bfloat16 where oneDNN runs it on this CPU (the serving dtype on CPUs with native bf16:
-libs/runtime/cpu.py). torch's own bf16 linear also ends in oneDNN but reorders the weight on every call; the
-prepacked product gives the same numbers (tested) without that. Whether oneDNN can do bf16 here is found out once
-by packing and running a small product: on AVX2-only CPUs the bf16 prepack fails outright, and then bf16 linears
-keep torch's path (logged once). Other dtypes (float16) keep torch's path.
-
-Only plain `nn.Linear` modules on CPU are switched; tensor-parallel shards (DTensor weights) keep torch's path.
-The original weights stay (a tied embedding reads them); the packed copies cost the linear weights' size once
-more in memory.
+`use_onednn` gives each plain CPU `nn.Linear` a forward that runs oneDNN on its weight reordered once into the
+blocked layout; results differ from torch's only in float rounding (summation order). q/k/v, and gate/up, read the
+same hidden states: one product over their stacked weights serves the group, bit for bit the separate products
+(tested); the first member called with an input computes it, the others take their column slice while they are
+called with that same tensor object (another input: computed again). float32 always; bfloat16 where a probe product
+on this CPU runs and matches (else, and for other dtypes and tensor-parallel DTensor weights, torch's path stays).
+The original weights stay (a tied embedding reads them): the packed copies cost the linears' size once more.
+docs/attention.md tells why oneDNN and not torch's own path.
 """
 
 from __future__ import annotations
@@ -108,7 +92,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    if x.dim() == 2:  # the lean walk's [tokens, in]: no reshape and view around it (~3 µs each, ~250 calls a step)
+    if x.dim() == 2:  # the lean walk's [tokens, in]: no reshape and view around it (per-op Python, every linear)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
     flat = x.reshape(-1, x.shape[-1])
     y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [None], "")

@@ -4,18 +4,9 @@ weights into it.
 Every format here stores a linear weight W [out N, in K] as integer levels u with per-group scales s and zero
 points z, and W[n, k] = (u[n, k] − z[n, g(k)]) · s[n, g(k)], where g(k) is the group of input column k (k // group
 size, or GPTQ's `g_idx` when `desc_act` reordered the columns). The formats differ only in how u and z are packed:
-
-- GPTQ: `qweight` int32 [K·b/32, N] packs b-bit levels along K (level j of a word at bits j·b); `qzeros` int32
-  [G, N·b/32] packs along N; `scales` [G, N]; `g_idx` [K]. The original format (`checkpoint_format` "gptq")
-  stores z − 1 (a bug of the first GPTQ kernels kept for compatibility); "gptq_v2" stores z.
-- AWQ (GEMM): `qweight` int32 [K, N/8] packs 4-bit levels along N in the interleaved order 0 2 4 6 1 3 5 7;
-  `qzeros` [G, N/8] the same way; `scales` [G, N]. Always asymmetric.
-- compressed-tensors `pack-quantized`: `weight_packed` int32 [N, K·b/32] packs along K; levels are signed and
-  stored plus 2^(b−1); `weight_scale` [N, G]; `weight_zero_point` [N, G] (signed) when asymmetric.
-  `int-quantized`: `weight` int8 [N, K] and `weight_scale` [N, 1]; activations quantized per token at run time.
-
-The canonical form keeps u as uint8 in [0, 2^b) and z in the same unsigned domain (signed formats shift both by
-2^(b−1)), so every kernel in quant_linear.py reads one layout.
+each `from_*` function's docstring gives its layout. The canonical form keeps u as uint8 in [0, 2^b) and z in the
+same unsigned domain (signed formats shift both by 2^(b−1)), so every kernel in services/shard/quant/layers.py reads
+one layout. docs/quantization.md tells the design.
 """
 
 from __future__ import annotations
@@ -96,6 +87,9 @@ def from_gptq(
     checkpoint_format: str = "gptq",
     bias: torch.Tensor | None = None,
 ) -> QuantWeight:
+    """GPTQ: `qweight` int32 [K·b/32, N] packs b-bit levels along K (level j of a word at bits j·b); `qzeros` int32
+    [G, N·b/32] packs along N; `scales` [G, N]; `g_idx` [K]. The original format (`checkpoint_format` "gptq")
+    stores z − 1 (a bug of the first GPTQ kernels kept for compatibility); "gptq_v2" stores z."""
     if bits not in (4, 8):
         raise ValueError(f"GPTQ with {bits} bits is not supported here (4 and 8 are)")
     levels = unpack_along_rows(qweight, bits).t().contiguous()  # [N, K]
@@ -116,6 +110,8 @@ def from_gptq(
 def from_awq(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
 ) -> QuantWeight:
+    """AWQ (GEMM): `qweight` int32 [K, N/8] packs 4-bit levels along N in the interleaved order AWQ_ORDER;
+    `qzeros` [G, N/8] the same way; `scales` [G, N]. Always asymmetric."""
     reverse = torch.tensor([AWQ_ORDER.index(i) for i in range(8)])
 
     def unpack(packed: torch.Tensor) -> torch.Tensor:  # [R, C/8] → [R, C], undoing the interleave
@@ -144,6 +140,8 @@ def from_compressed_packed(
     weight_zero_point: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> QuantWeight:
+    """compressed-tensors `pack-quantized`: `weight_packed` int32 [N, K·b/32] packs along K; levels are signed and
+    stored plus 2^(b−1); `weight_scale` [N, G]; `weight_zero_point` [N, G] (signed) when asymmetric."""
     offset = 2 ** (bits - 1)
     levels = unpack_along_cols(weight_packed, bits)  # [N, K'] (stored as signed + offset)
     if weight_shape is not None:
@@ -158,6 +156,8 @@ def from_compressed_packed(
 def from_compressed_int8(
     weight: torch.Tensor, weight_scale: torch.Tensor, act_int8: bool, bias: torch.Tensor | None = None
 ) -> QuantWeight:
+    """compressed-tensors `int-quantized`: `weight` int8 [N, K] and `weight_scale` [N, 1]; activations quantized per
+    token at run time (`act_int8`)."""
     levels = (weight.to(torch.int16) + 128).to(torch.uint8)
     scales = weight_scale.float().reshape(weight.shape[0], -1).contiguous()
     zeros = torch.full_like(scales, 128.0)

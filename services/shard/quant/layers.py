@@ -1,18 +1,14 @@
 """Quantized linear layers on CPU, on torch's own kernels, behind nn.Linear's forward.
 
 - `W8A8Linear`: int8 weights per output channel, activations quantized per token (row) to int8 at run time, the
-  product in `torch._int_mm` (int32 accumulation: VNNI / AMX-INT8). The only quantized product that stays fast at
-  every batch size on CPU.
+  product in `torch._int_mm` (int32 accumulation: VNNI / AMX-INT8), at every batch size.
 - `Int4Linear`: 4-bit weights, group-wise scales and zero points, `_weight_int4pack_mm_for_cpu`.
 - `Int8Linear`: 8-bit weight-only, symmetric per channel, `_weight_int8pack_mm`.
 - `DequantLinear`: any other layout (8-bit with groups or zero points, odd group sizes); dequantizes per call.
-
-Weight-only kernels read the weights once at a quarter or half the bytes, but their cost grows with the rows, and
-with float32 activations steeply (on the AVX512-BF16 machine measured, ~60 ms a row for a 2048→8192 layer, against
-~3 ms with bfloat16 ones: `python -m launcher.bench.quant`, docs/benchmarks.md). From `dense_from[dtype]` rows on, a
-layer dequantizes its weights into a scratch buffer shared by every layer (layers run one after another in one
-thread) and runs one dense product, so prefill stays near dense speed while only the quantized weights stay
-resident. Each layer computes in its input's dtype: float32 stays exact against the dequantized weights.
+Weight-only kernels cost more with every row (steeply with float32 activations): from `dense_from[dtype]` rows on, a
+layer dequantizes into one scratch buffer shared by every layer (they run one after another in one thread) and runs
+one dense product, so prefill stays near dense speed with only the quantized weights resident. Each layer computes
+in its input's dtype: float32 stays exact against the dequantized weights. docs/quantization.md tells why.
 """
 
 from __future__ import annotations
@@ -22,8 +18,8 @@ import torch
 from services.shard.model.onednn import SharedInputProduct
 from services.shard.quant.formats import QuantWeight
 
-# Rows from which a weight-only layer dequantizes and runs a dense product, by activation dtype (measured with
-# python -m launcher.bench.quant; int4's unpacking costs more than int8's, so its kernel keeps more rows)
+# Rows from which a weight-only layer dequantizes and runs a dense product, by activation dtype (where the dense
+# product overtakes the kernel; int4's unpacking costs more than int8's, so its kernel keeps more rows)
 INT4_DENSE_FROM = {torch.bfloat16: 512, torch.float16: 512, torch.float32: 4}
 INT8_DENSE_FROM = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 4}
 INT4_GROUPS = (256, 128, 64, 32)  # group sizes the CPU int4 kernel takes
@@ -196,9 +192,8 @@ class W8A8Linear(QuantLinear):
     """y = (s_x · s_w) ⊙ (q_x · q_wᵀ), q_x = round(x / s_x) per row with s_x = max|x_row| / 127.
 
     The int8 weights stay [N, K] (nn.Linear's layout) and go to `torch._int_mm` as the transposed view: a
-    column-major right operand. Measured on SmolLM2's layer shapes (`python -m launcher.bench.quant --w8a8`), at one
-    row that is ~35 % faster than a [K, N] copy (the same speed as oneDNN's bf16 product), and within noise of it
-    at 16 and 64 rows; so one layout serves every step shape."""
+    column-major right operand, faster than a [K, N] copy at one row and as fast at larger steps, so one layout
+    serves every step shape (docs/quantization.md)."""
 
     kernel = "_int_mm, column-major int8 weights"  # what `product` runs (tests check it fired)
 

@@ -64,8 +64,8 @@ def _tensor_parallel(model: torch.nn.Module, name: str, layer: QuantLinear, old:
 
 def release_freed_memory() -> None:
     """Hand the heap's free pages back to the system (glibc): the float weights that quantized layers replaced
-    were freed in pieces of a few MiB, which glibc keeps in its heap (measured: the shard's RSS stayed at the float
-    model's size plus the quantized one's until this)."""
+    were freed in pieces of a few MiB, which glibc keeps in its heap (until this, the shard's RSS stays at the float
+    model's size plus the quantized one's)."""
     import ctypes
     import ctypes.util
 
@@ -166,8 +166,7 @@ def from_pretrained(model_dir: str, method: str, **kwargs) -> torch.nn.Module:
 def _off_the_file(model: torch.nn.Module) -> None:
     """Copy what stayed dense (embeddings, norms, LM head) out of the checkpoint's memory map. A float32 load maps
     the safetensors file and serves from it; the replaced linears' pages stay resident as long as any tensor keeps
-    the map, and the embeddings do: measured on SmolLM2's shape in float32, the shard's RSS after load fell from
-    881 to 584 MiB (W8A8) with this copy."""
+    the map, and the embeddings do."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             if t.device.type == "cpu" and type(t.data) is torch.Tensor:  # a tensor-parallel shard is its own copy

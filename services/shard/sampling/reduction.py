@@ -20,8 +20,8 @@ def reduce(scores: torch.Tensor, rows: list[int] | None = None) -> tuple[torch.T
     The log-softmax writes as much as it reads, and at a large vocabulary and batch (Gemma: 64 × 262k floats, 64 MB)
     every pass over it goes to memory: this works a few rows at a time, in cache. bf16 scores turn float32 one chunk
     at a time in a buffer (no float32 copy of them all). Per chunk: the blockwise argmax (`block_argmax`; torch's
-    CPU argmax runs ~20x slower than amax), then torch's softmax kernel, written over the buffer, whose fused
-    exp-and-sum costs about half of an `exp_` and a `sum` apart. Its own sum is a plain float32 running sum (~1e-5
+    CPU argmax runs far slower than amax), then torch's softmax kernel, written over the buffer, whose fused
+    exp-and-sum costs less than an `exp_` and a `sum` apart. Its own sum is a plain float32 running sum (~1e-5
     off at 262k tokens), so the spread is taken as −log p(argmax) + log Σp with Σp summed again by torch.sum's
     cascade: p(argmax) is exactly 1/(the kernel's sum), and the result is within ~3e-7 of float64.
 
