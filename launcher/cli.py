@@ -25,7 +25,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from launcher import bench, bus_flags, keygen, quantize, rundir, supervise, tap
+from launcher import bus_flags, keygen, quantize, rundir, supervise, tap
 from launcher.serve_settings import IGNORED, SPECULATE_HELP, SPECULATE_POLICIES, check_lora_adapters, settings_from
 from libs.protocol import Addresses
 from libs.runtime import cpu, model_store
@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="switchyard", description="A TGI-compatible text-generation server.")
     sub = p.add_subparsers(dest="command", required=True)
     tap.add_arguments(sub.add_parser("tap", help="print a running server's live token and text events"))
-    bench.add_arguments(sub.add_parser("bench", help="measure: the in-process limit, end to end, the peers"))
+    from bench.serving import suite  # the benchmarks' flags; torch and the peers load only when one runs
+
+    suite.add_arguments(sub.add_parser("bench", help="measure: the in-process limit, end to end, the peers"))
     keygen.add_arguments(sub.add_parser("keygen", help="print a new CURVE keypair for --bus-curve-secret-key"))
     s = sub.add_parser("serve", help="run every service under supervisord, in the foreground")
 
@@ -310,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tap":
         return tap.run(args)
     if args.command == "bench":
-        return bench.run(args)
+        from bench.serving import suite
+
+        return suite.run(args)
     if args.command == "keygen":
         return keygen.run(args)
     return 2

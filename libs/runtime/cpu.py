@@ -10,6 +10,7 @@ greedy output equals transformers' `generate()` token for token (the tests run i
 
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass
 from functools import cache
@@ -66,9 +67,14 @@ def native_bf16(cpu_flags: frozenset[str] | None = None) -> bool:
 
 def describe(cpu_flags: frozenset[str] | None = None) -> str:
     """One line for logs and benchmark tables: the model name and the flags that decide the kernels."""
-    cpu_flags = flags() if cpu_flags is None else cpu_flags
-    shown = [f for f in REPORTED_FLAGS if f in cpu_flags]
+    shown = summary(cpu_flags)["flags"]
     return f"{model_name()} [{' '.join(shown) or 'no AVX2'}]"
+
+
+def summary(cpu_flags: frozenset[str] | None = None) -> dict:
+    """The processor as data (benchmark results): its model name, the flags that decide the kernels, its cores."""
+    cpu_flags = flags() if cpu_flags is None else cpu_flags
+    return {"model": model_name(), "flags": [f for f in REPORTED_FLAGS if f in cpu_flags], "cores": os.cpu_count() or 1}
 
 
 @dataclass(frozen=True)

@@ -154,8 +154,8 @@ DRAFT_COUNTERS = ("switchyard_speculative_draft_tokens_total", "switchyard_specu
 
 
 def quote_prompt(folder, i: int) -> tuple[str, list[int]]:
-    """The bench's copy request for document i (launcher/bench/speculative.py), as text and as ids."""
-    from launcher.bench.speculative import document
+    """The bench's copy request for document i (bench/workloads/speculative.py), as text and as ids."""
+    from bench.workloads.speculative import document
 
     messages = [{"role": "user", "content": f"Say exactly this and nothing else: {document(i)}"}]
     text = AutoTokenizer.from_pretrained(folder).apply_chat_template(
@@ -174,10 +174,10 @@ def drafts_since(server: Server, before: tuple[float, ...]) -> tuple[float, floa
 
 
 def test_a_quoted_document_is_copied_and_most_drafts_are_accepted(server, folder):
-    """The bench's copy workload (launcher/bench/speculative.py): the model quotes the document, so the drafts from
+    """The bench's copy workload (bench/workloads/speculative.py): the model quotes the document, so the drafts from
     the prompt are its own next tokens. (Asked to repeat a Python module instead, this model rewrote it: its answer
     was no copy and most drafts were rejected, which is what the bench's 1-stream "copy" figure measured.)"""
-    from launcher.bench.speculative import document
+    from bench.workloads.speculative import document
 
     text, ids = quote_prompt(folder, 2)
     before = stable(server, *DRAFT_COUNTERS)

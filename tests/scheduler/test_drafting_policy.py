@@ -173,7 +173,7 @@ def test_a_row_that_turns_to_copying_drafts_again():
 
 def measured(rows: int) -> StepCost:
     """The step-time model after steps timed as SmolLM2-135M's (bf16, one thread, CPU seconds of the shard's
-    execute; launcher/bench/speculative_step.py): 16 rows with 0, 16, 32 and 64 drafts; 1 row with 0, 1 and 4."""
+    execute; bench/step/speculative.py): 16 rows with 0, 16, 32 and 64 drafts; 1 row with 0, 1 and 4."""
     cost = StepCost()
     steps = {16: [(16, 0.0742), (32, 0.1098), (48, 0.1493), (80, 0.2016)], 1: [(1, 0.0555), (2, 0.0591), (5, 0.0608)]}
     for _ in range(4):

@@ -20,7 +20,7 @@ Three kernels run a tile (`choose_kernel`):
   (Gemma's 256) faster per layer in CPU time at 2k tokens.
 - the eager math (matmul, scale, soft-cap, mask, float32 softmax, matmul), as transformers' eager attention and
   the grouped path do: the exact path for soft-capped models (Gemma-2).
-The choice between them, and the tile sizes, were measured (`python -m launcher.bench.attention`).
+The choice between them, and the tile sizes, were measured (`python -m bench.kernels.attention`).
 """
 
 from __future__ import annotations
@@ -73,16 +73,20 @@ def long_rows(n_q: np.ndarray) -> np.ndarray:
     return np.flatnonzero(n_q >= max(TILE_MIN_QUERIES, 2))
 
 
-def build_tiled(paged, rows: np.ndarray, window: int, device: torch.device) -> list[TiledRow]:
-    """The tile plan of `rows` (indices into the batch) for layers with this sliding window (0: full)."""
+def build_tiled(
+    paged, rows: np.ndarray, window: int, device: torch.device, tile_queries: int | None = None
+) -> list[TiledRow]:
+    """The tile plan of `rows` (indices into the batch) for layers with this sliding window (0: full), in tiles of
+    `tile_queries` (None: TILE_QUERIES; benchmarks try others)."""
     cu, ctx, tables, bs = paged.host_cu, paged.host_context, paged.host_tables, paged.block_size
+    most = tile_queries or TILE_QUERIES
     out = []
     for i in rows.tolist():
         n, c = int(cu[i + 1] - cu[i]), int(ctx[i])
         first = max(0, c - window + 1) if window else 0  # the first key the row's first query sees
         fb, lb = first // bs, -(-(c + n) // bs)
         tiles = []
-        per_tile = TILE_QUERIES if window else min(TILE_QUERIES, max(TILE_FLOOR, TILE_SCORES // (c + n)))
+        per_tile = most if window else min(most, max(TILE_FLOOR, TILE_SCORES // (c + n)))
         for t0 in range(0, n, per_tile):
             tq = min(per_tile, n - t0)
             p0 = c + t0  # position of the tile's first query

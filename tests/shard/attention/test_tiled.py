@@ -213,7 +213,7 @@ def test_an_8k_prompt_in_chunks(tiny_dirs, monkeypatch):
     """A long context works at the default tile sizes: 8,192 prompt tokens in chunks of 2,048 (a full-attention
     model, every tile seeing its whole causal prefix), the same greedy tokens as transformers' sdpa; no tile's
     mask is larger than a tile of queries by the context (a real model's peak memory per chunk is measured by
-    `python -m launcher.bench.attention --model DIR --chunk 2048`)."""
+    `python -m bench.kernels.attention --model DIR --chunk 2048`)."""
     arch = "llama"
     model_dir = tiny_dirs[arch]
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

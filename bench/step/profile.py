@@ -1,0 +1,269 @@
+"""Where a decode step's time goes: the model driven through the in-process engine (as bench/step/limit.py drives
+it), the shard's part of each decode step timed piece by piece with timers the bench wraps around the runner.
+
+The parts of one decode step of the whole batch, each the median over the steps once every prompt is prefilled:
+wire in (decoding the plan's frames), prepare (the plan's rows laid out: positions, slots, tables, tensors),
+layers (the model's body), LM head (on the kept positions), forward other (the rest of the forward call), sampling
+(processors, the choice, its logprob), pack (the result's arrays), execute other (the plan's diff, the result
+object), publish (encoding the result's frames). --compare: three runners' whole decode steps interleaved (bf16
+with the oneDNN linears, bf16 with torch's, float32 with oneDNN); --compare-lean: the lean decoder walk against
+transformers' forward; --join-tokens N: a decode step alone against one with an N-token prompt joining it.
+
+    python -m bench.step.profile --model llama-128k,smollm2,gemma --batch 1,16,64 [--dtype auto] [--compare]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+from bench import clock, machine
+from bench.step.limit import Batch
+
+PARTS = ("wire in", "prepare", "layers", "LM head", "forward other", "sampling", "pack", "execute other", "publish")
+
+
+class StepTimers:
+    """Per-step seconds of the named parts, from wrappers on the runner's methods and hooks on its modules."""
+
+    def __init__(self, runner):
+        self.now: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+        for name, part in (
+            ("execute", "execute"),
+            ("_prepare", "prepare"),
+            ("_forward", "forward"),
+            ("_sample", "sampling"),
+            ("_pack", "pack"),
+        ):
+            setattr(runner, name, self._timed(getattr(runner, name), part))
+        model = runner.model
+        if runner.lean is not None:  # the lean walk does not call model.model: time its body instead
+            runner.lean.body = self._timed(runner.lean.body, "layers")
+        else:
+            self._hook(model.model, "layers")
+        self._hook(model.get_output_embeddings(), "LM head")
+
+    def _timed(self, fn, part):
+        def wrapped(*args, **kwargs):
+            t = clock.wall()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.now[part] += clock.wall() - t
+
+        return wrapped
+
+    def _hook(self, module, part):
+        started = []
+        module.register_forward_pre_hook(lambda *_: started.append(clock.wall()))
+
+        def done(*_):
+            self.now[part] += clock.wall() - started.pop()
+
+        module.register_forward_hook(done)
+
+    def close_step(self, **measured: float) -> float:
+        """Files the step's parts (`measured`: those timed outside the runner); its whole time, wire included."""
+        step = dict(self.now)
+        step.update(measured)
+        total = step.get("wire in", 0.0) + step["execute"] + step.get("publish", 0.0)
+        step["forward other"] = step.pop("forward", 0.0) - step.get("layers", 0.0) - step.get("LM head", 0.0)
+        inner = sum(step.get(p, 0.0) for p in ("prepare", "layers", "LM head", "forward other", "sampling", "pack"))
+        step["execute other"] = step.pop("execute") - inner
+        self.steps.append(step)
+        self.now.clear()
+        return total
+
+    def medians_ms(self) -> dict[str, float]:
+        return {p: clock.p50_ms(s.get(p, 0.0) for s in self.steps) for p in PARTS}
+
+
+def profile(
+    model_dir: str,
+    batch: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    dtype: str,
+    onednn: bool = True,
+    lean: bool = True,
+) -> dict:
+    from libs.protocol import codec
+
+    b = Batch(model_dir, batch, prompt_tokens, output_tokens, dtype=dtype, onednn_linear=onednn, lean=lean)
+    b.warm()
+    b.start()
+    b.prefill()
+    timers = StepTimers(b.runner)
+    wire: dict[str, float] = {}
+
+    def on_wire(plan, result) -> None:  # what the shard adds around `execute`: the plan's frames in, the result's out
+        frames = [bytes(f) for f in codec.encode(plan)]
+        t0 = clock.wall()
+        codec.decode(frames)
+        t1 = clock.wall()
+        codec.encode(result)
+        wire.update({"wire in": t1 - t0, "publish": clock.wall() - t1})
+
+    b.engine.on_step = on_wire
+    totals = []
+    while b.has_work():
+        b.engine.step()
+        totals.append(timers.close_step(**wire))
+    return {
+        "batch": batch,
+        "dtype": dtype,
+        "forward": "lean" if b.runner.lean is not None else "transformers",
+        "step_ms": clock.p50_ms(totals),
+        "parts_ms": timers.medians_ms(),
+    }
+
+
+COMPARED = {
+    "bf16, oneDNN linears": dict(dtype="bfloat16"),
+    "bf16, torch's linears": dict(dtype="bfloat16", onednn_linear=False),
+    "fp32, oneDNN linears": dict(dtype="float32"),
+}
+
+
+def lean_compared(dtype: str) -> dict[str, dict]:
+    """--compare-lean: the lean decoder walk against transformers' forward, at one dtype."""
+    return {"lean walk": dict(dtype=dtype), "transformers' forward": dict(dtype=dtype, lean=False)}
+
+
+def compare(
+    model_dir: str, batch: int, prompt_tokens: int, output_tokens: int, runners: dict[str, dict] = COMPARED
+) -> dict[str, float]:
+    """Median decode step ms of each of `runners` (name -> Batch arguments), their steps interleaved."""
+    batches = {name: Batch(model_dir, batch, prompt_tokens, output_tokens, **kw) for name, kw in runners.items()}
+    for name, b in batches.items():
+        if runners[name].get("lean", True) and b.runner.lean is None:
+            print(f"{name}: transformers' forward ({b.runner.lean_reason})", file=sys.stderr)
+    for b in batches.values():
+        b.warm()
+        b.start()
+        b.prefill()
+    steps: dict[str, list[float]] = {name: [] for name in batches}
+    while any(b.has_work() for b in batches.values()):
+        for name, b in batches.items():
+            if b.has_work():
+                with clock.Lap() as lap:
+                    b.engine.step()
+                steps[name].append(lap.wall)
+    return {name: clock.p50_ms(s) for name, s in steps.items()}
+
+
+def joined(model_dir: str, batch: int, prompt_tokens: int, join_tokens: int, steps: int, dtype: str) -> dict:
+    """Median ms of a decode step of `batch` rows alone and with one `join_tokens` prompt prefilled beside them
+    (a fresh request of one new token each time, ending with its step), alternated over `steps` steps."""
+    from bench.engine import request
+
+    b = Batch(model_dir, batch, prompt_tokens, steps + 2, dtype=dtype, spare_tokens=join_tokens,
+              max_prefill_tokens=max(4096, batch + join_tokens))  # fmt: skip
+    b.warm()
+    b.start()
+    b.prefill()
+    times: dict[str, list[float]] = {"decode": [], "with a join": []}
+    fed: dict[str, set[int]] = {"decode": set(), "with a join": set()}  # tokens a step of each kind fed
+    seen: list[int] = []
+    b.engine.on_step = lambda plan, result: seen.append(len(plan.token_ids))
+    for k in range(steps):
+        kind = "with a join" if k % 2 else "decode"
+        if k % 2:
+            b.engine.add(request(f"join{k}", b.prompt(join_tokens), 1))
+        with clock.Lap() as lap:
+            b.engine.step()
+        times[kind].append(lap.wall)
+        fed[kind].add(seen[-1])
+    out = {name: clock.p50_ms(t) for name, t in times.items()}
+    return {**out, "tokens": {name: sorted(n) for name, n in fed.items()}}
+
+
+def table(label: str, rows: list[dict]) -> list[str]:
+    head = f"{label} ({rows[0]['dtype']}, {rows[0]['forward']} forward)"
+    lines = [f"{head}: median ms per decode step, share of the step in brackets", ""]
+    lines.append("| part | " + " | ".join(f"batch {r['batch']}" for r in rows) + " |")
+    lines.append("|---|" + "---:|" * len(rows))
+    for part in PARTS:
+        cells = [f"{r['parts_ms'][part]:.2f} ({100 * r['parts_ms'][part] / r['step_ms']:.0f}%)" for r in rows]
+        lines.append(f"| {part} | " + " | ".join(cells) + " |")
+    lines.append("| **step** | " + " | ".join(f"**{r['step_ms']:.2f}**" for r in rows) + " |")
+    lines.append("| tok/s (decode) | " + " | ".join(f"{1000 * r['batch'] / r['step_ms']:.0f}" for r in rows) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="comma-separated benchmark models (bench/models.py) or folders")
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--dtype", default="auto", help="auto (the server's default on this CPU) | float32 | bfloat16")
+    ap.add_argument("--torch-linears", action="store_true", help="torch's own linears (the shard's oneDNN switch off)")
+    ap.add_argument("--compare", action="store_true", help="bf16 oneDNN / bf16 torch / fp32 oneDNN steps, interleaved")
+    ap.add_argument("--compare-lean", action="store_true", help="lean walk / transformers' forward, interleaved")
+    ap.add_argument("--no-lean", action="store_true", help="profile transformers' forward (the lean walk off)")
+    ap.add_argument("--join-tokens", type=int, default=0, help="decode steps alone vs with one prompt this long")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    from bench import models
+    from libs.runtime.cpu import choose_dtype
+
+    machine.shard_threads()  # as the shard
+    dtype = choose_dtype(args.dtype).dtype
+    out = {}
+    if not args.json:
+        print(machine.line(), end="\n\n", flush=True)
+    for name in args.model.split(","):
+        label, folder = models.resolve(name)
+        if args.join_tokens:
+            for b in args.batch.split(","):
+                got = joined(
+                    str(folder),
+                    int(b),
+                    args.prompt_tokens,
+                    args.join_tokens,
+                    args.output_tokens,
+                    dtype,
+                )
+                out.setdefault(label, []).append({"batch": int(b), "step_ms": got})
+                if not args.json:
+                    cells = ", ".join(f"{k} {v:.1f} ms" for k, v in got.items() if k != "tokens")
+                    print(f"{label} batch {b}, a {args.join_tokens}-token prompt joining: {cells}", flush=True)
+            continue
+        if args.compare or args.compare_lean:
+            runners = lean_compared(dtype) if args.compare_lean else COMPARED
+            for b in args.batch.split(","):
+                got = compare(str(folder), int(b), args.prompt_tokens, args.output_tokens, runners)
+                if args.compare_lean:
+                    got["ratio"] = got["transformers' forward"] / got["lean walk"]
+                out.setdefault(label, []).append({"batch": int(b), "step_ms": got})
+                if not args.json:
+                    cells = [f"{k} {v:.2f}x" if k == "ratio" else f"{k} {v:.2f} ms" for k, v in got.items()]
+                    print(f"{label} batch {b}: " + ", ".join(cells), flush=True)
+            continue
+        rows = [
+            profile(
+                str(folder),
+                int(b),
+                args.prompt_tokens,
+                args.output_tokens,
+                dtype,
+                not args.torch_linears,
+                not args.no_lean,
+            )
+            for b in args.batch.split(",")
+        ]
+        out[label] = rows
+        if not args.json:
+            print("\n".join(table(label, rows)), end="\n\n", flush=True)
+    if args.json:
+        json.dump(out, sys.stdout)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

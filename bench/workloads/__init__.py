@@ -1,0 +1,1 @@
+"""`switchyard bench --workload NAME`: one feature at a time, through real servers."""
