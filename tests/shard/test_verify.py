@@ -1,9 +1,9 @@
 """The shard's verification of drafted tokens (services/shard/verify.py) on the tiny models.
 
 The engine (bench/engine.py) feeds decode rows as [last token, d1..dk] with drafts that are partly right and partly
-wrong (taken from the answer itself, then spoiled), so both the accept and the reject paths run: greedy output must still equal
-transformers' generate() token for token, and a seeded sampled request (with a repetition penalty, whose history
-must drop rejected drafts) must yield the same tokens, logprobs and alternatives as without drafts.
+wrong (taken from the answer itself, then spoiled), so both the accept and the reject paths run: greedy output must
+still equal transformers' generate() token for token, and a seeded sampled request (with a repetition penalty, whose
+history must drop rejected drafts) must yield the same tokens, logprobs and alternatives as without drafts.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The tiled prefill path against transformers: same greedy tokens, and proof that the tiled path ran.
 
-Thresholds are lowered so that the tiny test prompts (a few hundred tokens, prefilled in several chunks) take the
-tiled path in many tiles, with tiles that do not line up with the pages. The reference is transformers run with
+Thresholds are lowered so that the tiny test prompts (a few hundred tokens, some prefilled in several chunks, driven
+by the in-process engine, bench/engine.py) take the tiled path in many tiles, with tiles that do not line up with
+the pages. The reference is transformers run with
 the attention math the tiled path uses: its sdpa implementation, or eager for a soft-capped model (Gemma-2).
 """
 
@@ -14,10 +15,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from bench.engine import Engine, request
 from services.shard.attention import paged, tiled
 from services.shard.attention.tiled import STATS, eager_tile
 from services.shard.model_runner import ModelRunner
-from tests.shard.driver import Request, drive
+from tests.shard.test_model_runner import Steps
 from tests.tiny_models import ARCHS, CORPUS, SLIDING_WINDOW
 
 BLOCK_SIZE = {"llama": 16, "qwen2": 4, "gemma2": 16, "gemma3": 4}
@@ -46,13 +48,28 @@ def _long_prompts(model_dir) -> list[list[int]]:
     return [ids[:230], ids[700:850], ids[1200:1210], ids[1500:1560]]
 
 
-def _schedule(prompts: list[list[int]]) -> list[Request]:
-    return [
-        Request(prompts[0], 10, join=1, chunk=64),  # 4 chunks: three tiled, the last (38 tokens) tiled too
-        Request(prompts[2], 12, join=1),  # short: the grouped path, in the same steps
-        Request(prompts[1], 12, join=2),  # 150 tokens in one step, next to a chunk and a decode
-        Request(prompts[3], 10, join=3, chunk=20),  # chunks of 20: tiled, context before each one
-    ]
+def _arrivals(prompts: list[list[int]]) -> dict[int, list]:
+    return {
+        0: [request("230", prompts[0], 10)],  # 200 tokens, then the last 30 beside the next two
+        1: [request("150", prompts[1], 12), request("10", prompts[2], 12)],  # whole; the short one grouped
+        2: [request("60", prompts[3], 10)],  # chunks of 20 beside the decodes: tiled, context before the later two
+    }
+
+
+# 200 prompt tokens a step (so the first prompt is cut), 20 while anything decodes
+BUDGET = dict(max_batch_prefill_tokens=200, max_prefill_tokens_while_decoding=20)
+# the tiled rows (queries, context): tiles of 24 do not line up with the pages, nor with the chunks
+TILED_ROWS = [(200, 0), (30, 200), (150, 0), (20, 0), (20, 20), (20, 40)]
+
+
+def _serve(runner: ModelRunner, model_dir) -> dict[str, list[int]]:
+    """Each request's tokens; the tiled rows were those of TILED_ROWS, next to short rows in the same step."""
+    engine = Engine.build(runner, model_dir, **BUDGET)
+    steps = Steps(engine)
+    got = engine.run(_arrivals(_long_prompts(model_dir)))
+    assert [(r.fed, r.context) for rows in steps.rows for r in rows if r.fed >= TILE_MIN] == TILED_ROWS
+    assert [r.fed for r in steps.rows[1]] == [30, 150, 10]  # the short row on the grouped path, in the same step
+    return {rid: out.tokens for rid, out in got.items()}
 
 
 def _expected_calls(runner, arch: str, rows: list[tuple[int, int]]) -> dict[str, int]:
@@ -80,15 +97,12 @@ def test_tiled_prefill_matches_transformers(tiny_dirs, arch, small_tiles):
     model_dir = tiny_dirs[arch]
     prompts = _long_prompts(model_dir)
     assert min(len(p) for p in prompts) > SLIDING_WINDOW and max(len(p) for p in prompts) > 20 * SLIDING_WINDOW
-    requests = _schedule(prompts)
     runner = ModelRunner(str(model_dir), num_blocks=160, block_size=BLOCK_SIZE[arch])
-    got = drive(runner, requests)
-    assert STATS == _expected_calls(
-        runner, arch, [(64, 0), (64, 64), (64, 128), (38, 192), (150, 0), (20, 0), (20, 20), (20, 40)]
-    )
-    for seq, req in enumerate(requests):
-        want = _reference(model_dir, arch, req.prompt, req.max_new)
-        assert got[seq] == want, f"{arch} seq {seq} (prompt {len(req.prompt)} tokens)"
+    got = _serve(runner, model_dir)
+    assert STATS == _expected_calls(runner, arch, TILED_ROWS)
+    for req in (r for reqs in _arrivals(prompts).values() for r in reqs):
+        want = _reference(model_dir, arch, req.input_ids.tolist(), req.max_new_tokens)
+        assert got[req.request_id] == want, f"{arch} request {req.request_id} (prompt {len(req.input_ids)} tokens)"
 
 
 def test_a_wrong_window_breaks_equality(tiny_dirs, small_tiles, monkeypatch):
@@ -98,11 +112,11 @@ def test_a_wrong_window_breaks_equality(tiny_dirs, small_tiles, monkeypatch):
     build, attend = paged.build_tiled, paged.attend_tiled
     monkeypatch.setattr(paged, "build_tiled", lambda paged, rows, window, dev: build(paged, rows, 2 * window, dev))
     monkeypatch.setattr(paged, "attend_tiled", lambda *a: attend(*a[:-1], 2 * a[-1]))
-    requests = _schedule(_long_prompts(model_dir))
-    got = drive(ModelRunner(str(model_dir), num_blocks=160, block_size=BLOCK_SIZE[arch]), requests)
+    got = _serve(ModelRunner(str(model_dir), num_blocks=160, block_size=BLOCK_SIZE[arch]), model_dir)
     assert STATS["sdpa"] > 0
-    want = [_reference(model_dir, arch, r.prompt, r.max_new) for r in requests]
-    assert [got[i] for i in range(len(requests))] != want
+    requests = [r for reqs in _arrivals(_long_prompts(model_dir)).values() for r in reqs]
+    want = [_reference(model_dir, arch, r.input_ids.tolist(), r.max_new_tokens) for r in requests]
+    assert [got[r.request_id] for r in requests] != want
 
 
 def _dense(q, k, v, q_pos: int, window: int, scaling: float, softcap: float | None) -> torch.Tensor:
@@ -230,7 +244,10 @@ def test_an_8k_prompt_in_chunks(tiny_dirs, monkeypatch):
     monkeypatch.setattr(tiled, "_tile_mask", recording)
     STATS.clear()
     runner = ModelRunner(str(model_dir), num_blocks=8192 // 16 + 4, block_size=16)
-    got = drive(runner, [Request(prompt, 6, join=1, chunk=2048)])[0]
+    engine = Engine.build(runner, model_dir, max_batch_prefill_tokens=2048)
+    steps = Steps(engine)
+    got = engine.run({0: [request("8k", prompt, 6)]})["8k"].tokens
+    assert steps.chunks("8k") == [2048] * 4
     tiles = 3 * -(-2048 // tiled.TILE_QUERIES)  # the first chunk is one causal call
     assert STATS == {"sdpa": tiles * runner.num_layers, "sdpa-causal": runner.num_layers}
     assert max(largest) <= tiled.TILE_QUERIES * len(prompt)

@@ -1,6 +1,7 @@
-"""Structured output in the model runner, on a tiny random-weight model (whose unconstrained output is garbage):
-constrained rows validate whatever the model prefers, unconstrained rows beside them are untouched, a recompute
-replays its matcher, and a row whose grammar fails is reported alone."""
+"""Structured output in the model runner, on a tiny random-weight model (whose unconstrained output is garbage),
+driven by the in-process engine (bench/engine.py): constrained rows validate whatever the model prefers,
+unconstrained rows beside them are untouched, a recompute after preemption replays its matcher, and a row whose
+grammar fails is reported alone."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import jsonschema
 import pytest
 from tokenizers import Tokenizer
 
-from libs.protocol.params import SamplingParams
+from bench.engine import Engine, request
+from services.scheduler.batcher import Batcher
 from services.shard.model_runner import ModelRunner
 from services.tokenizer.grammar import grammar_text
-from tests.shard.driver import Request, drive
+from tests.shard.test_model_runner import Steps
 from tests.tiny_models import EOS, prompts_for
 
 SCHEMA = {
@@ -44,65 +46,88 @@ def text(tok, ids: list[int]) -> str:
     return tok.decode(ids[:-1], skip_special_tokens=False)
 
 
+def engine_for(runner: ModelRunner, num_blocks: int = 0, **budget) -> Engine:
+    """A new engine over the module's runner, which forgets the last one's sequences first (as a new scheduler's
+    probe makes it); `num_blocks`: the Batcher's KV, when smaller than the runner's."""
+    runner.reset()
+    kw = dict(max_batch_size=16, max_batch_prefill_tokens=4096, eos_ids={EOS}, block_size=runner.block_size)
+    return Engine(runner, Batcher(num_blocks or runner.num_blocks, **kw, **budget))
+
+
+def then_one_more(engine: Engine, prompt: list[int]) -> None:
+    """One more (unconstrained) request: its plan tells the shard which sequences ended in the last step, as the
+    scheduler's next plan would; then the shard holds none of those."""
+    engine.run({engine.steps: [request("next", prompt, 1)]})
+
+
 def test_constrained_rows_validate_and_unconstrained_rows_are_untouched(runner, tiny_dirs, tok):
     prompts = prompts_for(tiny_dirs["qwen2"])
     schema = grammar_text({"type": "json", "value": SCHEMA})[1]
     regex = grammar_text({"type": "regex", "value": REGEX})[1]
-    sampled = SamplingParams(do_sample=True, temperature=1.5, seed=7)
-    requests = [
-        Request(prompts[0], 60, join=1, grammar=schema),
-        Request(prompts[1], 30, join=1),  # unconstrained, in the same batches
-        Request(prompts[2], 60, join=2, grammar=regex, chunk=16),
-        Request(prompts[3], 60, join=3, grammar=schema, sampling=sampled),
-        Request(prompts[4], 30, join=3, sampling=sampled),
-    ]
-    constrained = []
-    out = drive(runner, requests, on_result=lambda plan, result: constrained.append(dict(result.errors)))
-    assert all(errors == {} for errors in constrained)
-    for seq in (0, 3):
-        jsonschema.validate(json.loads(text(tok, out[seq])), SCHEMA)
-    assert re.fullmatch(REGEX, text(tok, out[2]))
-    alone = drive(runner, [Request(prompts[1], 30, join=1), Request(prompts[4], 30, join=3, sampling=sampled)])
-    assert [out[1], out[4]] == [alone[0], alone[1]]  # the masks touched only their own rows
+    sampled = dict(do_sample=True, temperature=1.5, seed=7)
+    arrivals = {
+        0: [request("json", prompts[0], 60, grammar=schema), request("plain", prompts[1], 30)],  # the same batches
+        1: [request("regex", prompts[2], 60, grammar=regex)],  # chunks of 16 beside the decodes
+        2: [
+            request("json sampled", prompts[3], 60, grammar=schema, **sampled),
+            request("plain sampled", prompts[4], 30, **sampled),
+        ],
+    }
+    engine = engine_for(runner, max_prefill_tokens_while_decoding=16)
+    steps = Steps(engine)
+    out = {rid: o.tokens for rid, o in engine.run(arrivals).items()}
+    assert all(errors == {} for errors in steps.errors)
+    assert len(steps.chunks("regex")) > 2 and steps.beside_decodes("regex")  # a constrained prompt's chunks
+    assert engine.batcher.counters["constrained_rows"] > 0
+    for rid in ("json", "json sampled"):
+        jsonschema.validate(json.loads(text(tok, out[rid])), SCHEMA)
+    assert re.fullmatch(REGEX, text(tok, out["regex"]))
+    then_one_more(engine, prompts[5])
     assert runner.grammars.constraints is not None and len(runner.grammars.constraints) == 0  # all discarded
+    alone = engine_for(runner).run({0: [arrivals[0][1]], 2: [arrivals[2][1]]})
+    assert [out["plain"], out["plain sampled"]] == [alone["plain"].tokens, alone["plain sampled"].tokens]
 
 
-def test_a_recompute_replays_the_matcher(runner, tiny_dirs):
-    prompt = prompts_for(tiny_dirs["qwen2"])[2]
+@pytest.mark.parametrize("kv_blocks, older", [(24, 29), (28, 14)])
+def test_a_recompute_replays_the_matcher(runner, tiny_dirs, kv_blocks, older):
+    """KV for 24 (or 28) blocks: the older request's growth preempts the constrained one after a few tokens (or
+    about half its answer); readmitted, it is fed its prompt and generated tokens again, and the shard rebuilds
+    its matcher replaying those tokens: the answer goes on as if nothing happened."""
+    prompts = prompts_for(tiny_dirs["qwen2"])
     schema = grammar_text({"type": "json", "value": SCHEMA})[1]
-    full = drive(runner, [Request(prompt, 60, join=1, grammar=schema)])[0]
-    for cut in (1, len(full) // 2):
-        # preempted after `cut` tokens: readmitted with prompt + generated fed again, its matcher rebuilt
-        again = drive(runner, [Request(prompt + full[:cut], 60 - cut, join=1, grammar=schema, replay=full[:cut])])
-        assert full[:cut] + again[0] == full
+    full = engine_for(runner).run({0: [request("x", prompts[2], 60, grammar=schema)]})["x"].tokens
+    engine = engine_for(runner, kv_blocks)
+    replayed = []
+    engine.on_step = lambda plan, result: replayed.extend(new.grammar_ids for new in plan.new if new.grammar_ids)
+    got = engine.run({0: [request("older", prompts[1][:older], 60)], 1: [request("x", prompts[2], 60, grammar=schema)]})
+    assert engine.batcher.counters["preemptions"] > 0 and len(replayed) == 1
+    assert 0 < len(replayed[0]) < len(full) and replayed[0] == full[: len(replayed[0])]
+    assert got["x"].tokens == full
 
 
 def test_a_failing_grammar_fails_its_row_alone(runner, tiny_dirs):
     prompts = prompts_for(tiny_dirs["qwen2"])
     broken = '{"grammars": [{"lark_grammar": "start: nope"}]}'  # never compiles: no token is ever allowed
-    seen = []
-    out = drive(
-        runner,
-        [Request(prompts[0], 1, join=1, grammar=broken), Request(prompts[1], 5, join=1)],
-        on_result=lambda plan, result: seen.append(dict(result.errors)),
-    )
-    assert list(seen[0]) == [0] and "nope" in seen[0][0]
-    assert out[0] == [EOS]  # the failed row can only end; the scheduler fails that request
-    assert len(out[1]) == 5 and all(not errors for errors in seen[1:])
+    engine = engine_for(runner)
+    seen = Steps(engine).errors
+    out = engine.run({0: [request("broken", prompts[0], 1, grammar=broken), request("plain", prompts[1], 5)]})
+    assert list(seen[0]) == ["broken"] and "nope" in seen[0]["broken"]
+    assert out["broken"].tokens == [EOS]  # the failed row can only end; the scheduler fails that request
+    assert len(out["plain"].tokens) == 5 and all(not errors for errors in seen[1:])
 
 
 def test_unconstrained_steps_build_no_masks(runner, tiny_dirs, monkeypatch):
     prompts = prompts_for(tiny_dirs["qwen2"])
     regex = grammar_text({"type": "regex", "value": REGEX})[1]
-    drive(runner, [Request(prompts[0], 20, join=1, grammar=regex)])  # the matchers exist now
+    engine_for(runner).run({0: [request("regex", prompts[0], 20, grammar=regex)]})  # the matchers exist now
     cons = runner.grammars.constraints
     calls = []
     for name in ("apply", "advance", "masks"):
         real = getattr(cons, name)
         monkeypatch.setattr(cons, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    drive(runner, [Request(prompts[1], 3, join=1)])
+    engine_for(runner).run({0: [request("plain", prompts[1], 3)]})
     assert calls == []
-    drive(runner, [Request(prompts[1], 3, join=1, grammar=regex)])
+    engine_for(runner).run({0: [request("regex", prompts[1], 3, grammar=regex)]})
     assert "apply" in calls and "advance" in calls
 
 
@@ -110,12 +135,14 @@ def test_the_shard_logs_its_grammar_totals_when_the_last_constrained_row_ends(ru
     prompts = prompts_for(tiny_dirs["qwen2"])
     schema = grammar_text({"type": "json", "value": SCHEMA})[1]
     cons = runner.grammars.constraints  # None until a first grammar (it has a len: test it against None)
+    engine = engine_for(runner)
     before = dict(cons.stats) if cons is not None else {"steps": 0, "reused": 0}
     with caplog.at_level("INFO", logger="switchyard.shard.grammar"):
-        out = drive(runner, [Request(prompts[0], 40, join=1, grammar=schema), Request(prompts[1], 40, join=1)])
+        out = engine.run({0: [request("json", prompts[0], 40, grammar=schema), request("plain", prompts[1], 40)]})
+        then_one_more(engine, prompts[5])  # the plan that tells the shard the last ones ended
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("grammar totals:")]
     assert len(lines) == 1  # once, when the constrained row ended (not per step)
     totals = dict(field.split("=") for field in lines[0].removeprefix("grammar totals: ").split())
-    assert int(totals["steps"]) - before["steps"] == len(out[0])  # one masked step per token it generated
+    assert int(totals["steps"]) - before["steps"] == len(out["json"].tokens)  # one masked step per token it generated
     assert int(totals["reused"]) > before["reused"] or int(totals["compiled"]) >= 1
     assert float(totals["apply_s"]) > 0 and float(totals["fill_ahead_s"]) > 0

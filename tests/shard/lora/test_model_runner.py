@@ -1,17 +1,20 @@
 """LoRA through the ModelRunner (paged attention, fused oneDNN linears, its own registry loaded at start), on
 every tiny architecture: greedy output equals peft's own generate() (PeftModel with that adapter active, float32,
-eager attention) token for token, over a continuous-batching schedule (tests/shard/driver.py) that mixes base rows
-and two adapters in every step: a first step of prefills over 64 tokens (made the grouped products' size here),
-decode steps (the stacked form), a chunked prefill joining running decodes, blocks reused by a later joiner.
+eager attention) token for token, over a continuous-batching schedule (driven by the in-process engine,
+bench/engine.py) that mixes base rows and two adapters in its steps: a first step of prefills over 64 tokens (made
+the grouped products' size here), decode steps (the stacked form), a chunked prefill joining running decodes, and
+KV for fewer blocks than the requests take in all, so that a later joiner runs on blocks finished requests held.
 The e2e tests serve Qwen2 (test_lora.py) and Gemma-3 (test_lora_archs.py) through the whole server; this is where
 Llama's MHA, Gemma-2's soft-caps and sliding window and Gemma-3's q/k norms meet the adapters, one server cheaper."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
+from bench.engine import Engine, request
 from libs.protocol.params import SamplingParams
 from libs.protocol.step_messages import NewSequence, StepPlan
 from services.shard.lora import products
@@ -23,7 +26,7 @@ from tests.lora_adapters import (
     build_adapter,
     peft_logits,
 )
-from tests.shard.driver import Request, drive
+from tests.shard.test_model_runner import Steps
 from tests.tiny_models import ARCHS, prompts_for
 
 peft = pytest.importorskip("peft")
@@ -35,16 +38,18 @@ ARCH_ADAPTERS = {
 MAX_NEW = 8
 
 
-def _schedule(prompts: list[list[int]]) -> list[tuple[Request, str | None]]:
-    """(request, adapter): base rows and both adapters side by side in every step."""
-    return [
-        (Request(prompts[1], MAX_NEW, join=1), "all"),
-        (Request(prompts[2], MAX_NEW, join=1), None),
-        (Request(prompts[4], MAX_NEW, join=1), "qv_mlp_rs"),
-        (Request(prompts[3], MAX_NEW, join=2, chunk=8), "all"),  # chunked prefill joining decodes
-        (Request(prompts[0], MAX_NEW, join=3), "qv_mlp_rs"),
-        (Request(prompts[5], MAX_NEW, join=12), None),  # after others finished, on their freed blocks
-    ]
+def _arrivals(prompts: list[list[int]]) -> dict[int, list]:
+    """Requests by the step they arrive before, named by their adapter (None: the base model) and prompt."""
+
+    def req(adapter: str | None, i: int):
+        return msgspec.structs.replace(request(f"{adapter} {i}", prompts[i], MAX_NEW), adapter=adapter)
+
+    return {
+        0: [req("all", 1), req(None, 2), req("qv_mlp_rs", 4)],
+        1: [req("all", 3)],  # chunks of 8 joining the decodes
+        2: [req("qv_mlp_rs", 0)],
+        11: [req(None, 5)],  # after others finished, on blocks they held
+    }
 
 
 def _peft_generate(ref, adapter: str | None, prompt: list[int]) -> list[int]:
@@ -63,39 +68,32 @@ def test_greedy_with_adapters_equals_peft_generate(tiny_dirs, tmp_path, arch, mo
     model_dir = tiny_dirs[arch]
     folders = {n: build_adapter(model_dir, tmp_path / n, seed=50 + i, **cfg) for i, (n, cfg) in
                enumerate(ARCH_ADAPTERS.items())}  # fmt: skip
-    schedule = _schedule(prompts_for(model_dir))
-    requests = [r for r, _ in schedule]
+    arrivals = _arrivals(prompts_for(model_dir))
+    requests = [r for reqs in arrivals.values() for r in reqs]
     monkeypatch.setattr(products, "STACKED_MAX_TOKENS", 64)  # the first step's prefills take the grouped form
-    assert sum(len(r.prompt) for r in requests if r.join == 1) > products.STACKED_MAX_TOKENS
-    runner = ModelRunner(str(model_dir), num_blocks=96, block_size=4, lora_adapters={n: str(f) for n, f in
+    assert sum(len(r.input_ids) for r in arrivals[0]) > products.STACKED_MAX_TOKENS
+    runner = ModelRunner(str(model_dir), num_blocks=52, block_size=4, lora_adapters={n: str(f) for n, f in
                          folders.items()})  # fmt: skip
-    execute, forms = runner.execute, []
+    forms, forward = [], runner._forward
 
-    def with_adapters(plan: StepPlan):  # the driver's plans name no adapter: the schedule's go on the new rows
-        for ns in plan.new:
-            ns.adapter = schedule[ns.seq][1]
-        forward = runner._forward
+    def record(batch):
+        groups = runner.lora.step_groups
+        forms.append(None if groups is None else groups.token_slots is not None)
+        return forward(batch)
 
-        def record(batch):
-            groups = runner.lora.step_groups
-            forms.append(None if groups is None else groups.token_slots is not None)
-            return forward(batch)
-
-        runner._forward = record
-        try:
-            return execute(plan)
-        finally:
-            runner._forward = forward
-
-    runner.execute = with_adapters
-    got = drive(runner, requests)
+    runner._forward = record
+    engine = Engine.build(runner, model_dir, max_prefill_tokens_while_decoding=8)
+    steps = Steps(engine)
+    got = engine.run(arrivals)
     assert True in forms and False in forms  # stacked steps and grouped steps both ran
+    assert len(steps.chunks("all 3")) > 1 and steps.beside_decodes("all 3") and "None 5" in steps.reused
     ref = peft.PeftModel.from_pretrained(base_model(model_dir), folders["all"], adapter_name="all")
     ref.load_adapter(folders["qv_mlp_rs"], adapter_name="qv_mlp_rs")
     ref.eval()
-    for seq, (req, adapter) in enumerate(schedule):
-        assert got[seq] == _peft_generate(ref, adapter, req.prompt), f"{arch} seq {seq} adapter {adapter}"
-    prompt = requests[0].prompt  # the adapters really change this prompt's answer, so equality can fail
+    for req in requests:
+        want = _peft_generate(ref, req.adapter, req.input_ids.tolist())
+        assert got[req.request_id].tokens == want, f"{arch} request {req.request_id}"
+    prompt = requests[0].input_ids.tolist()  # the adapters really change this prompt's answer, so equality can fail
     assert len({tuple(_peft_generate(ref, a, prompt)) for a in (None, *ARCH_ADAPTERS)}) == 3
 
 

@@ -1,30 +1,31 @@
-"""The lean decoder walk (services/shard/model/decoder_walk.py) against transformers: same tokens as generate(), the same
-logits as transformers' forward through the same runner (bit for bit in float32; bf16 within its rounding), and
-the models it does not know keep transformers' forward, with the reason on the runner."""
+"""The lean decoder walk (services/shard/model/decoder_walk.py) against transformers: same tokens as generate(), the
+same logits as transformers' forward through the same runner (bit for bit in float32; bf16 within its rounding), the
+runner driven by the in-process engine (bench/engine.py); and the models it does not know keep transformers'
+forward, with the reason on the runner."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from bench.engine import Engine, request
 from libs.runtime.settings import Settings
 from services.shard.model.decoder_walk import unsupported
 from services.shard.model_runner import ModelRunner
 from tests.reference import reference_generate
-from tests.shard.driver import Request, drive
+from tests.shard.test_model_runner import Steps
 from tests.tiny_models import ARCHS, SLIDING_WINDOW, prompts_for
 
 BLOCK_SIZE = {"llama": 4, "qwen2": 16, "gemma2": 4, "gemma3": 16}
 
 
-def _requests(prompts: list[list[int]]) -> list[Request]:
+def _arrivals(prompts: list[list[int]]) -> dict[int, list]:
     """Prompts several sliding windows long, prefilled in several chunks, decoding beside later prefills."""
-    return [
-        Request(prompts[2], 10, join=1, chunk=16),  # 58 tokens: four chunks
-        Request(prompts[1], 12, join=1),
-        Request(prompts[4], 8, join=2, chunk=9),  # 47 tokens: six chunks, joining running decodes
-        Request(prompts[3], 9, join=4),
-    ]
+    return {
+        0: [request("41", prompts[1], 12), request("58", prompts[2], 10)],  # 58 tokens: 16, then chunks of 9
+        1: [request("47", prompts[4], 8)],  # chunks of 9, joining running decodes
+        3: [request("17", prompts[3], 9)],
+    }
 
 
 def _logits_of(runner: ModelRunner) -> list[torch.Tensor]:
@@ -43,18 +44,25 @@ def _logits_of(runner: ModelRunner) -> list[torch.Tensor]:
 def _run(model_dir, dtype: torch.dtype, lean: bool, arch: str):
     runner = ModelRunner(str(model_dir), num_blocks=96, block_size=BLOCK_SIZE[arch], dtype=dtype, lean=lean)
     logits = _logits_of(runner)
-    return runner, drive(runner, _requests(prompts_for(model_dir))), logits
+    # 57 prompt tokens a step, 9 while anything decodes
+    engine = Engine.build(runner, model_dir, max_batch_prefill_tokens=57, max_prefill_tokens_while_decoding=9)
+    steps = Steps(engine)
+    got = engine.run(_arrivals(prompts_for(model_dir)))
+    assert len(steps.chunks("58")) > 3 and len(steps.chunks("47")) > 3 and steps.beside_decodes("47")
+    return runner, {rid: out.tokens for rid, out in got.items()}, logits
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lean_walk_matches_transformers_in_float32(tiny_dirs, arch):
     model_dir = tiny_dirs[arch]
-    assert max(len(r.prompt) for r in _requests(prompts_for(model_dir))) > 5 * SLIDING_WINDOW
+    requests = [r for reqs in _arrivals(prompts_for(model_dir)).values() for r in reqs]
+    assert max(len(r.input_ids) for r in requests) > 5 * SLIDING_WINDOW
     lean, got, lean_logits = _run(model_dir, torch.float32, True, arch)
     assert lean.lean is not None and lean.lean_reason == ""
     assert lean.lean.forwards == len(lean_logits) > 10  # every step went through the walk
-    for seq, req in enumerate(_requests(prompts_for(model_dir))):
-        assert got[seq] == reference_generate(model_dir, req.prompt, req.max_new), f"{arch} seq {seq}"
+    for req in requests:
+        want = reference_generate(model_dir, req.input_ids.tolist(), req.max_new_tokens)
+        assert got[req.request_id] == want, f"{arch} request {req.request_id}"
     plain, plain_got, plain_logits = _run(model_dir, torch.float32, False, arch)
     assert plain.lean is None and plain.lean_reason == "turned off"
     assert plain_got == got
@@ -90,7 +98,8 @@ def test_models_the_walk_does_not_know_keep_transformers(tiny_dirs):
     assert unsupported(llama.model) == "" and unsupported(llama.model, tp=2).startswith("tensor parallel")
     plain = ModelRunner(str(tiny_dirs["llama"]), num_blocks=32, block_size=4, lean=False)
     prompt = prompts_for(tiny_dirs["llama"])[1]
-    assert drive(plain, [Request(prompt, 6, join=1)])[0] == reference_generate(tiny_dirs["llama"], prompt, 6)
+    got = Engine.build(plain, tiny_dirs["llama"]).run({0: [request("p", prompt, 6)]})["p"].tokens
+    assert got == reference_generate(tiny_dirs["llama"], prompt, 6)
     assert plain.lean is None
 
 

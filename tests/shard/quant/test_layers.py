@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from services.shard.model import onednn
 from services.shard.quant import formats as qf
 from services.shard.quant import layers as quant_layers
 from services.shard.quant import loader as ql
@@ -258,33 +259,44 @@ def test_quantized_at_load(tiny_dirs, method, kind, tol):
 def test_the_runner_serves_a_quantized_checkpoint_like_its_twin(tiny_dirs, tmp_path, arch, case):
     """ModelRunner(quantize=…) over a mixed batch (whole and chunked prefills joining decodes): the prompt
     log-probs equal a plain transformers forward of the dense twin, the greedy tokens its generate()."""
-    from libs.protocol.params import SamplingParams
+    from bench.engine import Engine, request
     from services.shard.model_runner import ModelRunner
     from tests.reference import reference_generate
-    from tests.shard.driver import Request, drive
-    from tests.shard.test_model_runner_logprobs import Recorder, _reference_prompt_logprobs
+    from tests.shard.test_model_runner import Steps
+    from tests.shard.test_model_runner_logprobs import _reference_prompt_logprobs
     from tests.tiny_models import prompts_for
 
     fmt, kw = CHECKPOINTS[case]
     out = write(tiny_dirs[arch], tmp_path, fmt, **kw)
     prompts = prompts_for(out / "twin")
-    lp = SamplingParams(prompt_logprobs=True)
-    requests = [
-        Request(prompts[2], 5, join=1, sampling=lp),
-        Request(prompts[1], 6, join=1, chunk=5, sampling=lp),
-        Request(prompts[4], 4, join=3, sampling=lp),
-        Request(prompts[0], 4, join=4),
-    ]
-    rec = Recorder()
+    arrivals = {
+        0: [request("0", prompts[2], 5, prompt_logprobs=True), request("1", prompts[1], 6, prompt_logprobs=True)],
+        2: [request("2", prompts[4], 4, prompt_logprobs=True)],
+        3: [request("3", prompts[0], 4)],
+    }
     runner = ModelRunner(str(out / "quant"), num_blocks=96, block_size=4, quantize=fmt)
     assert any(isinstance(m, quant_layers.QuantLinear) for m in runner.model.modules())
-    got = drive(runner, requests, on_result=rec)
-    for seq, req in enumerate(requests):
-        assert got[seq] == reference_generate(out / "twin", req.prompt, req.max_new), f"seq {seq}"
+    # the first prompt whole and 5 tokens of the second in one step; then chunks of up to 16 beside the decodes
+    engine = Engine.build(runner, out / "quant", max_batch_prefill_tokens=63, max_prefill_tokens_while_decoding=16)
+    steps = Steps(engine)
+    got = engine.run(arrivals)
+    assert steps.chunks("0") == [len(prompts[2])] and len(steps.chunks("1")) > 1 and steps.beside_decodes("2")
+    for req in (r for reqs in arrivals.values() for r in reqs):
+        rid, prompt = req.request_id, req.input_ids.tolist()
+        assert got[rid].tokens == reference_generate(out / "twin", prompt, req.max_new_tokens), f"request {rid}"
         if req.sampling.prompt_logprobs:
-            have = np.concatenate(rec.prompt_runs[seq])[1:]
-            want = np.array(_reference_prompt_logprobs(out / "twin", req.prompt), dtype=np.float32)[1:]
-            np.testing.assert_allclose(have, want, rtol=0, atol=2e-4 + WEIGHT_ONLY_TOL, err_msg=f"seq {seq}")
+            have = np.array(got[rid].prompt_logprobs, dtype=np.float32)[1:]  # as the scheduler gathered the runs
+            want = np.array(_reference_prompt_logprobs(out / "twin", prompt), dtype=np.float32)[1:]
+            np.testing.assert_allclose(have, want, rtol=0, atol=2e-4 + WEIGHT_ONLY_TOL, err_msg=f"request {rid}")
+
+
+def test_the_benchmark_runs_every_way(capsys):
+    from launcher.bench import quant as bench
+
+    rows = bench.measure([(256, 128)], [1, 5], rounds=1)
+    assert [r["rows"] for r in rows] == [1, 5]
+    assert {"fp32", "w8a8", "int4", "int4 bf16", "int8", "int8 bf16"} <= set(rows[0])
+    assert "resident weight bytes, share of fp32: fp32 100%" in capsys.readouterr().out
 
 
 def test_lora_adapters_over_a_quantized_base(tiny_dirs, tmp_path):
@@ -319,6 +331,34 @@ def test_lora_adapters_over_a_quantized_base(tiny_dirs, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32).eval()
     with torch.no_grad():
         assert (logits[0][1] - base(input_ids=ids[1:2]).logits[0]).abs().max() > 1e-1  # the adapter is applied
+
+
+def test_the_int8_kernel_benchmark_runs_every_kernel(capsys):
+    from launcher.bench import quant as bench
+
+    rows = bench.measure_w8a8([(128, 64)], [1, 3], reps=2)
+    assert [r["rows"] for r in rows] == [1, 3]
+    baseline = "bf16 oneDNN" if onednn.dtype_supported(torch.bfloat16) else "bf16 torch"
+    kernels = {baseline, "W8A8 served", "_int_mm alone", "qlinear_pointwise", "linear_dynamic"}
+    assert kernels <= set(rows[0]) and all(rows[1][k] > 0 for k in kernels)
+    assert "W8A8 served" in capsys.readouterr().out
+
+
+def test_the_step_benchmark_compares_fp32_bf16_and_w8a8(tiny_dirs, capsys):
+    from launcher.bench import quant as bench
+
+    got = bench.measure_steps(str(tiny_dirs["llama"]), [2], steps=3, prompt=4)
+    assert set(got[2]) == {"fp32", "bf16", "w8a8"} and all(v > 0 for v in got[2].values())
+    assert "tok/s vs fp32: bf16" in capsys.readouterr().out
+
+
+def test_the_model_benchmark_runs_every_way(tiny_dirs):
+    from launcher.bench import quant as bench
+
+    rows = {r["way"]: r for r in bench.measure_model(str(tiny_dirs["llama"]), [2], steps=1, prompt=4)}
+    assert set(rows) == {"fp32", "bf16", "w8a8", "int4", "w8a8 bf16", "int4 bf16"}
+    assert all(r["tok/s@2"] > 0 for r in rows.values())
+    assert rows["int4"]["weights MB"] < rows["w8a8"]["weights MB"] < rows["fp32"]["weights MB"]
 
 
 def test_a_layer_missing_from_the_checkpoint_is_an_error(tiny_dirs, tmp_path):

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from bench.engine import Engine, request
 from tests.reference import reference_generate
-from tests.shard.driver import Request, drive
 from tests.shard.quant.checkpoints import write
 from tests.shard.quant.test_layers import WEIGHT_ONLY_TOL
 from tests.shard.test_model_runner_logprobs import _reference_prompt_logprobs
@@ -34,25 +34,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _schedule(prompts: list[list[int]]) -> list[Request]:
-    from libs.protocol.params import SamplingParams
-
-    lp = SamplingParams(prompt_logprobs=True)
-    return [
-        Request(prompts[0], 8, join=1, sampling=lp),
-        Request(prompts[1], 10, join=1),
-        Request(prompts[2], 8, join=3, chunk=8, sampling=lp),  # chunked prefill joins running decodes
-    ]
+def _arrivals(prompts: list[list[int]]) -> dict[int, list]:
+    return {
+        0: [request("0", prompts[0], 8, prompt_logprobs=True), request("1", prompts[1], 10)],
+        2: [request("2", prompts[2], 8, prompt_logprobs=True)],  # chunks of 8 joining the running decodes
+    }
 
 
-def _run(runner, token_dir: Path) -> dict:
-    """Greedy tokens and prompt log-probs (seqs that asked for them) of the schedule, by seq."""
-    from tests.shard.test_model_runner_logprobs import Recorder
-
-    rec = Recorder()
-    got = drive(runner, _schedule(prompts_for(token_dir)), on_result=rec)
-    prompt = {str(s): np.concatenate(runs)[1:].tolist() for s, runs in rec.prompt_runs.items()}
-    return {"tokens": {str(k): v for k, v in got.items()}, "prompt_logprobs": prompt}
+def _run(runner, model_dir: Path, token_dir: Path) -> dict:
+    """Greedy tokens and prompt log-probs (of the requests that asked for them) of the schedule, by request."""
+    engine = Engine.build(runner, model_dir, max_prefill_tokens_while_decoding=8)
+    got = engine.run(_arrivals(prompts_for(token_dir)))
+    assert engine.batcher.counters["chunked_prefills"] > 0 and engine.batcher.counters["joined_steps"] > 0
+    prompt = {rid: out.prompt_logprobs[1:] for rid, out in got.items() if out.prompt_logprobs}
+    return {"tokens": {rid: out.tokens for rid, out in got.items()}, "prompt_logprobs": prompt}
 
 
 def _rank(rank: int, model_dir: str, quantize: str, token_dir: str, port: int, out: str) -> None:
@@ -70,7 +65,7 @@ def _rank(rank: int, model_dir: str, quantize: str, token_dir: str, port: int, o
         layers = {n: m for n, m in runner.model.named_modules() if isinstance(m, quant_layers.QuantLinear)}
         q = runner.model.get_submodule("model.layers.0.self_attn.q_proj")
         o = runner.model.get_submodule("model.layers.0.self_attn.o_proj")
-        got = _run(runner, Path(token_dir))
+        got = _run(runner, Path(model_dir), Path(token_dir))
         got.update(kinds=sorted({type(m).__name__ for m in layers.values()}), count=len(layers),
                    q_local=list(q.weight.shape), o_local=list(o.weight.shape))  # fmt: skip
         Path(f"{out}.{rank}").write_text(json.dumps(got))
@@ -95,12 +90,12 @@ def test_a_gptq_checkpoint_under_two_ranks_matches_its_twin(tiny_dirs, tmp_path,
     ranks = _serve_two_ranks(out / "quant", "gptq", out / "twin", tmp_path)
     layers = json.loads((out / "quant" / "config.json").read_text())["num_hidden_layers"]
     assert ranks[0]["count"] == 7 * layers and ranks[0]["kinds"] == ["Int4Linear"]
-    for seq, req in enumerate(_schedule(prompts_for(out / "twin"))):
-        assert ranks[0]["tokens"][str(seq)] == reference_generate(out / "twin", req.prompt, req.max_new), seq
-        if req.sampling and req.sampling.prompt_logprobs:
-            want = _reference_prompt_logprobs(out / "twin", req.prompt)[1:]
-            np.testing.assert_allclose(ranks[0]["prompt_logprobs"][str(seq)], want, rtol=0,
-                                       atol=2e-4 + WEIGHT_ONLY_TOL)  # fmt: skip
+    for req in (r for reqs in _arrivals(prompts_for(out / "twin")).values() for r in reqs):
+        rid, prompt = req.request_id, req.input_ids.tolist()
+        assert ranks[0]["tokens"][rid] == reference_generate(out / "twin", prompt, req.max_new_tokens), rid
+        if req.sampling.prompt_logprobs:
+            want = _reference_prompt_logprobs(out / "twin", prompt)[1:]
+            np.testing.assert_allclose(ranks[0]["prompt_logprobs"][rid], want, rtol=0, atol=2e-4 + WEIGHT_ONLY_TOL)
 
 
 def test_w8a8_at_load_under_two_ranks_matches_one_rank(tiny_dirs, tmp_path):
@@ -109,9 +104,9 @@ def test_w8a8_at_load_under_two_ranks_matches_one_rank(tiny_dirs, tmp_path):
     model_dir = tiny_dirs["llama"]
     ranks = _serve_two_ranks(model_dir, "eetq", model_dir, tmp_path)
     assert ranks[0]["kinds"] == ["W8A8Linear"]
-    single = _run(ModelRunner(str(model_dir), num_blocks=64, block_size=8, quantize="eetq"), model_dir)
-    for seq, want in single["prompt_logprobs"].items():
-        got = ranks[0]["prompt_logprobs"][seq]
+    single = _run(ModelRunner(str(model_dir), num_blocks=64, block_size=8, quantize="eetq"), model_dir, model_dir)
+    for rid, want in single["prompt_logprobs"].items():
+        got = ranks[0]["prompt_logprobs"][rid]
         np.testing.assert_allclose(got, want, rtol=0, atol=TP_W8A8_TOL)
 
 
