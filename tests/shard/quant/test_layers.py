@@ -18,7 +18,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from services.shard.model import onednn
 from services.shard.quant import formats as qf
 from services.shard.quant import layers as quant_layers
 from services.shard.quant import loader as ql
@@ -290,15 +289,6 @@ def test_the_runner_serves_a_quantized_checkpoint_like_its_twin(tiny_dirs, tmp_p
             np.testing.assert_allclose(have, want, rtol=0, atol=2e-4 + WEIGHT_ONLY_TOL, err_msg=f"request {rid}")
 
 
-def test_the_benchmark_runs_every_way(capsys):
-    from launcher.bench import quant as bench
-
-    rows = bench.measure([(256, 128)], [1, 5], rounds=1)
-    assert [r["rows"] for r in rows] == [1, 5]
-    assert {"fp32", "w8a8", "int4", "int4 bf16", "int8", "int8 bf16"} <= set(rows[0])
-    assert "resident weight bytes, share of fp32: fp32 100%" in capsys.readouterr().out
-
-
 def test_lora_adapters_over_a_quantized_base(tiny_dirs, tmp_path):
     """The LoRA registry wraps quantized layers like dense ones: a mixed batch of base and adapter rows over the
     int4 model equals the same registry over its dense twin."""
@@ -331,34 +321,6 @@ def test_lora_adapters_over_a_quantized_base(tiny_dirs, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32).eval()
     with torch.no_grad():
         assert (logits[0][1] - base(input_ids=ids[1:2]).logits[0]).abs().max() > 1e-1  # the adapter is applied
-
-
-def test_the_int8_kernel_benchmark_runs_every_kernel(capsys):
-    from launcher.bench import quant as bench
-
-    rows = bench.measure_w8a8([(128, 64)], [1, 3], reps=2)
-    assert [r["rows"] for r in rows] == [1, 3]
-    baseline = "bf16 oneDNN" if onednn.dtype_supported(torch.bfloat16) else "bf16 torch"
-    kernels = {baseline, "W8A8 served", "_int_mm alone", "qlinear_pointwise", "linear_dynamic"}
-    assert kernels <= set(rows[0]) and all(rows[1][k] > 0 for k in kernels)
-    assert "W8A8 served" in capsys.readouterr().out
-
-
-def test_the_step_benchmark_compares_fp32_bf16_and_w8a8(tiny_dirs, capsys):
-    from launcher.bench import quant as bench
-
-    got = bench.measure_steps(str(tiny_dirs["llama"]), [2], steps=3, prompt=4)
-    assert set(got[2]) == {"fp32", "bf16", "w8a8"} and all(v > 0 for v in got[2].values())
-    assert "tok/s vs fp32: bf16" in capsys.readouterr().out
-
-
-def test_the_model_benchmark_runs_every_way(tiny_dirs):
-    from launcher.bench import quant as bench
-
-    rows = {r["way"]: r for r in bench.measure_model(str(tiny_dirs["llama"]), [2], steps=1, prompt=4)}
-    assert set(rows) == {"fp32", "bf16", "w8a8", "int4", "w8a8 bf16", "int4 bf16"}
-    assert all(r["tok/s@2"] > 0 for r in rows.values())
-    assert rows["int4"]["weights MB"] < rows["w8a8"]["weights MB"] < rows["fp32"]["weights MB"]
 
 
 def test_a_layer_missing_from_the_checkpoint_is_an_error(tiny_dirs, tmp_path):
