@@ -24,7 +24,9 @@ from services.scheduler.token_batch import stream_open
 from services.shard.model_runner import ModelRunner
 
 
-def request(rid: str, prompt, max_new: int, *, grammar: str = "", **sampling) -> TokenizedRequest:
+def request(
+    rid: str, prompt, max_new: int, *, grammar: str = "", adapter: str | None = None, **sampling
+) -> TokenizedRequest:
     """A tokenized request as the tokenizer would admit it: `sampling` are SamplingParams fields."""
     return TokenizedRequest(
         request_id=rid,
@@ -33,6 +35,7 @@ def request(rid: str, prompt, max_new: int, *, grammar: str = "", **sampling) ->
         sampling=SamplingParams(**sampling),
         max_new_tokens=max_new,
         grammar=grammar,
+        adapter=adapter,
     )
 
 
@@ -49,6 +52,9 @@ class Output:
 
 class Engine:
     def __init__(self, runner: ModelRunner, batcher: Batcher, *, wire: bool = True) -> None:
+        """A new engine's batcher starts its sequence handles afresh: the runner forgets what it held, as a shard
+        does at a new scheduler's probe."""
+        runner.reset()
         self.runner, self.batcher, self.wire = runner, batcher, wire
         self.steps = 0
         self.outputs: dict[str, Output] = {}
@@ -63,14 +69,16 @@ class Engine:
         max_batch_size: int = 256,
         max_batch_prefill_tokens: int = 4096,
         wire: bool = True,
+        eos_ids: set[int] | None = None,
         **batcher_kw,
     ) -> Engine:
-        """An engine over `runner` with a Batcher of the runner's KV geometry and the model's EOS ids."""
+        """An engine over `runner` with a Batcher of the runner's KV geometry and the model's EOS ids (`eos_ids`:
+        others; an empty set: every request runs to its max_new_tokens, as benchmarks want)."""
         batcher = Batcher(
             runner.num_blocks,
             max_batch_size=max_batch_size,
             max_batch_prefill_tokens=max_batch_prefill_tokens,
-            eos_ids=set(model_store.model_info(str(model_dir))["eos_token_ids"]),
+            eos_ids=set(model_store.model_info(str(model_dir))["eos_token_ids"]) if eos_ids is None else eos_ids,
             block_size=runner.block_size,
             **batcher_kw,
         )

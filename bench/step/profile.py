@@ -1,12 +1,12 @@
 """Where a decode step's time goes: the model driven through the in-process engine (as bench/step/limit.py drives
-it), the shard's part of each decode step timed piece by piece with timers the bench wraps around the runner.
+it), the shard's part of each decode step timed piece by piece (the runner's part timings and module hooks).
 
 The parts of one decode step of the whole batch, each the median over the steps once every prompt is prefilled:
 wire in (decoding the plan's frames), prepare (the plan's rows laid out: positions, slots, tables, tensors),
 layers (the model's body), LM head (on the kept positions), forward other (the rest of the forward call), sampling
 (processors, the choice, its logprob), pack (the result's arrays), execute other (the plan's diff, the result
 object), publish (encoding the result's frames). --compare: three runners' whole decode steps interleaved (bf16
-with the oneDNN linears, bf16 with torch's, float32 with oneDNN); --compare-lean: the lean decoder walk against
+with the oneDNN linears, bf16 with torch's, float32 with oneDNN); --compare-walk: the direct decoder walk against
 transformers' forward; --join-tokens N: a decode step alone against one with an N-token prompt joining it.
 
     python -m bench.step.profile --model llama-128k,smollm2,gemma --batch 1,16,64 [--dtype auto] [--compare]
@@ -26,35 +26,19 @@ PARTS = ("wire in", "prepare", "layers", "LM head", "forward other", "sampling",
 
 
 class StepTimers:
-    """Per-step seconds of the named parts, from wrappers on the runner's methods and hooks on its modules."""
+    """Per-step seconds of the named parts: the runner's own part timings (`ModelRunner.timings`), forward hooks on
+    its modules (torch's public hooks), and the step's whole `execute` time (`StepResult.forward_s`)."""
 
     def __init__(self, runner):
+        self.runner = runner
+        runner.timings = {}
         self.now: dict[str, float] = defaultdict(float)
         self.steps: list[dict[str, float]] = []
-        for name, part in (
-            ("execute", "execute"),
-            ("_prepare", "prepare"),
-            ("_forward", "forward"),
-            ("_sample", "sampling"),
-            ("_pack", "pack"),
-        ):
-            setattr(runner, name, self._timed(getattr(runner, name), part))
         model = runner.model
-        if runner.lean is not None:  # the lean walk does not call model.model: time its body instead
-            runner.lean.body = self._timed(runner.lean.body, "layers")
-        else:
+        self.walk = runner.walk is not None
+        if not self.walk:  # transformers' forward calls the model's body; the walk's layers are the rest of it
             self._hook(model.model, "layers")
         self._hook(model.get_output_embeddings(), "LM head")
-
-    def _timed(self, fn, part):
-        def wrapped(*args, **kwargs):
-            t = clock.wall()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.now[part] += clock.wall() - t
-
-        return wrapped
 
     def _hook(self, module, part):
         started = []
@@ -65,16 +49,21 @@ class StepTimers:
 
         module.register_forward_hook(done)
 
-    def close_step(self, **measured: float) -> float:
-        """Files the step's parts (`measured`: those timed outside the runner); its whole time, wire included."""
+    def close_step(self, execute: float, **measured: float) -> float:
+        """Files the step's parts (`execute`: the runner's whole call; `measured`: those timed outside the runner);
+        its whole time, wire included."""
         step = dict(self.now)
+        step.update(self.runner.timings)
         step.update(measured)
-        total = step.get("wire in", 0.0) + step["execute"] + step.get("publish", 0.0)
+        if self.walk:  # the walk's forward: the layers (with the embedding and final norm), then the LM head
+            step["layers"] = step.get("forward", 0.0) - step.get("LM head", 0.0)
+        total = step.get("wire in", 0.0) + execute + step.get("publish", 0.0)
         step["forward other"] = step.pop("forward", 0.0) - step.get("layers", 0.0) - step.get("LM head", 0.0)
         inner = sum(step.get(p, 0.0) for p in ("prepare", "layers", "LM head", "forward other", "sampling", "pack"))
-        step["execute other"] = step.pop("execute") - inner
+        step["execute other"] = execute - inner
         self.steps.append(step)
         self.now.clear()
+        self.runner.timings.clear()
         return total
 
     def medians_ms(self) -> dict[str, float]:
@@ -88,11 +77,11 @@ def profile(
     output_tokens: int,
     dtype: str,
     onednn: bool = True,
-    lean: bool = True,
+    walk: bool = True,
 ) -> dict:
     from libs.protocol import codec
 
-    b = Batch(model_dir, batch, prompt_tokens, output_tokens, dtype=dtype, onednn_linear=onednn, lean=lean)
+    b = Batch(model_dir, batch, prompt_tokens, output_tokens, dtype=dtype, onednn_linear=onednn, decoder_walk=walk)
     b.warm()
     b.start()
     b.prefill()
@@ -105,7 +94,7 @@ def profile(
         codec.decode(frames)
         t1 = clock.wall()
         codec.encode(result)
-        wire.update({"wire in": t1 - t0, "publish": clock.wall() - t1})
+        wire.update({"wire in": t1 - t0, "publish": clock.wall() - t1, "execute": result.forward_s})
 
     b.engine.on_step = on_wire
     totals = []
@@ -115,7 +104,7 @@ def profile(
     return {
         "batch": batch,
         "dtype": dtype,
-        "forward": "lean" if b.runner.lean is not None else "transformers",
+        "forward": "walk" if b.runner.walk is not None else "transformers",
         "step_ms": clock.p50_ms(totals),
         "parts_ms": timers.medians_ms(),
     }
@@ -128,9 +117,9 @@ COMPARED = {
 }
 
 
-def lean_compared(dtype: str) -> dict[str, dict]:
-    """--compare-lean: the lean decoder walk against transformers' forward, at one dtype."""
-    return {"lean walk": dict(dtype=dtype), "transformers' forward": dict(dtype=dtype, lean=False)}
+def walk_compared(dtype: str) -> dict[str, dict]:
+    """--compare-walk: the direct decoder walk against transformers' forward, at one dtype."""
+    return {"decoder walk": dict(dtype=dtype), "transformers' forward": dict(dtype=dtype, decoder_walk=False)}
 
 
 def compare(
@@ -139,8 +128,8 @@ def compare(
     """Median decode step ms of each of `runners` (name -> Batch arguments), their steps interleaved."""
     batches = {name: Batch(model_dir, batch, prompt_tokens, output_tokens, **kw) for name, kw in runners.items()}
     for name, b in batches.items():
-        if runners[name].get("lean", True) and b.runner.lean is None:
-            print(f"{name}: transformers' forward ({b.runner.lean_reason})", file=sys.stderr)
+        if runners[name].get("decoder_walk", True) and b.runner.walk is None:
+            print(f"{name}: transformers' forward ({b.runner.walk_reason})", file=sys.stderr)
     for b in batches.values():
         b.warm()
         b.start()
@@ -203,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="auto (the server's default on this CPU) | float32 | bfloat16")
     ap.add_argument("--torch-linears", action="store_true", help="torch's own linears (the shard's oneDNN switch off)")
     ap.add_argument("--compare", action="store_true", help="bf16 oneDNN / bf16 torch / fp32 oneDNN steps, interleaved")
-    ap.add_argument("--compare-lean", action="store_true", help="lean walk / transformers' forward, interleaved")
-    ap.add_argument("--no-lean", action="store_true", help="profile transformers' forward (the lean walk off)")
+    ap.add_argument("--compare-walk", action="store_true", help="decoder walk / transformers' forward, interleaved")
+    ap.add_argument("--no-walk", action="store_true", help="profile transformers' forward (the decoder walk off)")
     ap.add_argument("--join-tokens", type=int, default=0, help="decode steps alone vs with one prompt this long")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -233,12 +222,12 @@ def main(argv: list[str] | None = None) -> int:
                     cells = ", ".join(f"{k} {v:.1f} ms" for k, v in got.items() if k != "tokens")
                     print(f"{label} batch {b}, a {args.join_tokens}-token prompt joining: {cells}", flush=True)
             continue
-        if args.compare or args.compare_lean:
-            runners = lean_compared(dtype) if args.compare_lean else COMPARED
+        if args.compare or args.compare_walk:
+            runners = walk_compared(dtype) if args.compare_walk else COMPARED
             for b in args.batch.split(","):
                 got = compare(str(folder), int(b), args.prompt_tokens, args.output_tokens, runners)
-                if args.compare_lean:
-                    got["ratio"] = got["transformers' forward"] / got["lean walk"]
+                if args.compare_walk:
+                    got["ratio"] = got["transformers' forward"] / got["decoder walk"]
                 out.setdefault(label, []).append({"batch": int(b), "step_ms": got})
                 if not args.json:
                     cells = [f"{k} {v:.2f}x" if k == "ratio" else f"{k} {v:.2f} ms" for k, v in got.items()]
@@ -252,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.output_tokens,
                 dtype,
                 not args.torch_linears,
-                not args.no_lean,
+                not args.no_walk,
             )
             for b in args.batch.split(",")
         ]

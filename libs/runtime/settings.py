@@ -119,7 +119,9 @@ class Settings:
     # Switches without a flag, for comparisons and benchmarks: `switchyard serve` passes on those set in its own
     # environment (SWITCHES). torch threads per shard (0: the host's cores / procs_shard)
     torch_threads: int = 0
-    lean: bool = True  # the lean decoder walk where the architecture has one (0: transformers' forward everywhere)
+    decoder_walk: bool = (
+        True  # the direct decoder walk where the architecture has one (0: transformers' forward everywhere)
+    )
     # where structured output's masks are filled: "ahead" on a worker beside the forward pass, or "inline" on the
     # step's path with every core (services/shard/grammar/matchers.py)
     grammar_fill: str = "ahead"
@@ -150,7 +152,7 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
-SWITCHES = ("torch_threads", "lean", "grammar_fill", "kv_prefault")  # fields with no flag (see above)
+SWITCHES = ("torch_threads", "decoder_walk", "grammar_fill", "kv_prefault")  # fields with no flag (see above)
 
 
 def env_name(name: str) -> str:

@@ -53,7 +53,7 @@ class ShardService:
                 lora_fold=settings.lora_fold,
                 quantize=settings.quantize,
                 grammar=not settings.disable_grammar_support,
-                lean=settings.lean,
+                decoder_walk=settings.decoder_walk,
                 grammar_fill=settings.grammar_fill,
                 kv_prefault=settings.kv_prefault,
             )

@@ -4,8 +4,8 @@ The scheduler decides everything (which rows, which blocks); the runner only kee
 sequence's sampling parameters, its seeded generator, its block table and, for the sequences that need them, the
 token ids it was fed (penalties, watermark) and the last prompt chunk's log-softmax (prompt logprobs). A step is
 ONE forward over all rows packed into [1, T] — prefills and decodes mixed — with position ids restarting per row
-and the batch layout (slots, row bounds) in a PagedBatch: the lean walk's (services/shard/model/decoder_walk.py) where
-the architecture has one, else transformers' forward with it as the `paged` kwarg of `paged_attention`.
+and the batch layout (slots, row bounds) in a PagedBatch: the decoder walk's (services/shard/model/decoder_walk.py)
+where the architecture has one, else transformers' forward with it as the `paged` kwarg of `paged_attention`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from libs.runtime import model_store
 from services.shard.attention.paged import ATTN_IMPLEMENTATION, PagedBatch, allocate_pages
 from services.shard.grammar.runner import ShardGrammars
 from services.shard.lora.registry import LoraRegistry
-from services.shard.model.decoder_walk import build as build_lean
+from services.shard.model import decoder_walk as walk_module
 from services.shard.model.onednn import use_onednn
 from services.shard.prompt_logprobs import chunk_logprobs
 from services.shard.quant.loader import from_pretrained as quantized_from_pretrained
@@ -49,7 +49,7 @@ class ModelRunner:
         lora_fold: bool = True,  # LoRA's stacked shrink folded into the base product (services/shard/lora/fold.py)
         quantize: str = "",
         grammar: bool = True,  # structured output (off with --disable-grammar-support: no matcher is ever built)
-        lean: bool = True,  # the lean decoder walk where the architecture has one (model/decoder_walk.py)
+        decoder_walk: bool = True,  # the direct decoder walk where the architecture has one (model/decoder_walk.py)
         grammar_fill: str = "ahead",  # where structured output's masks are filled: "ahead" or "inline" (Settings)
         kv_prefault: bool = False,  # the KV cache touched at start, resident from the start (Settings.kv_prefault)
     ) -> None:
@@ -77,7 +77,8 @@ class ModelRunner:
         for name, folder in (lora_adapters or {}).items():
             self.lora.load(name, folder)
         self.lora.check_hooks()
-        self.lean, self.lean_reason = build_lean(self.model, tp, lean)  # None: transformers' forward, and why
+        # the direct decoder walk, or None (transformers' forward) and why
+        self.walk, self.walk_reason = walk_module.build(self.model, tp, decoder_walk)
         cfg = self.model.config.get_text_config()
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -91,6 +92,7 @@ class ModelRunner:
         shape = (self.num_kv_heads, num_blocks, block_size, self.head_dim)
         self.kv_cache, self.kv_flat = allocate_pages(self.num_layers, shape, dtype, self.device, kv_prefault)
         self.seqs: dict[int, SequenceState] = {}
+        self.timings: dict[str, float] | None = None  # a profiler's dict: seconds per part of every step, summed
         self._pick_pool = PickGenerators(self.device)
         eos_ids = model_store.model_info(model_dir)["eos_token_ids"]
         self.grammars = ShardGrammars(model_dir, eos_ids, grammar, fill=grammar_fill)
@@ -153,13 +155,25 @@ class ModelRunner:
     @torch.inference_mode()
     def _step(self, plan: StepPlan, result: StepResult) -> None:
         """prepare → forward → sample → pack, as nano-vllm's ModelRunner.run."""
+        t = time.perf_counter()
         batch = self._prepare(plan)
+        t = self._lap("prepare", t)
         try:
             logits = self._forward(batch)
         finally:
             self.lora.clear_step()
+        t = self._lap("forward", t)
         choice = self._sample(batch, logits, result)
+        t = self._lap("sampling", t)
         self._pack(batch, choice, result)
+        self._lap("pack", t)
+
+    def _lap(self, part: str, since: float) -> float:
+        """Add the part's seconds to `timings` when a profiler set it; returns now."""
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings[part] = self.timings.get(part, 0.0) + now - since
+        return now
 
     def _prepare(self, plan: StepPlan) -> Batch:
         """Check the plan's rows against what we hold; lay them out as one packed batch: positions, slots, tables."""
@@ -236,8 +250,8 @@ class ModelRunner:
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         """One forward over every row; the logits of the kept positions only, [kept, vocab]."""
-        if self.lean is not None:
-            return self.lean.forward(batch.input_ids, batch.position_ids, batch.keep, batch.paged)
+        if self.walk is not None:
+            return self.walk.forward(batch.input_ids, batch.position_ids, batch.keep, batch.paged)
         ids, pos, keep = batch.input_ids[None], batch.position_ids[None], batch.keep
         return self.model(
             input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, paged=batch.paged

@@ -69,11 +69,16 @@ def test_settings_travel_through_the_environment():
 
 def test_switches_go_on_from_the_launchers_environment(monkeypatch, model_dir):
     """The fields with no flag (Settings.SWITCHES) reach every service as set where `switchyard serve` ran."""
-    assert settings_from(parse(), model_dir).lean  # unset: the defaults
-    for name, value in {"LEAN": "0", "GRAMMAR_FILL": "inline", "KV_PREFAULT": "1", "TORCH_THREADS": "3"}.items():
+    assert settings_from(parse(), model_dir).decoder_walk  # unset: the defaults
+    for name, value in {
+        "DECODER_WALK": "0",
+        "GRAMMAR_FILL": "inline",
+        "KV_PREFAULT": "1",
+        "TORCH_THREADS": "3",
+    }.items():
         monkeypatch.setenv(f"SWITCHYARD_{name}", value)
     s = settings_from(parse(), model_dir)
-    assert (s.lean, s.grammar_fill, s.kv_prefault, s.torch_threads) == (False, "inline", True, 3)
+    assert (s.decoder_walk, s.grammar_fill, s.kv_prefault, s.torch_threads) == (False, "inline", True, 3)
     assert Settings.from_env(s.to_env()) == s
     monkeypatch.setenv("SWITCHYARD_TORCH_THREADS", "many")
     with pytest.raises(SystemExit, match="SWITCHYARD_"):

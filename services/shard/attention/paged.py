@@ -215,7 +215,7 @@ def attend_layer(
     window: int,  # 0: full attention
 ) -> torch.Tensor:
     """One layer's attention over the packed batch, [T, heads, D]: the new K/V into the pages, then every row
-    over its context (the lean forward calls this directly; transformers' models through `paged_attention`)."""
+    over its context (the decoder walk calls this directly; transformers' models through `paged_attention`)."""
     k_cache, v_cache = paged.kv_cache[layer]
     if paged.kv_flat is not None:
         k_flat, v_flat = paged.kv_flat[layer]

@@ -83,7 +83,7 @@ class FoldedProduct(SharedInputProduct):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         # Called for every adapted family of every layer at each step: every tensor op here costs its Python and
-        # dispatch whatever its size, so 2-D inputs (the lean walk's) skip the reshape and view, and one expand
+        # dispatch whatever its size, so 2-D inputs (the decoder walk's) skip the reshape and view, and one expand
         # over every column adds into the output without slicing it.
         groups = self.step_groups()
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])

@@ -1,4 +1,4 @@
-"""A lean decoder forward: the model's own modules, walked with the least glue between their kernels.
+"""A direct decoder walk: the model's own modules, walked with the least glue between their kernels.
 
 transformers' forward of a small model spends as much time in Python between kernels as in them: each layer goes
 through several module calls, keyword plumbing, the attention dispatch, RMSNorm's dtype round trips and rotary's
@@ -18,7 +18,7 @@ packed products, LoRA's wrappers, quantized layers), the rotary embedding, the L
 
 Which models take it is decided once, at load (`build`): an architecture in ARCHS whose modules are transformers'
 own classes, with no feature this walk leaves out (bidirectional attention, partial rotary, tensor parallel).
-Anything else keeps transformers' forward; the reason is logged and kept on the runner (`lean_reason`).
+Anything else keeps transformers' forward; the reason is logged and kept on the runner (`walk_reason`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class _Layer:
     rope: str  # which of the step's rotary tables the layer uses
 
 
-class LeanDecoder:
+class DecoderWalk:
     """The model's decoder stack and LM head, walked with minimal glue; `forward` is the runner's `_forward`."""
 
     def __init__(self, model: torch.nn.Module, prefix: str, kind: str) -> None:
@@ -261,10 +261,10 @@ def _layer_spec(layer, index: int, kind: str, config) -> _Layer:
 
 
 def unsupported(model: torch.nn.Module, tp: int = 1) -> str:
-    """Why this model keeps transformers' forward ("" when the lean walk handles it)."""
+    """Why this model keeps transformers' forward ("" when the decoder walk handles it)."""
     name = type(model).__name__
     if name not in ARCHS:
-        return f"architecture {name} has no lean walk"
+        return f"architecture {name} has no decoder walk"
     prefix, kind = ARCHS[name]
     if tp > 1:
         return "tensor parallel keeps transformers' forward"
@@ -292,13 +292,14 @@ def unsupported(model: torch.nn.Module, tp: int = 1) -> str:
     return ""
 
 
-def build(model: torch.nn.Module, tp: int = 1, enabled: bool = True) -> tuple[LeanDecoder | None, str]:
-    """The lean walk for this model, or None and why not (logged once, at load). `enabled` False (Settings.lean:
-    SWITCHYARD_LEAN=0 for a whole server, to compare the two forwards end to end) keeps transformers' forward."""
+def build(model: torch.nn.Module, tp: int = 1, enabled: bool = True) -> tuple[DecoderWalk | None, str]:
+    """The decoder walk for this model, or None and why not (logged once, at load). `enabled` False
+    (Settings.decoder_walk, SWITCHYARD_DECODER_WALK=0: to compare the two forwards end to end) keeps transformers'
+    forward."""
     reason = "turned off" if not enabled else unsupported(model, tp)
     if reason:
         log.info("forward: transformers' own (%s)", reason)
         return None, reason
     prefix, kind = ARCHS[type(model).__name__]
-    log.info("forward: lean walk of the %s decoder (%s)", kind, type(model).__name__)
-    return LeanDecoder(model, prefix, kind), ""
+    log.info("forward: decoder walk of the %s decoder (%s)", kind, type(model).__name__)
+    return DecoderWalk(model, prefix, kind), ""

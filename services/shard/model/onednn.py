@@ -92,7 +92,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    if x.dim() == 2:  # the lean walk's [tokens, in]: no reshape and view around it (per-op Python, every linear)
+    if x.dim() == 2:  # the decoder walk's [tokens, in]: no reshape and view around it (per-op Python, every linear)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
     flat = x.reshape(-1, x.shape[-1])
     y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [None], "")

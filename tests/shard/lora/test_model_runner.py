@@ -9,7 +9,6 @@ Llama's MHA, Gemma-2's soft-caps and sliding window and Gemma-3's q/k norms meet
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 import pytest
 import torch
@@ -42,7 +41,7 @@ def _arrivals(prompts: list[list[int]]) -> dict[int, list]:
     """Requests by the step they arrive before, named by their adapter (None: the base model) and prompt."""
 
     def req(adapter: str | None, i: int):
-        return msgspec.structs.replace(request(f"{adapter} {i}", prompts[i], MAX_NEW), adapter=adapter)
+        return request(f"{adapter} {i}", prompts[i], MAX_NEW, adapter=adapter)
 
     return {
         0: [req("all", 1), req(None, 2), req("qv_mlp_rs", 4)],

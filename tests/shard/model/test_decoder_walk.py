@@ -1,4 +1,4 @@
-"""The lean decoder walk (services/shard/model/decoder_walk.py) against transformers: same tokens as generate(), the
+"""The direct decoder walk (services/shard/model/decoder_walk.py) against transformers: same tokens as generate(), the
 same logits as transformers' forward through the same runner (bit for bit in float32; bf16 within its rounding), the
 runner driven by the in-process engine (bench/engine.py); and the models it does not know keep transformers'
 forward, with the reason on the runner."""
@@ -41,8 +41,8 @@ def _logits_of(runner: ModelRunner) -> list[torch.Tensor]:
     return seen
 
 
-def _run(model_dir, dtype: torch.dtype, lean: bool, arch: str):
-    runner = ModelRunner(str(model_dir), num_blocks=96, block_size=BLOCK_SIZE[arch], dtype=dtype, lean=lean)
+def _run(model_dir, dtype: torch.dtype, walk: bool, arch: str):
+    runner = ModelRunner(str(model_dir), num_blocks=96, block_size=BLOCK_SIZE[arch], dtype=dtype, decoder_walk=walk)
     logits = _logits_of(runner)
     # 57 prompt tokens a step, 9 while anything decodes
     engine = Engine.build(runner, model_dir, max_batch_prefill_tokens=57, max_prefill_tokens_while_decoding=9)
@@ -53,32 +53,32 @@ def _run(model_dir, dtype: torch.dtype, lean: bool, arch: str):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_lean_walk_matches_transformers_in_float32(tiny_dirs, arch):
+def test_decoder_walk_matches_transformers_in_float32(tiny_dirs, arch):
     model_dir = tiny_dirs[arch]
     requests = [r for reqs in _arrivals(prompts_for(model_dir)).values() for r in reqs]
     assert max(len(r.input_ids) for r in requests) > 5 * SLIDING_WINDOW
-    lean, got, lean_logits = _run(model_dir, torch.float32, True, arch)
-    assert lean.lean is not None and lean.lean_reason == ""
-    assert lean.lean.forwards == len(lean_logits) > 10  # every step went through the walk
+    walked, got, walk_logits = _run(model_dir, torch.float32, True, arch)
+    assert walked.walk is not None and walked.walk_reason == ""
+    assert walked.walk.forwards == len(walk_logits) > 10  # every step went through the walk
     for req in requests:
         want = reference_generate(model_dir, req.input_ids.tolist(), req.max_new_tokens)
         assert got[req.request_id] == want, f"{arch} request {req.request_id}"
     plain, plain_got, plain_logits = _run(model_dir, torch.float32, False, arch)
-    assert plain.lean is None and plain.lean_reason == "turned off"
+    assert plain.walk is None and plain.walk_reason == "turned off"
     assert plain_got == got
-    assert len(plain_logits) == len(lean_logits)
-    for step, (a, b) in enumerate(zip(lean_logits, plain_logits)):
+    assert len(plain_logits) == len(walk_logits)
+    for step, (a, b) in enumerate(zip(walk_logits, plain_logits)):
         assert torch.equal(a, b), f"{arch} step {step}: max diff {(a - b).abs().max().item()}"
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_lean_walk_in_bf16_is_within_its_rounding(tiny_dirs, arch):
+def test_decoder_walk_in_bf16_is_within_its_rounding(tiny_dirs, arch):
     model_dir = tiny_dirs[arch]
-    lean, got, lean_logits = _run(model_dir, torch.bfloat16, True, arch)
+    walked, got, walk_logits = _run(model_dir, torch.bfloat16, True, arch)
     _, plain_got, plain_logits = _run(model_dir, torch.bfloat16, False, arch)
-    assert lean.lean is not None and lean.lean.forwards == len(lean_logits)
-    assert len(plain_logits) == len(lean_logits)
-    for a, b in zip(lean_logits, plain_logits):
+    assert walked.walk is not None and walked.walk.forwards == len(walk_logits)
+    assert len(plain_logits) == len(walk_logits)
+    for a, b in zip(walk_logits, plain_logits):
         # a few bf16 ulps of the logit's size: what rounding differences through the layers could leave
         assert ((a - b).abs() <= 4 * 2**-8 * b.abs().clamp(min=1)).all()
     agree = sum(x == y for x, y in zip(got.values(), plain_got.values()))
@@ -90,23 +90,25 @@ def test_models_the_walk_does_not_know_keep_transformers(tiny_dirs):
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8)
     qwen3 = AutoModelForCausalLM.from_config(Qwen3Config(**small, num_attention_heads=4, num_key_value_heads=2))
-    assert "Qwen3ForCausalLM has no lean walk" in unsupported(qwen3)
+    assert "Qwen3ForCausalLM has no decoder walk" in unsupported(qwen3)
     bidirectional = Gemma3TextConfig(**small, num_attention_heads=4, num_key_value_heads=2)
     bidirectional.use_bidirectional_attention = True
     assert unsupported(AutoModelForCausalLM.from_config(bidirectional)) == "bidirectional attention"
     llama = ModelRunner(str(tiny_dirs["llama"]), num_blocks=8, block_size=4)
     assert unsupported(llama.model) == "" and unsupported(llama.model, tp=2).startswith("tensor parallel")
-    plain = ModelRunner(str(tiny_dirs["llama"]), num_blocks=32, block_size=4, lean=False)
+    plain = ModelRunner(str(tiny_dirs["llama"]), num_blocks=32, block_size=4, decoder_walk=False)
     prompt = prompts_for(tiny_dirs["llama"])[1]
     got = Engine.build(plain, tiny_dirs["llama"]).run({0: [request("p", prompt, 6)]})["p"].tokens
     assert got == reference_generate(tiny_dirs["llama"], prompt, 6)
-    assert plain.lean is None
+    assert plain.walk is None
 
 
 def test_the_environment_turns_the_walk_off(tiny_dirs, monkeypatch):
-    monkeypatch.setenv("SWITCHYARD_LEAN", "0")  # Settings.lean, as the shard hands it to its runner
-    runner = ModelRunner(str(tiny_dirs["gemma3"]), num_blocks=8, block_size=4, lean=Settings.from_env().lean)
-    assert runner.lean is None and runner.lean_reason == "turned off"
+    monkeypatch.setenv("SWITCHYARD_DECODER_WALK", "0")  # Settings.decoder_walk, as the shard hands it to its runner
+    runner = ModelRunner(
+        str(tiny_dirs["gemma3"]), num_blocks=8, block_size=4, decoder_walk=Settings.from_env().decoder_walk
+    )
+    assert runner.walk is None and runner.walk_reason == "turned off"
 
 
 def test_an_unknown_decoder_layer_keeps_transformers(tiny_dirs):
