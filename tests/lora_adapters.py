@@ -1,7 +1,7 @@
 """LoRA adapters for the tests, built offline with peft on the tiny models, and peft's own logits as the reference.
 
 A and B are drawn at random (peft starts B at zero, which would hide any mistake in the B side and in the scaling)
-and saved as peft saves them. tests/shard/conftest.py builds `ADAPTERS` once per session (`build_adapters`,
+and saved as peft saves them. tests/conftest.py builds `ADAPTERS` once per session (`build_adapters`,
 `build_reference`); the shard's and the end-to-end LoRA tests build their own with `build_adapter`.
 """
 
@@ -15,7 +15,8 @@ peft = pytest.importorskip("peft")
 
 # Ours and peft's differ only in summation order (B folded with its scale, oneDNN / fused q/k/v products):
 # measured max |diff| 4.9e-6 (llama) and 3.9e-6 (qwen2) on logits of magnitude ~10, so 5e-5 is a 10x margin,
-# while a wrong scale, slot or row moves the logits by more than 1e-1 (asserted in tests/shard/lora/test_registry.py).
+# while a wrong scale, slot or row moves the logits by more than 1e-1
+# (asserted in tests/services/shard/lora/test_registry.py).
 ATOL = 5e-5
 
 ADAPTERS = {

@@ -7,7 +7,7 @@ The scheduler is the one place that holds every request's tokens, so it is where
   the rebuilt rows equal the old ones and http drops those it already delivered, by index.
 - `Forgotten` remembers request ids aborted before they arrived here (the Abort overtook the request, or http
   gave up before Accepted) and ended ids, so that a late or resubmitted request with such an id never runs.
-Pure bookkeeping, no sockets; tested in tests/scheduler/test_recovery.py.
+Pure bookkeeping, no sockets; tested in tests/services/scheduler/test_recovery.py.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def tiny_tokenizer(tiny_model_dir):
 
 
 # --------------------------------------------------------------------------------------------
-# The server with the special flags (tests/e2e/test_api_limits.py)
+# The server with the special flags (tests/e2e/api/test_limits.py)
 
 API_KEY = "Sw1tchyard-Secret"
 PAYLOAD_LIMIT = 4096

@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 from tests.e2e.server import ROOT, Server
 from tests.reference import _load, reference_generate
-from tests.shard.quant.checkpoints import write
-from tests.shard.quant.test_layers import WEIGHT_ONLY_TOL
+from tests.services.shard.quant.checkpoints import write
+from tests.services.shard.quant.test_layers import WEIGHT_ONLY_TOL
 
 pytestmark = [
     pytest.mark.e2e,

@@ -135,7 +135,7 @@ def test_serve_resolves_the_method_into_the_settings(tmp_path, monkeypatch):
 
 
 def test_info_reports_the_quantization():
-    from tests.http.fakes import FakeIngress, client, run
+    from tests.services.http.fakes import FakeIngress, client, run
 
     async def info(**settings):
         async with client(FakeIngress(), **settings) as c:

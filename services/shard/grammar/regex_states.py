@@ -8,7 +8,8 @@ seen before is skipped. The DFA is `interegular`'s, which reads Python's regex s
 so the cache serves only regexes both read alike (`shared_syntax`); a row whose output ends inside a UTF-8
 character, or holds a special token, leaves it for the rest of its sequence. The masks of all regexes share one
 budget per shard (`MaskBudget`); a regex leaving the shard's grammar cache gives its masks back.
-docs/structured-output.md tells why; tests/shard/grammar/test_regex_states.py checks cached masks against llguidance.
+docs/structured-output.md tells why; tests/services/shard/grammar/test_regex_states.py checks cached masks against
+llguidance.
 """
 
 from __future__ import annotations
