@@ -177,7 +177,7 @@ def test_dashboard_queries_defined_metrics(defs):
     import re
     from pathlib import Path
 
-    dash = json.loads((Path(__file__).resolve().parents[2] / "deploy/grafana/switchyard.json").read_text())
+    dash = json.loads((Path(__file__).resolve().parents[3] / "deploy/grafana/switchyard.json").read_text())
     known = set()
     for name, (kind, _doc) in defs.definitions.items():
         known |= {name, name + "_total"} if kind == "counter" else {name}

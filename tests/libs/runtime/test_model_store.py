@@ -17,7 +17,7 @@ import pytest
 from libs.runtime import model_store
 from libs.runtime.model_store import ModelNotAvailableError, model_info, prepare_default_model, resolve_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 SECRET = "hf_ThisIsNotARealTokenButMustNeverLeak"
 WORDS = ["<pad>", "<bos>", "<eos>", "<unk>", "the", "capital", "of", "france", "is", "paris"]
