@@ -43,10 +43,12 @@ def load() -> list[float]:
 
 
 def shard_threads(default: int | None = None) -> int:
-    """Sets torch's threads as the shard process does (SWITCHYARD_TORCH_THREADS, else `default`, else every core)
-    and returns them."""
+    """Sets torch's threads as the shard process does (Settings.torch_threads, SWITCHYARD_TORCH_THREADS; else
+    `default`, else every core) and returns them."""
     import torch
 
-    threads = int(os.environ.get("SWITCHYARD_TORCH_THREADS", default or cpu.summary()["cores"]))
+    from libs.runtime.settings import Settings
+
+    threads = Settings.from_env().torch_threads or default or cpu.summary()["cores"]
     torch.set_num_threads(threads)
     return threads

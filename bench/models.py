@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sysconfig
 from pathlib import Path
 
-CACHE = Path(os.environ.get("SWITCHYARD_BENCH_CACHE", Path.home() / ".cache/switchyard/bench-models"))
+from libs.runtime.settings import env_value
+
+CACHE = Path(env_value("bench_cache") or Path.home() / ".cache/switchyard/bench-models")
 VOCAB = 49152
 SMOLLM2 = dict(
     hidden_size=576,

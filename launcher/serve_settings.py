@@ -38,7 +38,7 @@ SPECULATE_HELP = (
 )
 
 
-def _dtype(requested: str, model_path: Path) -> str:
+def resolve_dtype(requested: str, model_path: Path) -> str:
     """The serving dtype, chosen here once (so /info can say it) by the rule in libs/runtime/cpu.py."""
     import torch  # not at import time: `switchyard tap --help` should not pay for torch
 
@@ -114,7 +114,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         **switches,
         model_path=str(model_path),
         model_id=args.model_id or model_store.DEFAULT_MODEL_NAME,
-        dtype=_dtype(args.dtype, model_path),
+        dtype=resolve_dtype(args.dtype, model_path),
         quantize=quantization or "",
         hostname=hostname,
         port=args.port,

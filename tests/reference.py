@@ -8,7 +8,7 @@ import torch
 
 
 @functools.lru_cache(maxsize=16)
-def _load(model_dir: str):
+def load_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
@@ -17,7 +17,7 @@ def _load(model_dir: str):
 
 def reference_generate(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy new tokens for `prompt_ids` alone (batch 1); stops on the model's EOS ids as generate() does."""
-    model = _load(str(model_dir))
+    model = load_model(str(model_dir))
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
     with torch.inference_mode():
         out = model.generate(

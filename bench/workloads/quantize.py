@@ -227,12 +227,13 @@ def _write(results: dict, out: Path) -> None:
 
 def run(args, out: Path) -> int:
     from libs.runtime import cpu
+    from libs.runtime.settings import env_name
 
     label, view = models.resolve(args.model)
     dtype = cpu.choose_dtype(None).dtype if args.dtype == "auto" else args.dtype
     # the shards touch their whole KV cache at start (it is otherwise resident only as its blocks are used), so
     # that "RSS − KV" is what the model and the runtime hold, whatever the levels touched
-    os.environ["SWITCHYARD_KV_PREFAULT"] = "1"
+    os.environ[env_name("kv_prefault")] = "1"
     entries = [_split(e, dtype) for e in args.quant_methods.split(",") if e.strip()]
     top = max(int(c) for c in args.quant_concurrency.split(",") if c.strip())
     need = max(top * (args.prompt_tokens + args.output_tokens), args.quant_long_prompt + 1)

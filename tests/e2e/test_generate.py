@@ -32,7 +32,7 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-async def _generate(session, url, text, max_new, stream):
+async def generate(session, url, text, max_new, stream):
     body = {"inputs": text, "parameters": {"max_new_tokens": max_new, "details": True}}
     if not stream:
         async with session.post(url + "/generate", json=body) as r:
@@ -57,7 +57,7 @@ def test_concurrent_greedy_equals_transformers(tiny_server, tiny_model_dir, toke
 
     async def run_all():
         async with aiohttp.ClientSession() as session:
-            jobs = [_generate(session, tiny_server.url, text, n, stream) for text, n, stream in cases]
+            jobs = [generate(session, tiny_server.url, text, n, stream) for text, n, stream in cases]
             return await asyncio.gather(*jobs)
 
     results = asyncio.run(run_all())
@@ -118,7 +118,7 @@ def test_request_joins_running_batch(tiny_server, tiny_model_dir, tokenizer):
                     if line.startswith(b"data: "):
                         a_ids.append(json.loads(line[6:])["token"]["id"])
                         if len(a_ids) == 3:  # A is decoding now
-                            b_task = asyncio.create_task(_generate(session, tiny_server.url, b_text, 8, False))
+                            b_task = asyncio.create_task(generate(session, tiny_server.url, b_text, 8, False))
                 return a_ids, await b_task
 
     a_ids, (b_ids, _, _) = asyncio.run(scenario())

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.e2e.server import Server
-from tests.e2e.test_generate import _generate, counter_rises, prompt, scheduler_counter
+from tests.e2e.test_generate import counter_rises, generate, prompt, scheduler_counter
 from tests.reference import reference_generate
 
 
@@ -38,8 +38,8 @@ def test_prefix_chunks_and_preemption_keep_greedy_output(pressed_server, tiny_mo
 
     async def scenario():
         async with aiohttp.ClientSession() as session:
-            first = await _generate(session, pressed_server.url, texts[0], 4, False)  # fills the prefix cache
-            rest = [_generate(session, pressed_server.url, t, 60, i % 2 == 0) for i, t in enumerate(texts)]
+            first = await generate(session, pressed_server.url, texts[0], 4, False)  # fills the prefix cache
+            rest = [generate(session, pressed_server.url, t, 60, i % 2 == 0) for i, t in enumerate(texts)]
             return [first, *await asyncio.gather(*rest)]
 
     results = asyncio.run(scenario())

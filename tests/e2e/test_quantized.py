@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.e2e.server import ROOT, Server
-from tests.reference import _load, reference_generate
+from tests.reference import load_model, reference_generate
 from tests.services.shard.quant.checkpoints import write
 from tests.services.shard.quant.test_layers import WEIGHT_ONLY_TOL
 
@@ -71,7 +71,7 @@ def test_a_gptq_checkpoint_is_served_like_its_twin_with_and_without_an_adapter(g
             answers = [r.json() for r in pool.map(ask, cases)]
     finally:
         server.stop()
-    tok, model = AutoTokenizer.from_pretrained(twin), _load(str(twin))
+    tok, model = AutoTokenizer.from_pretrained(twin), load_model(str(twin))
     for prompt, answer in zip(PROMPTS, answers):
         ids = tok(prompt).input_ids
         details = answer["details"]

@@ -175,17 +175,17 @@ def test_dtype_is_chosen_once_by_the_launcher_and_logged(tmp_path, caplog):
     import json
     import logging
 
-    from launcher.serve_settings import _dtype
+    from launcher.serve_settings import resolve_dtype
     from libs.runtime import cpu
 
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
     with caplog.at_level(logging.INFO, logger="switchyard.launcher"):
-        got = _dtype("auto", tmp_path)
+        got = resolve_dtype("auto", tmp_path)
     assert got == cpu.choose_dtype("auto", "float32", "cpu").dtype  # this machine's rule (no GPU here)
     assert any(r.getMessage().startswith(f"dtype {got}: ") for r in caplog.records)
-    assert _dtype("float32", tmp_path) == "float32"
+    assert resolve_dtype("float32", tmp_path) == "float32"
     with pytest.raises(SystemExit, match="--dtype must be one of"):
-        _dtype("float64", tmp_path)
+        resolve_dtype("float64", tmp_path)
 
 
 def test_speculate_acts(model_dir, monkeypatch, caplog):

@@ -15,7 +15,7 @@ from openai import AsyncOpenAI, OpenAI
 from text_generation import AsyncClient, Client
 from text_generation.types import Message
 
-from tests.reference import _load, reference_generate
+from tests.reference import load_model, reference_generate
 
 pytestmark = pytest.mark.e2e
 
@@ -145,7 +145,7 @@ def test_openai_sync_chat(tiny_server, tiny_model_dir, tiny_tokenizer, expected)
     )
     ids = torch.tensor([expected["chat_ids"]])
     with torch.inference_mode():
-        ref = _load(str(tiny_model_dir)).generate(
+        ref = load_model(str(tiny_model_dir)).generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False, repetition_penalty=2.0
         )
     assert r3.choices[0].message.content == clean(tiny_tokenizer, ref[0, ids.shape[1] :].tolist())

@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (
 )
 
 from tests.e2e.conftest import sse_events
-from tests.reference import _load, reference_generate
+from tests.reference import load_model, reference_generate
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +31,7 @@ TOL = 2e-3  # float32 paged attention against eager: same math, another summatio
 def logits_of(model_dir, ids: list[int]) -> torch.Tensor:
     """Raw next-token logits after every position of `ids`."""
     with torch.inference_mode():
-        return _load(str(model_dir))(torch.tensor([ids])).logits[0].float()
+        return load_model(str(model_dir))(torch.tensor([ids])).logits[0].float()
 
 
 def watermark(scores: torch.Tensor, history: list[int]) -> torch.Tensor:

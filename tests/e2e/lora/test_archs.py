@@ -33,7 +33,7 @@ PROMPTS = [" ".join(WORDS[(i * 11 + j * 3) % len(WORDS)] for j in range(20 + 9 *
 MAX_NEW = 10
 
 
-def _reference(model_dir, dirs) -> dict:
+def reference_tokens(model_dir, dirs) -> dict:
     """(prompt, adapter) → peft's greedy new tokens."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     names = list(dirs)
@@ -59,7 +59,7 @@ def _reference(model_dir, dirs) -> dict:
     return out
 
 
-def _generate(url: str, text: str, adapter: str | None) -> list[int]:
+def generate(url: str, text: str, adapter: str | None) -> list[int]:
     parameters = {"max_new_tokens": MAX_NEW, "details": True, **({"adapter_id": adapter} if adapter else {})}
     r = requests.post(url + "/generate", json={"inputs": text, "parameters": parameters}, timeout=120)
     assert r.status_code == 200, r.text
@@ -72,14 +72,14 @@ def test_mixed_adapters_equal_peft(arch, tmp_path_factory):
     model_dir = build_model(root / arch, arch)
     dirs = {name: build_adapter(model_dir, root / name, seed=50 + i, **cfg) for i, (name, cfg) in
             enumerate(ADAPTERS.items())}  # fmt: skip
-    want = _reference(model_dir, dirs)
+    want = reference_tokens(model_dir, dirs)
     flags = ["--lora-adapters", ",".join(f"{name}={path}" for name, path in dirs.items())]
     server = Server(model_dir, root / "server.log", *flags, "--max-total-tokens", "512", "--max-input-tokens", "400")
     try:
         server.wait_healthy()
         cases = [(text, name) for text in PROMPTS for name in ROWS]
         with ThreadPoolExecutor(len(cases)) as pool:
-            got = dict(zip(cases, pool.map(lambda case: _generate(server.url, *case), cases)))
+            got = dict(zip(cases, pool.map(lambda case: generate(server.url, *case), cases)))
         for case in cases:
             assert got[case] == want[case], f"{arch}: adapter {case[1]!r} on prompt {case[0][:30]!r}"
         # the scheduler counted every adapter row's tokens (its counters arrive with its heartbeat)

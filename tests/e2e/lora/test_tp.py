@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.lora.test_archs import PROMPTS, ROWS, _generate, _reference
+from tests.e2e.lora.test_archs import PROMPTS, ROWS, generate, reference_tokens
 from tests.e2e.server import Server
 from tests.e2e.test_generate import scheduler_counter
 from tests.lora_adapters import build_adapter
@@ -30,8 +30,8 @@ ADAPTERS = {
 def test_start_up_adapters_on_two_ranks_equal_peft(tiny_model_dir, tmp_path):
     dirs = {name: build_adapter(tiny_model_dir, tmp_path / name, seed=90 + i, **cfg) for i, (name, cfg) in
             enumerate(ADAPTERS.items())}  # fmt: skip
-    assert list(dirs) == ROWS[1:]  # _reference's rows: the base model, then these
-    want = _reference(tiny_model_dir, dirs)
+    assert list(dirs) == ROWS[1:]  # reference_tokens's rows: the base model, then these
+    want = reference_tokens(tiny_model_dir, dirs)
     flags = ["--lora-adapters", ",".join(f"{name}={path}" for name, path in dirs.items()), "--num-shard", "2"]
     server = Server(tiny_model_dir, tmp_path / "server.log", *flags, "--max-total-tokens", "512",
                     "--max-input-tokens", "400")  # fmt: skip
@@ -44,7 +44,7 @@ def test_start_up_adapters_on_two_ranks_equal_peft(tiny_model_dir, tmp_path):
             time.sleep(0.2)
         cases = [(text, name) for text in PROMPTS for name in ROWS]
         with ThreadPoolExecutor(len(cases)) as pool:
-            got = dict(zip(cases, pool.map(lambda case: _generate(server.url, *case), cases)))
+            got = dict(zip(cases, pool.map(lambda case: generate(server.url, *case), cases)))
         for case in cases:
             assert got[case] == want[case], f"adapter {case[1]!r} on prompt {case[0][:30]!r}"
         adapter_tokens = sum(len(v) for (_, name), v in got.items() if name)

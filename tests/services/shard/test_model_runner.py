@@ -21,7 +21,7 @@ from libs.protocol.messages import FINISH_EOS
 from libs.protocol.params import SamplingParams
 from libs.protocol.step_messages import NewSequence, StepPlan, StepResult
 from services.shard.model_runner import ModelRunner
-from tests.reference import _load, reference_generate
+from tests.reference import load_model, reference_generate
 from tests.tiny_models import ARCHS, EOS, SLIDING_WINDOW
 from tests.tiny_models import prompts_for as _prompts
 
@@ -160,7 +160,7 @@ def test_tiny_models_are_sensitive(tiny_dirs):
         return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     AttentionInterface.register("sy_test_probe", probe)
-    model = _load(str(tiny_dirs["gemma2"]))
+    model = load_model(str(tiny_dirs["gemma2"]))
     cap = model.config.attn_logit_softcapping
     ids = torch.tensor([_prompts(tiny_dirs["gemma2"])[2]])
     with torch.inference_mode():

@@ -17,13 +17,13 @@ import torch
 from bench.engine import Engine, request
 from libs.protocol.step_messages import StepPlan, StepResult
 from services.shard.model_runner import ModelRunner
-from tests.reference import _load, reference_generate
+from tests.reference import load_model, reference_generate
 from tests.services.shard.test_model_runner import Steps
 from tests.tiny_models import ARCHS, prompts_for
 
 
-def _reference_prompt_logprobs(model_dir, prompt: list[int]) -> list[float]:
-    model = _load(str(model_dir))
+def reference_prompt_logprobs(model_dir, prompt: list[int]) -> list[float]:
+    model = load_model(str(model_dir))
     with torch.inference_mode():
         logits = model(torch.tensor([prompt]), use_cache=False).logits[0].float()
     lsm = torch.log_softmax(logits, dim=-1)
@@ -76,7 +76,7 @@ def test_prompt_logprobs_equal_a_plain_forward(tiny_dirs, arch):
         runs = rec.prompt_runs[rid]
         assert len(runs) == len(rec.chunks(rid))  # a run for every prompt row, none for decodes
         have = np.concatenate(runs)
-        want = np.array(_reference_prompt_logprobs(model_dir, prompt), dtype=np.float32)
+        want = np.array(reference_prompt_logprobs(model_dir, prompt), dtype=np.float32)
         assert math.isnan(have[0]) and not np.isnan(have[1:]).any()
         np.testing.assert_allclose(have[1:], want[1:], rtol=0, atol=2e-4, err_msg=f"{arch} {rid}")
         np.testing.assert_allclose(got[rid].prompt_logprobs, want, rtol=0, atol=2e-4)  # as the scheduler gathered them
@@ -90,7 +90,7 @@ def test_prompt_logprobs_equal_a_plain_forward(tiny_dirs, arch):
 
 
 def _generate_penalised(model_dir, prompt: list[int], max_new: int, penalty: float) -> list[int]:
-    model = _load(str(model_dir))
+    model = load_model(str(model_dir))
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = model.generate(

@@ -262,7 +262,7 @@ def test_the_runner_serves_a_quantized_checkpoint_like_its_twin(tiny_dirs, tmp_p
     from services.shard.model_runner import ModelRunner
     from tests.reference import reference_generate
     from tests.services.shard.test_model_runner import Steps
-    from tests.services.shard.test_model_runner_logprobs import _reference_prompt_logprobs
+    from tests.services.shard.test_model_runner_logprobs import reference_prompt_logprobs
     from tests.tiny_models import prompts_for
 
     fmt, kw = CHECKPOINTS[case]
@@ -285,7 +285,7 @@ def test_the_runner_serves_a_quantized_checkpoint_like_its_twin(tiny_dirs, tmp_p
         assert got[rid].tokens == reference_generate(out / "twin", prompt, req.max_new_tokens), f"request {rid}"
         if req.sampling.prompt_logprobs:
             have = np.array(got[rid].prompt_logprobs, dtype=np.float32)[1:]  # as the scheduler gathered the runs
-            want = np.array(_reference_prompt_logprobs(out / "twin", prompt), dtype=np.float32)[1:]
+            want = np.array(reference_prompt_logprobs(out / "twin", prompt), dtype=np.float32)[1:]
             np.testing.assert_allclose(have, want, rtol=0, atol=2e-4 + WEIGHT_ONLY_TOL, err_msg=f"request {rid}")
 
 

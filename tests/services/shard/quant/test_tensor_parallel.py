@@ -18,7 +18,7 @@ from bench.engine import Engine, request
 from tests.reference import reference_generate
 from tests.services.shard.quant.checkpoints import write
 from tests.services.shard.quant.test_layers import WEIGHT_ONLY_TOL
-from tests.services.shard.test_model_runner_logprobs import _reference_prompt_logprobs
+from tests.services.shard.test_model_runner_logprobs import reference_prompt_logprobs
 from tests.tiny_models import prompts_for
 
 WORLD = 2
@@ -94,7 +94,7 @@ def test_a_gptq_checkpoint_under_two_ranks_matches_its_twin(tiny_dirs, tmp_path,
         rid, prompt = req.request_id, req.input_ids.tolist()
         assert ranks[0]["tokens"][rid] == reference_generate(out / "twin", prompt, req.max_new_tokens), rid
         if req.sampling.prompt_logprobs:
-            want = _reference_prompt_logprobs(out / "twin", prompt)[1:]
+            want = reference_prompt_logprobs(out / "twin", prompt)[1:]
             np.testing.assert_allclose(ranks[0]["prompt_logprobs"][rid], want, rtol=0, atol=2e-4 + WEIGHT_ONLY_TOL)
 
 
