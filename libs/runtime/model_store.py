@@ -170,10 +170,6 @@ def embedded_model_dir(model: EmbeddedModel, cache_root: Path | str | None = Non
     return Path(root).expanduser() / "models" / model.dirname
 
 
-def default_model_dir(cache_root: Path | str | None = None) -> Path:
-    return embedded_model_dir(DEFAULT_MODEL, cache_root)
-
-
 def prepare_default_model(cache_root: Path | str | None = None) -> Path:
     return prepare_embedded(DEFAULT_MODEL, cache_root)
 

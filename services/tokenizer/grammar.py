@@ -19,7 +19,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import llguidance
 import msgspec
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.gbnf_to_lark import any_to_lark
@@ -384,6 +383,3 @@ def _one_line(error: str, limit: int = 400) -> str:
     text = " ".join(line.strip() for line in error.splitlines() if line.strip())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
-
-def engine_version() -> str:
-    return llguidance.__version__

@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from libs.protocol.messages import RequestError
 from libs.protocol.params import Parameters, SamplingParams
 
 PREFIX = "Input validation error: "
@@ -35,9 +34,6 @@ class ValidationError(Exception):
     def full_message(self) -> str:
         """TGI's `error` field: `Input validation error: <message>`."""
         return PREFIX + self.message
-
-    def to_request_error(self, request_id: str) -> RequestError:
-        return RequestError(request_id=request_id, message=self.full_message, error_type=self.error_type)
 
 
 def _f32(x: float) -> float:

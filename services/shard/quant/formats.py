@@ -57,21 +57,8 @@ def unpack_along_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return levels.reshape(-1, packed.shape[1]).to(torch.uint8)
 
 
-def pack_along_rows(levels: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of unpack_along_rows (for writing test checkpoints)."""
-    per = 32 // bits
-    u = levels.to(torch.int64).reshape(-1, per, levels.shape[1])
-    shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
-    words = (u << shifts).sum(1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
 def unpack_along_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return unpack_along_rows(packed.t(), bits).t().contiguous()
-
-
-def pack_along_cols(levels: torch.Tensor, bits: int) -> torch.Tensor:
-    return pack_along_rows(levels.t(), bits).t().contiguous()
 
 
 def _group_size(k: int, n_groups: int) -> int:
@@ -123,13 +110,6 @@ def from_awq(
     zeros = unpack(qzeros).t().float().contiguous()  # [N, G]
     k = levels.shape[1]
     return QuantWeight(levels, scales.t().float().contiguous(), zeros, 4, _group_size(k, scales.shape[0]), bias=bias)
-
-
-def awq_pack(levels_kn: torch.Tensor) -> torch.Tensor:
-    """[R, C] levels → AWQ's int32 [R, C/8] (for writing test checkpoints)."""
-    r, c = levels_kn.shape
-    ordered = levels_kn.view(r, c // 8, 8)[:, :, list(AWQ_ORDER)].reshape(r, c)
-    return pack_along_cols(ordered, 4)
 
 
 def from_compressed_packed(

@@ -198,7 +198,9 @@ def test_concurrent_prepare_converts_once_and_failures_leave_nothing(tmp_path, m
         t.start()
     for t in threads:
         t.join()
-    assert len(calls) == 1 and results[0] == results[1] == model_store.default_model_dir(tmp_path)
+    assert len(calls) == 1 and results[0] == results[1] == model_store.embedded_model_dir(
+        model_store.DEFAULT_MODEL, tmp_path
+    )
     assert sorted(p.name for p in results[0].parent.iterdir()) == [f".{results[0].name}.lock", results[0].name]
 
     def failing_convert(model, out: Path) -> None:
@@ -212,7 +214,10 @@ def test_concurrent_prepare_converts_once_and_failures_leave_nothing(tmp_path, m
 
 def test_default_root_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("SWITCHYARD_CACHE", str(tmp_path))
-    assert model_store.default_model_dir() == tmp_path / "models" / model_store.DEFAULT_MODEL_DIRNAME
+    assert (
+        model_store.embedded_model_dir(model_store.DEFAULT_MODEL)
+        == tmp_path / "models" / model_store.DEFAULT_MODEL_DIRNAME
+    )
 
 
 def test_embedded_models_by_short_name(tmp_path, monkeypatch):

@@ -65,20 +65,20 @@ def _layout(fmt: str, p: str, qw: qf.QuantWeight, bits: int, v2: bool) -> dict[s
         stored_zeros = qw.zeros.to(torch.int64) if v2 else (qw.zeros.to(torch.int64) - 1) % 2**bits
         g_idx = qw.groups().to(torch.int32)
         return {
-            f"{p}.qweight": qf.pack_along_rows(qw.levels.t(), bits),
-            f"{p}.qzeros": qf.pack_along_cols(stored_zeros.t(), bits),
+            f"{p}.qweight": pack_along_rows(qw.levels.t(), bits),
+            f"{p}.qzeros": pack_along_cols(stored_zeros.t(), bits),
             f"{p}.scales": qw.scales.t().half(),
             f"{p}.g_idx": g_idx,
         }
     if fmt == "awq":
         return {
-            f"{p}.qweight": qf.awq_pack(qw.levels.t().contiguous()),
-            f"{p}.qzeros": qf.awq_pack(qw.zeros.to(torch.uint8).t().contiguous()),
+            f"{p}.qweight": awq_pack(qw.levels.t().contiguous()),
+            f"{p}.qzeros": awq_pack(qw.zeros.to(torch.uint8).t().contiguous()),
             f"{p}.scales": qw.scales.t().half(),
         }
     if fmt == "compressed-tensors":
         out = {
-            f"{p}.weight_packed": qf.pack_along_cols(qw.levels, bits),
+            f"{p}.weight_packed": pack_along_cols(qw.levels, bits),
             f"{p}.weight_scale": qw.scales.half(),
             f"{p}.weight_shape": torch.tensor([n, k]),
         }
@@ -112,3 +112,23 @@ def _config(fmt: str, bits: int, group: int, sym: bool, desc_act: bool, v2: bool
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": act}},
         "ignore": ["lm_head"],
     }
+
+
+def awq_pack(levels_kn: torch.Tensor) -> torch.Tensor:
+    """[R, C] levels → AWQ's int32 [R, C/8], as AWQ writes its checkpoints."""
+    r, c = levels_kn.shape
+    ordered = levels_kn.view(r, c // 8, 8)[:, :, list(qf.AWQ_ORDER)].reshape(r, c)
+    return pack_along_cols(ordered, 4)
+
+
+def pack_along_cols(levels: torch.Tensor, bits: int) -> torch.Tensor:
+    return pack_along_rows(levels.t(), bits).t().contiguous()
+
+
+def pack_along_rows(levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of formats.unpack_along_rows: levels packed into int32 words along the rows."""
+    per = 32 // bits
+    u = levels.to(torch.int64).reshape(-1, per, levels.shape[1])
+    shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
+    words = (u << shifts).sum(1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

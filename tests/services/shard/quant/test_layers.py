@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from services.shard.quant import formats as qf
 from services.shard.quant import layers as quant_layers
 from services.shard.quant import loader as ql
-from tests.services.shard.quant.checkpoints import write
+from tests.services.shard.quant.checkpoints import awq_pack, pack_along_cols, pack_along_rows, write
 
 WEIGHT_ONLY_TOL = 1e-4
 W8A8_TOL = 0.75
@@ -39,8 +39,8 @@ def test_gptq_unpacks_what_was_packed(bits, v2):
     qw.zeros[0, 0] = 0  # the old format stores z − 1: a zero point of 0 wraps to the top level
     stored = qw.zeros.to(torch.int64) if v2 else (qw.zeros.to(torch.int64) - 1) % 2**bits
     got = qf.from_gptq(
-        qf.pack_along_rows(qw.levels.t(), bits),
-        qf.pack_along_cols(stored.t(), bits),
+        pack_along_rows(qw.levels.t(), bits),
+        pack_along_cols(stored.t(), bits),
         qw.scales.t(),
         torch.arange(256, dtype=torch.int32) // 64,
         bits,
@@ -52,19 +52,17 @@ def test_gptq_unpacks_what_was_packed(bits, v2):
 
 def test_awq_unpacks_its_interleaved_order():
     qw = qf.quantize_rtn(_weight(), 4, 32, symmetric=False)
-    got = qf.from_awq(qf.awq_pack(qw.levels.t().contiguous()), qf.awq_pack(qw.zeros.to(torch.uint8).t()), qw.scales.t())
+    got = qf.from_awq(awq_pack(qw.levels.t().contiguous()), awq_pack(qw.zeros.to(torch.uint8).t()), qw.scales.t())
     assert torch.equal(got.dequantize(), qw.dequantize())
-    plain = qf.pack_along_cols(qw.levels.t().contiguous(), 4)  # the same levels without the interleave
-    assert not torch.equal(
-        qf.from_awq(plain, qf.awq_pack(qw.zeros.to(torch.uint8).t()), qw.scales.t()).levels, qw.levels
-    )
+    plain = pack_along_cols(qw.levels.t().contiguous(), 4)  # the same levels without the interleave
+    assert not torch.equal(qf.from_awq(plain, awq_pack(qw.zeros.to(torch.uint8).t()), qw.scales.t()).levels, qw.levels)
 
 
 @pytest.mark.parametrize("bits, sym", [(4, True), (4, False), (8, True)])
 def test_compressed_tensors_pack_quantized_unpacks(bits, sym):
     qw = qf.quantize_rtn(_weight(), bits, 32, symmetric=sym)
     zp = None if sym else (qw.zeros - 2 ** (bits - 1)).to(torch.int8)
-    got = qf.from_compressed_packed(qf.pack_along_cols(qw.levels, bits), qw.scales, torch.tensor([128, 256]), bits, zp)
+    got = qf.from_compressed_packed(pack_along_cols(qw.levels, bits), qw.scales, torch.tensor([128, 256]), bits, zp)
     assert torch.equal(got.dequantize(), qw.dequantize())
 
 
