@@ -3,14 +3,12 @@
 - `smollm2`: LlamaForCausalLM with SmolLM2-135M's config (hidden 576, 30 layers, 9 / 3 KV heads, vocab 49152),
   random weights, and a byte-level BPE tokenizer of that size trained on Python's standard library (the only
   sizeable text on an offline machine), so every id the model can emit decodes to real text;
-- `tiny`: the same tokenizer under a 2-layer, 64-wide Llama: tokenizing, detokenizing and the hops between
-  processes are what a benchmark of it measures;
+- `tiny`: the same tokenizer under a 2-layer, 64-wide Llama, for the pipeline's hops rather than the model;
 - `llama-128k`: a small-bodied Llama (hidden 512, 4 layers, heads of 64) with Llama 3's 128,256-id vocabulary, so
   the LM head, sampling and per-step overhead decide its speed; its tokenizer is trained the same way on more text
   (the standard library and the installed packages' sources, once);
 - `gemma`: the embedded Gemma-3-270M, resolved by the model store.
-Every benchmark model is served through a "no-EOS" view (symlinks + a generation_config without EOS), so each
-request generates exactly `max_new_tokens` on every engine and the token counts compare.
+Each is served through a "no-EOS" view (`no_eos_view`), so every request runs to `max_new_tokens` on every engine.
 """
 
 from __future__ import annotations

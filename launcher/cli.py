@@ -4,16 +4,10 @@ Every flag also reads its environment variable as TGI's launcher does (`--model-
 `--port` ← PORT, …). The launcher resolves the model once (Hub download or the embedded default),
 makes a private run directory for the bus sockets, and runs supervisord with the six programs of
 `supervisord.conf`. Ctrl-C (or SIGTERM) stops supervisord, which stops every program; the run
-directory is removed on the way out. If the launcher is killed outright, supervisord gets the
-parent-death signal and stops the server all the same, and the next `switchyard serve` removes the
-run directory left behind (launcher/supervise.py, launcher/rundir.py).
-
-Scale-out: --tokenizer-workers, --detokenizer-workers, --http-workers, --replicas (× --num-shard)
-set how many processes each program runs; --bus-address puts the bus on tcp instead of the run
-directory's ipc sockets, and --only runs a subset of the programs, so one host can run the router
-and the http side while another runs the schedulers and shards (docs/deployment.md). A tcp bus binds
-loopback unless a host is named, and --bus-curve-secret-key (`switchyard keygen`) encrypts it with
-CURVE (launcher/bus_flags.py).
+directory is removed on the way out, or by the next `switchyard serve` if the launcher was killed
+outright (launcher/supervise.py, launcher/rundir.py). --tokenizer-workers, --detokenizer-workers,
+--http-workers and --replicas (× --num-shard) set how many processes each program runs; --bus-address,
+--only and the CURVE keys (launcher/bus_flags.py) spread a server over hosts (docs/deployment.md).
 """
 
 from __future__ import annotations

@@ -5,13 +5,10 @@ Each entry is one of
   `org/name@revision`   the same at a branch, tag or commit
   `name=/local/path`    a folder written by peft's `save_pretrained`, served under `name`
 
-TGI's grammar is `^([^=@]+)(?:=([^@]+))?(?:@(.+))?$` with at most one `=` and one `@`, and every entry it refuses
-gets "Invalid LoRA adapter format: <entry>"; we keep both. Stricter than TGI: a revision on a local path (it would
-be ignored) and a name given twice are errors too, as they can only be mistakes.
-
-Hub ids resolve through `huggingface_hub.snapshot_download` like the base model (libs/runtime/model_store.py):
-HF_TOKEN, HF_HUB_CACHE and HF_HUB_OFFLINE are read when resolving, not at import, and only the two files an
-adapter needs are fetched. Errors are `LoraFlagError`, whose text the launcher prints before exiting 1.
+TGI's grammar (`^([^=@]+)(?:=([^@]+))?(?:@(.+))?$`) and its "Invalid LoRA adapter format: <entry>"; stricter, a
+revision on a local path and a name given twice are errors too. Hub ids resolve through `snapshot_download` at
+call time (HF_TOKEN, HF_HUB_CACHE, HF_HUB_OFFLINE), fetching only the adapter's two files. Errors are
+`LoraFlagError`, printed by the launcher before it exits 1. docs/lora.md tells more.
 """
 
 from __future__ import annotations

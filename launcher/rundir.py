@@ -1,15 +1,11 @@
 """Run directories: where a local server keeps its bus sockets, and how to tell a live one from a stale one.
 
 `switchyard serve` makes a private directory `switchyard-*` under the run root ($SWITCHYARD_RUN_ROOT, default
-/tmp: the path must stay short, ipc socket paths are limited to ~100 bytes). It holds an exclusive flock on the
-directory's `lock` file for as long as the server lives: the launcher holds it, and so does supervisord, which
-inherits the descriptor. So the lock is free only once both are gone, and supervisord only exits after its
-programs have. A kernel releases a flock when its last holder dies, SIGKILL included, so a free lock is proof
-that the server is dead; a held one, that it is alive.
-
-The lock file appears already locked (it is locked under another name, then renamed), so a directory being
-created is never mistaken for a dead one. A directory from a server without a lock file (an older Switchyard)
-counts as dead only if its supervisord socket refuses connections: nothing listens there any more.
+/tmp: ipc socket paths are limited to ~100 bytes). The launcher holds an exclusive flock on its `lock` file, and
+so does supervisord, which inherits the descriptor: a kernel releases a flock when its last holder dies, SIGKILL
+included, so a free lock proves the server dead and a held one alive. The lock file appears already locked
+(locked under another name, then renamed), so a directory being created never looks dead. A directory without
+a lock file counts as dead only if its supervisord socket refuses connections. docs/deployment.md tells why.
 """
 
 from __future__ import annotations

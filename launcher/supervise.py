@@ -1,22 +1,12 @@
 """Run supervisord in the foreground: forward Ctrl-C/SIGTERM, give up on a program that cannot start,
 say when the server is ready, and make the server's lifetime the launcher's.
 
-supervisord restarts a program that dies; one that keeps dying at start (a model that cannot load)
-ends FATAL and would leave a server that never becomes healthy. We ask supervisord over its socket
-every few seconds and stop the whole server in that case, with a non-zero exit, as TGI's launcher does. A shard
-whose model does not load says so at once (the run directory's `cannot-load` file): no retry would mend it, so
-a starting server stops at its first failure (one that has served keeps supervisord's retries).
-
-Lifetime: supervisord runs in its own session (a terminal's Ctrl-C reaches only us, and we stop it: every
-program signalled at once over its socket, then supervisord), so nothing would stop it if we were killed
-outright. On Linux it is started with the parent-death signal (prctl PR_SET_PDEATHSIG) set to SIGTERM: when the
-launcher dies, by any signal, SIGKILL included, the kernel sends supervisord SIGTERM and it stops every program
-(in order, one a second: SIGKILL after stopwaitsecs). We chose this over the launcher exec'ing supervisord because the
-launcher must outlive supervisord: it watches for FATAL programs, announces readiness and removes the
-run directory, none of which supervisord does. Caveats, both met here: the signal fires when the
-*thread* that forked the child exits (we fork from the main thread, which Python ends last), and it is
-cleared when the child gains privileges (a setuid binary, or supervisord's `user=`, which the
-configuration does not use). Elsewhere there is no such signal: we say so at start.
+A program that keeps dying at start ends FATAL in supervisord: we ask over its socket every POLL_S and then stop
+the whole server with a non-zero exit, as TGI's launcher does; a shard whose model does not load (the run
+directory's `cannot-load` file) stops a starting server at once. supervisord runs in its own session (Ctrl-C
+reaches only us, and we stop it), and on Linux with the parent-death signal set to SIGTERM, so it stops every
+program when the launcher dies by any signal, SIGKILL included; elsewhere we warn at start. docs/deployment.md
+tells why.
 """
 
 from __future__ import annotations

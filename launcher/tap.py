@@ -1,24 +1,13 @@
 """`switchyard tap` (also `python -m launcher.tap`): watch a running server's event bus, live.
 
-It is one more SUB on the router's event proxy, so attaching and detaching never
-disturb the server: a PUB drops messages for a subscriber that is slow or gone, it never waits for
-one. It prints, per row:
-  - token batches (tok.*): request id, offset, token id, logprob, finish reason;
-  - text batches (out.*): request id, index, text (and the final info on a request's last row);
-  - anything else on the chosen topics (heartbeats, aborts, errors …): one summary line.
-
-    switchyard tap                         # token and text events of the only live local server
-    switchyard tap --request 5f0c…         # one request
-    switchyard tap --topic hb. --json      # heartbeats, as JSON lines
-    switchyard tap --bus ipc:///tmp/switchyard-abc123   (or tcp://host:port)
-    switchyard tap --bus tcp://10.0.0.1:5550 --curve-public-key bus.pub   # an encrypted bus
-
-On a CURVE bus the tap needs the deployment's public key (--curve-public-key, a file holding it, or
-SWITCHYARD_CURVE_PUBLIC_KEY; the public half of SWITCHYARD_CURVE_SECRET_KEY also serves). Without
-it the server never answers its hello: CURVE refuses a plaintext peer.
-
-The tap confirms its subscription before it prints "attached" (its own hello comes back through
-the proxy on a topic only it hears), so every event after that line is seen. Ctrl-C detaches.
+It is one more SUB on the router's event proxy, so attaching and detaching never disturb the server (a PUB drops
+messages for a slow or gone subscriber). Per row it prints token batches (tok.*: request id, offset, token id,
+logprob, finish reason), text batches (out.*: request id, index, text, and the final info on the last row), and
+one summary line for anything else on the chosen topics. It confirms its subscription before it prints
+"attached" (its own hello comes back through the proxy on a topic only it hears), so it sees every event after
+that line. On a CURVE bus it needs the deployment's public key (--curve-public-key, a file holding it, or
+SWITCHYARD_CURVE_PUBLIC_KEY; the public half of SWITCHYARD_CURVE_SECRET_KEY also serves). docs/observability.md
+has examples.
 """
 
 from __future__ import annotations

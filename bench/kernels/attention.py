@@ -1,13 +1,11 @@
 """Prefill attention kernels against each other: one layer's attention for one prompt of n tokens, and a model's.
 
 Why the shard runs long prefill rows the way it does (services/shard/attention/tiled.py). Candidates, each reading
-its keys from the paged cache as the shard does: `eager-whole` (one matmul over the whole [heads, n, n] score
-matrix, transformers' eager math: what the grouped path does for a row), the tiled path with the eager math, with
-PyTorch's SDPA and (bf16/fp16) with two half-precision GEMMs per query tile (`eager-tiles`, `sdpa-tiles`,
-`half-tiles`), one SDPA call for the whole row (`sdpa-row`), and with `--flex` torch.compile'd FlexAttention. They
-run interleaved, round after round; the table gives each one's median and its time relative to `sdpa-tiles`.
-`--model DIR`: the same candidates at that model's attention shape, beside its whole prefill on the shard's path
-(through bench/engine.py); with `--chunk`, the prompt in chunks with each chunk's forward and the peak RSS.
+its keys from the paged cache as the shard does: `eager-whole` (the grouped path's whole [heads, n, n] scores),
+the tiled path's kernels (`eager-tiles`, `sdpa-tiles`, `half-tiles` in bf16/fp16), one SDPA call for the row
+(`sdpa-row`) and, with `--flex`, torch.compile'd FlexAttention; interleaved, each one's median and its time
+relative to `sdpa-tiles`. `--model DIR`: the same at that model's attention shape, beside its whole prefill on the
+shard's path (bench/engine.py); with `--chunk`, the prompt in chunks with each chunk's forward and the peak RSS.
 
     python -m bench.kernels.attention [--n 512,2048,8192] [--dtype float32,bfloat16] [--flex] [--cpu-time]
     python -m bench.kernels.attention --model DIR --n 8192 [--chunk 2048] --dtype float32

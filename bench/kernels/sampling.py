@@ -2,11 +2,10 @@
 interleaved in one process so that load on the machine hits both alike.
 
 Per vocabulary × dtype × batch kind × rows it prints the median ms (or the least, --stat min) of `torch` (`argmax` +
-`log_softmax` + gather over the whole batch: what a straightforward step does) and `now` (`choose` as it is), and
-checks on the way that `choose` took torch's token on every greedy row, printing the largest logprob difference
-there (float32 rounding of the logsumexp). Batch kinds: `greedy` (argmax and its logprob), `top-n` (greedy with 5
-alternatives), `mixed` (every fourth row a seeded draw at temperature 0.7, every fourth one past it greedy with 3
-alternatives, the rest greedy), `sampled` (every row a seeded draw at temperature 0.7).
+`log_softmax` + gather over the whole batch) and `now` (`choose` as it is), checking that `choose` took torch's
+token on every greedy row (and printing the largest logprob difference there). Batch kinds: `greedy`, `top-n`
+(greedy with 5 alternatives), `mixed` (greedy, seeded draws and alternatives by row), `sampled` (every row a
+seeded draw at temperature 0.7).
 
     python -m bench.kernels.sampling [--vocab 128256,262144] [--rows 1,16,64] [--dtype bfloat16,float32]
         [--kinds greedy,top-n,mixed,sampled] [--reps 15] [--stat median|min] [--threads N] [--json]

@@ -2,11 +2,9 @@
 it), the shard's part of each decode step timed piece by piece (the runner's part timings and module hooks).
 
 The parts of one decode step of the whole batch, each the median over the steps once every prompt is prefilled:
-wire in (decoding the plan's frames), prepare (the plan's rows laid out: positions, slots, tables, tensors),
-layers (the model's body), LM head (on the kept positions), forward other (the rest of the forward call), sampling
-(processors, the choice, its logprob), pack (the result's arrays), execute other (the plan's diff, the result
-object), publish (encoding the result's frames). --compare: three runners' whole decode steps interleaved (bf16
-with the oneDNN linears, bf16 with torch's, float32 with oneDNN); --compare-walk: the direct decoder walk against
+wire in, prepare (the rows laid out), layers, LM head, forward other, sampling, pack (the result's arrays),
+execute other, publish (the result's frames). --compare: three runners' whole decode steps interleaved (bf16 with
+the oneDNN linears, bf16 with torch's, float32 with oneDNN); --compare-walk: the direct decoder walk against
 transformers' forward; --join-tokens N: a decode step alone against one with an N-token prompt joining it.
 
     python -m bench.step.profile --model llama-128k,smollm2,gemma --batch 1,16,64 [--dtype auto] [--compare]

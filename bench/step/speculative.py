@@ -1,10 +1,9 @@
 """The speculative workload's in-process half: the model driven through the in-process engine (bench/engine.py: the
 real Batcher and ModelRunner, no bus, no HTTP), so the ratios are speculation's own.
 
-- `steps`: decode steps at `--batch` rows, plain and with drafts (k rows × d drafts each, `--configs`: random drafts
-  from a drafter of the bench's own, since verifying costs the same whether they are right), the configurations
-  interleaved step by step, in CPU seconds of the process (one torch thread) and wall seconds. What a drafted
-  position costs against the plain step is what services/scheduler/drafting.py's rule must weigh;
+- `steps`: decode steps at `--batch` rows, plain and with drafts (k rows × d random drafts each, `--configs`:
+  verifying costs the same whether they are right), interleaved step by step, in CPU seconds of the process (one
+  torch thread) and wall seconds: what a drafted position costs, which services/scheduler/drafting.py weighs;
 - `loop`: a closed loop over the speculative bench's prompts (copy or free writing, `--concurrency` at a time),
   `--speculate 0` against N, interleaved over `--rounds`: the scheduler's Python is in it, the pipeline's not.
 

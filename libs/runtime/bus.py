@@ -249,7 +249,7 @@ class BusEnds:
         if "metrics" not in load and now >= self._next_metrics:
             load["metrics"] = metrics.exposition()
             cost = time.monotonic() - now
-            self._next_metrics = now + max(1.0, cost * 1000) - 0.05  # 50 ms slack: one per beat when cheap
+            self._next_metrics = now + max(1.0, cost * 1000) - 0.05  # the 0.05 s slack: one per beat when cheap
         return Heartbeat(role=self.role, index=self.index, pid=os.getpid(), **load)
 
 

@@ -3,9 +3,9 @@
 The default dtype (`--dtype` unset, or `auto`) follows vLLM and SGLang: a checkpoint is served in half
 precision. On a CUDA device that is the checkpoint's own 16-bit dtype (bf16 for a float32 checkpoint, fp16 where
 the GPU has no bf16). On a CPU it is bf16 only where the CPU computes in it natively (AVX512-BF16, AMX-BF16 or
-AVX-NE-CONVERT: oneDNN's bf16 products run 3-6x faster than fp32 there); elsewhere bf16 is emulated, slower than
-float32, and oneDNN's bf16 weight prepack fails outright, so float32 it is. `--dtype float32` is the exact mode:
-greedy output equals transformers' `generate()` token for token (the tests run in it).
+AVX-NE-CONVERT: oneDNN's bf16 products run several times faster than fp32 there); elsewhere bf16 is emulated,
+slower than float32, and oneDNN's bf16 weight prepack fails outright, so float32 it is. `--dtype float32` is the
+exact mode: greedy output equals transformers' `generate()` token for token (the tests run in it).
 """
 
 from __future__ import annotations

@@ -243,7 +243,7 @@ def _convert_embedded_gguf(model: EmbeddedModel, out: Path) -> None:
         config = AutoConfig.from_pretrained(out, gguf_file=gguf_path.name)
         config.dtype = torch.float32
         # Our own pass over the tensors (the loop of transformers' legacy GGUF loader) because
-        # from_pretrained(gguf_file=) needs accelerate, and parsing the metadata twice costs ~30 s.
+        # from_pretrained(gguf_file=) needs accelerate, and parsing the metadata twice is slow.
         reader = GGUFReader(gguf_path)
         arch = str(reader.fields["general.architecture"].contents())
         processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
@@ -272,7 +272,7 @@ def _convert_embedded_gguf(model: EmbeddedModel, out: Path) -> None:
         del reader
 
         _stage(model, 3, "building the tokenizer from the GGUF's vocabulary", started)
-        tokenizer = AutoTokenizer.from_pretrained(out, gguf_file=gguf_path.name)  # Gemma: ~40 s to recover merges
+        tokenizer = AutoTokenizer.from_pretrained(out, gguf_file=gguf_path.name)  # Gemma: slow, it recovers merges
         if pre == "smollm":  # llama.cpp's `smollm` splits every digit first; transformers' builder does not
             from tokenizers import pre_tokenizers
 

@@ -47,19 +47,14 @@ class Settings:
     max_input_tokens: int = 4095
     max_total_tokens: int = 4096
     max_batch_prefill_tokens: int = 4096
-    # prompt tokens one step may prefill while other requests decode (0: up to max_batch_prefill_tokens, as TGI);
-    # on CPU a step's time grows with its tokens, so a long prompt is fed in chunks that keep the streams flowing
-    # (512 measured: 256 halves the streams' gap during a long prefill for 9-14% more prefill time, but a burst of
-    # short prompts then waits for several steps: Gemma at 16/64 streams of 32-token prompts lost 29 % tok/s)
+    # prompt tokens one step may prefill while other requests decode (0: up to max_batch_prefill_tokens, as TGI):
+    # a long prompt fed in chunks keeps the streams flowing (docs/scheduling.md)
     max_prefill_tokens_while_decoding: int = 512
-    # and at most what adds this many ms to a decode step, by the prefill cost per token measured on recent steps
-    # (0: no such cap); the smaller of the two caps wins. Off by default: on a loaded machine its chunks shrink
-    # until the decodes' share of each step makes the long prompt's prefill ~3x slower (measured)
+    # and at most what adds this many ms to a decode step, by the prefill cost per token of recent steps (0: no
+    # such cap); the smaller of the two caps wins. Off by default: under load its chunks shrink too far
     max_prefill_ms_while_decoding: float = 0.0
     # a step takes no further prompt once its prefill holds this many tokens (0: it fills max_batch_prefill_tokens,
-    # as TGI). On CPU the products already run at full speed over ~512 rows, so a second long prompt in the same
-    # step only makes the first one wait for both: 8 prompts of 2k tokens at once, one per step, first tokens at
-    # 1, 2, ... 8 prefill times instead of about 2, 2, 4, 4, ... (measured: p50 14.1 → 11.5 s, the last unchanged)
+    # as TGI): one more long prompt in a saturated step only delays the first (docs/scheduling.md)
     prefill_saturation_tokens: int = 512
     max_batch_total_tokens: int = 65536
     max_batch_size: int = 256

@@ -7,6 +7,6 @@
 - Shared: `generation` (the permits, the one GenerateRequest builder, collecting rows); `errors` (Failure, TGI's
   statuses and error bodies); `responses` (JSON bodies and SSE); `timing` (Timing, the x-* headers); `middleware`
   (CORS, API key, payload limit, unexpected errors); `openapi` (the document, from every API's structs);
-  `adapters` (vLLM's LoRA routes); `ingress` (the bus side); `telemetry` (each request's metrics, span and log line).
+  `lora` (vLLM's LoRA routes); `ingress` (the bus side); `telemetry` (each request's metrics, span and log line).
 A new API is a new folder whose routes `__main__.build_app` installs.
 """

@@ -1,19 +1,11 @@
 """What TGI's router layers do around every route: CORS, the API key, the payload limit, and a JSON answer
 to any error no handler expected.
 
-Choices:
-- CORS: TGI's CorsLayer allows any origin when --cors-allow-origin is not given, so do we
-  (`access-control-allow-origin: *`); with a list, a listed request Origin is echoed back and other
-  origins get no CORS headers. Methods GET, POST; header content-type. A preflight (OPTIONS with
-  Access-Control-Request-Method) is answered here, before the API key, as the outer CorsLayer does.
-- API key: a bare 401 on TGI's protected routes only; both sides lowercased (TGI compares them
-  case-insensitively), compared in constant time.
-- Payload limit: a body over --payload-limit is a 413 with TGI's message, in TGI's JSON error shape
-  (TGI sends it as plain text, which its own client cannot parse).
-- Errors no handler expected (e.g. JSON nested deeper than the decoder recurses) still answer in
-  TGI's JSON error shape, never aiohttp's plain-text 500: nesting is TGI's 400 (serde_json's
-  recursion limit), a body the bus cannot carry (an int past 64 bits inside chat messages or tools,
-  which are passed on as sent) a 422, anything else a logged 500 `internal`.
+CORS as TGI's CorsLayer (any origin unless --cors-allow-origin lists some; a preflight answered before the API
+key); the API key a bare 401 on TGI's protected routes only, compared case-insensitively in constant time; a body
+over --payload-limit a 413 with TGI's message in TGI's JSON error shape; an error no handler expected still in
+TGI's JSON error shape, never aiohttp's plain-text 500 (too deep a nesting 400, a body the bus cannot carry 422,
+anything else a logged 500). docs/http.md tells why.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """`python -m services.scheduler`: one replica's batching loop.
 
-One turn of the loop runs its phases in order, each a method:
-- receive: every message that came in (new requests, shard results and restarts, control, resyncs), from one
-  poll (`_receive`, the only place that reads a socket);
-- control: aborts and stop-sequence hits end their requests;
-- plan/send: the next step's plan goes to the shards;
-- publish: the previous step's tokens go to the detokenizers, while the shards compute this step, so encoding
-  and sending them is off the model's critical path;
-- await: receive until this step's result is in (or the shards restarted under it);
-- apply: the batcher takes the sampled tokens in (stops by length and EOS); they are published next turn.
-
-When a process dies (docs/recovery.md) the scheduler is where requests are saved from, since it holds their tokens:
-- a shard restart (its connection drops, or a new ShardReady) requeues the running requests for re-prefill by
-  the preemption path (Batcher.requeue_running): nothing is streamed twice;
-- a `Resync` (http saw a stall, a detokenizer a gap or an unknown request) is answered with the request's whole
-  stream from offset 0 (recovery.StreamLog, kept a while after the end too), or Accepted again while it waits,
-  or `Unknown` when this scheduler never saw it (it restarted): http then resubmits the same request;
-- a request id seen twice runs once, and one aborted before it arrived never runs (recovery.Forgotten).
+One turn of the loop runs its phases in order, each a method: receive, control, plan/send, publish, await, apply.
+`_receive` is the only place that reads a socket, and the previous step's tokens are published while the shards
+compute this one, off the model's critical path. The scheduler holds every request's tokens, so requests are
+saved from here when a process dies: a shard restart requeues the running requests for re-prefill
+(Batcher.requeue_running), a `Resync` is answered with the stream from offset 0 (recovery.StreamLog), `Accepted`
+again or `Unknown`, and a request id runs at most once (recovery.Forgotten). docs/scheduling.md tells the loop,
+docs/recovery.md the recovery.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Continuous batching: which sequences run in the next step, and what their tokens mean.
 
-Pure bookkeeping, no sockets (the loop in `__main__` does IO), so it is tested on its own. Policy (TGI v3's
-chunking path, plus what TGI lacks):
-- FIFO admission; the head waits until it fits (no overtaking). A request is admitted when the KV blocks for
-  its next chunk are free (plus a small watermark), not for its whole length: KV is allocated as it grows.
-- Chunked prefill: one step feeds at most `max_batch_prefill_tokens` tokens (decodes count one each); a prompt
-  that does not fit is fed in chunks over several steps, in the same forward as the running decodes. While any
-  sequence decodes, a step's prefill is capped in tokens and/or step time (prefill_pacing.py; TGI has no cap).
-  And a step takes no further prompt once its prefill holds `prefill_saturation_tokens` (TGI fills the budget):
-  on CPU the products are at full speed by then, and a burst of long prompts gets its first tokens one by one.
-- Prefix caching: full blocks are indexed by chain hashes of their tokens once computed; a new prompt takes the
-  blocks of its longest cached prefix (shared, reference counted) and is fed only from there. Unheld cached
-  blocks are reused LRU when blocks run out. No lookup for requests that want prompt logprobs (TGI), since the
-  shard can only score tokens it is fed.
-- Preemption by recompute: when a running sequence needs a block and none is free, the newest running sequence
-  gives its blocks back and waits at the head of the queue; readmitted, it is fed its prompt and the tokens it
-  already generated (often mostly from the prefix cache), and goes on from there. Nothing is streamed twice.
-- Waiting requests join at the next step, as in TGI v3's chunking path, which ignores `waiting_served_ratio` /
-  `max_waiting_tokens`; TGI's gate without chunking (floor(running * ratio) join, or after N steps) is opt-in here.
+Pure bookkeeping, no sockets (the loop in `__main__` does IO), so it is tested on its own. The policy is TGI v3's
+chunking path plus what TGI lacks: FIFO admission once a request's next chunk fits in the free KV blocks; chunked
+prefill in the same forward as the running decodes, capped while any sequence decodes (prefill_pacing.py) and
+closed to further prompts at `prefill_saturation_tokens`; prefix caching of full blocks by chain hashes;
+preemption by recompute of the newest running sequence, with nothing streamed twice. docs/scheduling.md tells why.
 """
 
 from __future__ import annotations

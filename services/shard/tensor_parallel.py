@@ -4,12 +4,9 @@ Each replica's `num_shard` shard processes form their own torch.distributed worl
 whose rank 0 listens on 127.0.0.1:`tp_port + replica` (the launcher picks free ports). transformers shards the
 model by its own `base_model_tp_plan` (column-parallel q/k/v/gate/up, row-parallel o/down with an all-reduce),
 so the attention function sees heads / num_shard local heads and each rank's KV cache holds its share of the KV
-heads; the LM head's logits come out whole on every rank.
-
-A group cannot lose a member and go on, so every rank watches the others: each bumps a counter in the store once
-a second, and a rank whose peers' counters stop moving (or whose store is gone) exits, so supervisord restarts the
-whole replica and the new processes form a new group. Collectives carry a timeout, so a peer that stops mid-step
-does not hang the others forever either.
+heads; the LM head's logits come out whole on every rank. A group cannot lose a member and go on: every rank
+watches its peers' counters in the store (`start_watchdog`) and exits when one stops, so the whole replica
+restarts; collectives carry a timeout. docs/recovery.md tells why.
 """
 
 from __future__ import annotations

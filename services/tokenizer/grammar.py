@@ -382,4 +382,3 @@ def _one_line(error: str, limit: int = 400) -> str:
     """llguidance's error on one line and bounded (it quotes the grammar, which the client sent and may be long)."""
     text = " ".join(line.strip() for line in error.splitlines() if line.strip())
     return text if len(text) <= limit else text[: limit - 1] + "…"
-

@@ -2,11 +2,9 @@
 Parameters; the responses are in services.http.openai.responses, the reading of tool calls in .tools.
 
 These structs are what the routes (services.http.openai.routes) decode and what the OpenAPI document
-(services.http.openapi) is generated from, so the two cannot drift apart. Field order is the order written on
-the wire. Parsing follows TGI's serde types (unknown fields ignored, unsigned fields reject negatives with a
-422); the mapping follows TGI's `ChatRequest::try_into_generate` and `completions`. Where TGI is needlessly strict
-for OpenAI clients, we accept more: `stop` may be a bare string, `stream_options` may be null,
-`response_format: {"type": "text"}` means no constraint, and completions honour `echo`.
+(services.http.openapi) is generated from; field order is the order written on the wire. Parsing follows TGI's
+serde types; the mapping follows TGI's `ChatRequest::try_into_generate` and `completions`, accepting more where
+TGI is needlessly strict for OpenAI clients (docs/http.md).
 
 A new request field goes on ChatRequest / CompletionRequest and into `chat_parameters` / `completion_parameters`
 (structured output: `response_format`, which the tokenizer compiles, and `tools` / `tool_choice`, which it

@@ -1,11 +1,10 @@
 """TGI's API: its request bodies and response shapes as typed structs, and the builders of the responses.
 
-Types follow TGI's serde structs: unknown fields are ignored, bools, `stop` and `parameters` are not
-nullable, every other parameter accepts null, unsigned fields reject negatives (a 422 before
-validation). These structs are what the routes (services.http.tgi.routes) decode and encode and what the
-OpenAPI document (services.http.openapi) is generated from, so the two cannot drift apart. Struct names
-are TGI's schema names. Fields with a default are omitted when empty (TGI's skip_serializing_if); fields
-without one are always written, as null when None.
+Types follow TGI's serde structs (unknown fields ignored; bools, `stop` and `parameters` not nullable, every
+other parameter nullable; unsigned fields reject negatives: a 422 before validation). These structs are what the
+routes (services.http.tgi.routes) decode and encode and what the OpenAPI document (services.http.openapi) is
+generated from. Struct names are TGI's schema names. Fields with a default are omitted when empty (TGI's
+skip_serializing_if); fields without one are always written, as null when None. docs/http.md tells why.
 
 A new request parameter is a field of GenerateParameters, carried to the tokenizer by `to_wire` (as
 `grammar` and `adapter_id` are; the tokenizer validates them). The OpenAI API (services.http.openai.requests)

@@ -1,25 +1,13 @@
 """Paged attention, plugged into transformers through its `AttentionInterface`.
 
-The model runs on a packed batch: every row's new tokens concatenated into one [1, T] sequence, no padding.
-transformers computes q/k/v (and RoPE from our position ids) and then calls `paged_attention` once per layer
-with the whole packed batch. We write the new K/V into the paged cache and let each row attend over its own
-context, gathered from its blocks. transformers builds no mask for an implementation it does not know
-(masking_utils skips names missing from `AttentionMaskInterface`), so `attention_mask` is always None here.
-
-The math mirrors transformers' eager attention (matmul, scale, soft-cap, mask, float32 softmax, matmul) so
-float32 output matches `generate()` token for token. Rows are not looped over in Python: they are bucketed into
-a few groups of similar (query, key) lengths, and each group runs as one batched matmul over its rows' KV,
-gathered from the pages and padded to the group's longest row (the padding is masked). The gather indices and
-masks depend only on the batch layout and the layer's sliding window, so they are built once per step and window
-and shared by every layer. GQA runs without copying K/V: the query heads that share a KV head are folded into
-the query-length dimension.
-
-The cache is head-major, [kv_heads, blocks, block_size, D]: one `index_select` of a row's blocks gives each head's
-keys as one contiguous [keys, D] matrix, ready for the matmul with no second copy, and a step's new K/V go in with
-one `index_copy_` over the flat slots.
-
-Long prefill rows do not join the groups: they run tiled (services/shard/attention/tiled.py), each query tile
-reading only the keys it can see, so no row's [heads, n, n] score matrix is ever built.
+The model runs on a packed batch (every row's new tokens in one [1, T] sequence, no padding); transformers calls
+`paged_attention` once per layer with all of it, and `attention_mask` is always None (masking_utils builds no mask
+for an implementation it does not know). The new K/V go into the head-major cache [kv_heads, blocks, block_size,
+D] by one `index_copy_`; each row attends over its own context, gathered from its blocks, by transformers' eager
+math, so float32 output matches `generate()` token for token. Rows are bucketed into groups of similar (query,
+key) lengths, one batched matmul each (padding masked; one-query rows apart), whose gather indices and masks are
+built once per step and window and shared by every layer; GQA folds the heads sharing a KV head into the query
+dimension. Long prefill rows run tiled (services/shard/attention/tiled.py). docs/attention.md tells why.
 """
 
 from __future__ import annotations
@@ -104,9 +92,8 @@ def allocate_pages(
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool = False) -> torch.Tensor:
     """A zeroed tensor; on CPU in an anonymous mapping, whose pages the kernel hands out zeroed on first touch, so
-    a cache of gigabytes costs nothing until its blocks are used. (torch.zeros writes every page at start: on a VM
-    whose host backs guest memory lazily that was 9 s for 300 MB after the model was loaded, 35-60 s for 64k tokens
-    of SmolLM2.) Page-aligned; the mapping lives as long as the tensor."""
+    a cache of gigabytes costs nothing until its blocks are used (torch.zeros writes every page at start:
+    docs/attention.md). Page-aligned; the mapping lives as long as the tensor."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize

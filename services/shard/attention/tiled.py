@@ -2,25 +2,12 @@
 
 A long row's queries are cut into tiles of TILE_QUERIES (fewer over a very long context: TILE_SCORES). Each tile
 attends only to the keys it can see: on a sliding-window layer the window before its first query up to its last
-query (O(n · window) for the row), on a full-attention layer its causal prefix. The row's keys are gathered from
-the pages once per layer; every tile's keys are then a view of that gather, and its mask ([tile queries, tile
-keys] bool) is built as the tile runs, so the memory a row needs beyond its own K/V is one tile's mask (and, on
-the eager path, one tile's scores).
-
-Three kernels run a tile (`choose_kernel`):
-- PyTorch's SDPA (`scaled_dot_product_attention`): on CPU it takes the flash kernel even with a boolean mask and
-  GQA (`enable_gqa`), so scores never leave its blocks. It cannot soft-cap. A full-attention row that starts at
-  position 0 is one causal square: a single call with `is_causal` (the kernel skips the masked blocks itself).
-  Float32 rows take it (the exact mode: transformers' sdpa attention is the reference).
-- `half`, on CPU in bfloat16/float16 without a soft-cap: two plain half-precision GEMMs with the softmax between
-  them reading and writing half (accumulating in float32), the mask applied only to the key columns that some
-  query of the tile cannot see. The scores are rounded to half before the softmax, as transformers' eager
-  attention does in half precision (SDPA keeps them in float32). On this project's CPUs (AVX512-BF16, no AMX)
-  SDPA's flash kernel ran at a third of the bf16 GEMM rate, and this measured 1.5x (64-dim heads) to 2x
-  (Gemma's 256) faster per layer in CPU time at 2k tokens.
-- the eager math (matmul, scale, soft-cap, mask, float32 softmax, matmul), as transformers' eager attention and
-  the grouped path do: the exact path for soft-capped models (Gemma-2).
-The choice between them, and the tile sizes, were measured (`python -m bench.kernels.attention`).
+query, on a full-attention layer its causal prefix. The row's keys are gathered from the pages once per layer;
+each tile's keys are a view of that gather and its [tile queries, tile keys] bool mask is built as it runs, so a
+row needs beyond its own K/V one tile's mask (and, on the eager path, one tile's scores). `choose_kernel` picks a
+tile's kernel: the eager math where a soft-cap is needed (Gemma-2), `half` (two half-precision GEMMs) on CPU in
+bf16/fp16, else PyTorch's SDPA (float32 on CPU, the exact mode; a full-attention row from position 0 is one
+`is_causal` call). docs/attention.md tells why; `python -m bench.kernels.attention` compares the kernels and tile sizes.
 """
 
 from __future__ import annotations
@@ -37,12 +24,11 @@ import torch.nn.functional as F
 # the grouped path, where batching many small rows into one matmul pays more than a kernel per row.
 TILE_MIN_QUERIES = 128
 # Queries per tile: large enough that the kernels have blocks to spread over threads, small enough that one
-# tile's mask and scores stay small next to the row's K/V (the `half` kernel: 128 measured 1.25x faster than 256
-# with 64-dim heads, level with 256-dim heads; SDPA tiles within noise of 256).
+# tile's mask and scores stay small next to the row's K/V (docs/attention.md).
 TILE_QUERIES = 128
 # Queries x keys (per head) one tile may hold on a full-attention layer: a row over a context longer than
 # TILE_SCORES // TILE_QUERIES keys gets fewer queries a tile (never under TILE_FLOOR), so a chunk's eager scores
-# stay flat as the context grows (measured on Gemma-3 at 24k-32k: the 256-query tiles' scores dominated the peak);
+# stay flat as the context grows (over a long context the tiles' scores would set the peak memory);
 # sliding-window tiles see at most window + tile keys anyway.
 TILE_SCORES = 256 * 8192
 TILE_FLOOR = 32
@@ -160,7 +146,7 @@ def attend_tiled(
 
 def choose_kernel(query: torch.Tensor, softcap: float | None) -> str:
     """The kernel for tiles of this layer: eager where a soft-cap is needed, half-precision GEMMs on CPU in half
-    precision (measured faster there), else SDPA."""
+    precision (faster there than SDPA's flash kernel), else SDPA."""
     if softcap is not None:
         return "eager"
     if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):

@@ -7,9 +7,8 @@ token trie. llguidance still computes every mask it is asked for and moves every
 seen before is skipped. The DFA is `interegular`'s, which reads Python's regex syntax where llguidance reads Rust's,
 so the cache serves only regexes both read alike (`shared_syntax`); a row whose output ends inside a UTF-8
 character, or holds a special token, leaves it for the rest of its sequence. The masks of all regexes share one
-budget per shard (`MaskBudget`); a regex leaving the shard's grammar cache gives its masks back.
-docs/structured-output.md tells why; tests/services/shard/grammar/test_regex_states.py checks cached masks against
-llguidance.
+budget per shard (`MaskBudget`); a regex leaving the shard's grammar cache gives its masks back. Why:
+docs/structured-output.md; test_regex_states.py checks the cached masks against llguidance.
 """
 
 from __future__ import annotations

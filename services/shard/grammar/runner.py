@@ -41,10 +41,10 @@ class ShardGrammars:
     """The model runner's side: one `Constraints` for the served model, opened per sequence by its handle.
 
     It is built on a thread when the runner starts (from the model folder's tokenizer.json and all of the model's
-    EOS ids; Gemma's 262k vocabulary takes 5-13 s on a 2-core VM, with the slices that speed up its masks), so the
-    first constrained step does not wait for it. llguidance holds the GIL while it builds, so the runner's start
-    does wait (measured: the thread's start returned once the build was done). Steps without a constrained row do
-    no more than `len()` here.
+    EOS ids; a large vocabulary takes seconds, with the slices that speed up its masks), so the first constrained
+    step does not wait for it. llguidance holds the GIL while it builds, so the runner's start does wait (the
+    thread's start returns only once the build is done). Steps without a constrained row do no more than `len()`
+    here.
     """
 
     def __init__(self, model_dir: str, eos_ids: Sequence[int], enabled: bool = True, fill: str = "ahead") -> None:

@@ -1,24 +1,14 @@
 """A direct decoder walk: the model's own modules, walked with the least glue between their kernels.
 
-transformers' forward of a small model spends as much time in Python between kernels as in them: each layer goes
-through several module calls, keyword plumbing, the attention dispatch, RMSNorm's dtype round trips and rotary's
-`rotate_half` (slices, a negation, a concatenation) for q and k apart. For the architectures served most this
-walks the SAME modules — the embedding, the q/k/v/o and MLP linears (whatever `forward` is installed: oneDNN's
-packed products, LoRA's wrappers, quantized layers), the rotary embedding, the LM head — and does only the glue:
-
-- norms by `torch.rms_norm`, whose CPU kernel is the composite of the ops transformers writes out (pow, mean, add,
-  rsqrt, mul, then the weight), so float32 is bit-identical; the dtype round trips are kept where the model has
-  them (Llama: normalized in float32, cast, times the weight in the serving dtype; Gemma: times (1 + weight) in
-  float32, then cast), so half precision is bit-identical too;
-- rotary cos/sin from the model's rotary module once per step (per layer type for Gemma-3), with the sign of
-  rotate_half folded into sin: x·cos + roll(x)·sin' is transformers' x·cos + rotate_half(x)·sin exactly
-  (negation is exact); q and k rotate in one pass when they lie side by side (the fused q/k/v product);
-- q/k/v as views of the projections, token-major; the paged attention called directly (attention.attend_layer);
-- residual adds in place (the stream is this forward's own tensor); the final norm on the kept positions only.
-
-Which models take it is decided once, at load (`build`): an architecture in ARCHS whose modules are transformers'
-own classes, with no feature this walk leaves out (bidirectional attention, partial rotary, tensor parallel).
-Anything else keeps transformers' forward; the reason is logged and kept on the runner (`walk_reason`).
+For the architectures in ARCHS this walks the SAME modules as transformers' forward (the embedding, the q/k/v/o
+and MLP linears with whatever `forward` is installed: oneDNN, LoRA, quantized; the rotary embedding, the LM head)
+and does only the glue: norms by `torch.rms_norm` with the model's own dtype round trips (Llama: normalized in
+float32, cast, times the weight; Gemma: times (1 + weight) in float32, then cast), bit-identical in every dtype;
+rotary with rotate_half's sign folded into sin (exact; q and k in one pass when side by side); q/k/v as views;
+the paged attention called directly (attend_layer); residual adds in place; the final norm on the kept positions
+only. `build` decides at load: an ARCHS model of transformers' own classes, without bidirectional attention,
+partial rotary or tensor parallel; anything else keeps transformers' forward, the reason logged and kept on the
+runner (`walk_reason`). docs/attention.md tells why.
 """
 
 from __future__ import annotations
@@ -192,8 +182,7 @@ def _qk_norm(qk: torch.Tensor, spec: tuple | None, heads: int) -> torch.Tensor:
 
 def _gated(s: _Layer, x: torch.Tensor) -> torch.Tensor:
     """act(gate(x)) * up(x), the product written into the activation's own fresh tensor (no third [T, inter]
-    buffer: a 2k-token prefill of SmolLM2 ran ~3-6 % faster in CPU time with this and `half_tile`'s contiguous
-    query, alternated in one process; the same values)."""
+    buffer; the same values)."""
     return s.act(s.gate_proj(x)).mul_(s.up_proj(x))
 
 
