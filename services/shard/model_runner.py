@@ -26,6 +26,7 @@ from services.shard.model import decoder_walk as walk_module
 from services.shard.model.onednn import use_onednn
 from services.shard.prompt_logprobs import chunk_logprobs
 from services.shard.quant.loader import from_pretrained as quantized_from_pretrained
+from services.shard.sampling.counter import DrawKeys
 from services.shard.sampling.sampler import Choice, choose
 from services.shard.step_batch import Batch, History, SequenceState
 from services.shard.verify import PickGenerators, accept, expand_picks, kept_positions, select
@@ -51,6 +52,7 @@ class ModelRunner:
         grammar: bool = True,  # structured output (off with --disable-grammar-support: no matcher is ever built)
         decoder_walk: bool = True,  # the direct decoder walk where the architecture has one (model/decoder_walk.py)
         grammar_fill: str = "ahead",  # where structured output's masks are filled: "ahead" or "inline" (Settings)
+        device_sampling: bool | None = None,  # one counter-keyed draw for all rows (sampling/counter.py); None: on CUDA
         kv_prefault: bool = False,  # the KV cache touched at start, resident from the start (Settings.kv_prefault)
     ) -> None:
         self.device = torch.device(device)
@@ -58,6 +60,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.watermark_gamma = watermark_gamma
         self.watermark_delta = watermark_delta
+        self.device_sampling = self.device.type == "cuda" if device_sampling is None else device_sampling
         # with a torch.distributed group (services.shard.tensor_parallel) transformers shards the model over it
         tp = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         kwargs = {} if tp == 1 else {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp)}
@@ -276,9 +279,13 @@ class ModelRunner:
             sampled, generators, histories, batch.keys, batch.chains = picked
         # Each draw is seeded by the request's seed and the position of the token it draws: a sequence preempted
         # and recomputed, or replayed on a restarted shard, or verifying drafts, draws the same tokens again.
-        for st, gen, position in zip(sampled, generators, batch.draw_positions.tolist()):
-            if st.sampling.samples():
-                gen.manual_seed(draw_seed(st.sampling.seed, position))
+        keys = None
+        if self.device_sampling and any(st.sampling.samples() for st in sampled):
+            keys = DrawKeys.of([st.sampling.seed for st in sampled], batch.draw_positions, self.device)
+        elif not self.device_sampling:
+            for st, gen, position in zip(sampled, generators, batch.draw_positions.tolist()):
+                if st.sampling.samples():
+                    gen.manual_seed(draw_seed(st.sampling.seed, position))
         errors = result.errors = {}
         return choose(
             logits,
@@ -288,6 +295,7 @@ class ModelRunner:
             watermark_gamma=self.watermark_gamma,
             watermark_delta=self.watermark_delta,
             constrain=None if batch.keys is None else self.grammars.mask(batch.keys, errors, batch.chains),
+            keys=keys,
         )
 
     def _pack(self, batch: Batch, choice: Choice, result: StepResult) -> None:

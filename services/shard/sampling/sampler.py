@@ -1,6 +1,7 @@
 """Token choice, in TGI's order, as calls: penalties (watermark, repetition, frequency); the grammar mask (rows
 with a grammar only); warpers (temperature, top-k, top-p, typical-p); the reduction (argmax and every logprob);
-the seeded draws; the top-n alternatives. One file per stage beside this one.
+the seeded draws (per row with its generator, draws.py, or all rows in one call keyed by seed and position,
+counter.py); the top-n alternatives. One file per stage beside this one.
 
 Like TGI's `HeterogeneousNextTokenChooser`, a row samples when `do_sample` is set *or* any warper is active
 (`SamplingParams.samples`), and the reported logprob is the log-softmax of the final processed and warped scores at
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from libs.protocol.params import SamplingParams
+from services.shard.sampling import counter
 from services.shard.sampling.draws import draws
 from services.shard.sampling.penalties import apply_penalties
 from services.shard.sampling.reduction import choose_sparse, reduce, top_n
@@ -45,11 +47,13 @@ def choose(
     watermark_gamma: float = 0.5,
     watermark_delta: float = 2.0,
     constrain: Callable[[torch.Tensor], None] | None = None,  # the grammar mask, see final_scores
+    keys: counter.DrawKeys | None = None,  # every row's seed and draw position: sampled rows draw by counter.py
 ) -> Choice:
     """Pick one token per row and report its logprob (and the alternatives asked for).
 
     Greedy rows take the argmax of their final scores; sampled rows a seeded multinomial draw from the softmax of
-    theirs, each with its own generator. Every logprob, the alternatives' too, is the score minus the row's
+    theirs, each with its own generator (with `keys`: all at once, by the counter hash of seed and position, which
+    draws other tokens than the generators do). Every logprob, the alternatives' too, is the score minus the row's
     logsumexp from the reduction."""
     n = logits.shape[0]
     device = logits.device
@@ -72,7 +76,10 @@ def choose(
     if sparse:
         choose_sparse(scores, sparse, token_ids, maxes, spreads)
     drawn = [i for i, p in enumerate(params) if p.samples()]
-    if drawn:
+    if drawn and keys is not None:
+        at = torch.tensor(drawn, dtype=torch.long, device=device)
+        token_ids[at] = counter.draw(scores.index_select(0, at), keys.select(drawn))
+    elif drawn:
         token_ids[drawn] = draws(scores, drawn, generators)
     # greedy rows: the chosen score is the max, so the logprob is exactly −spread
     picked = scores.gather(1, token_ids[:, None])[:, 0].float()
