@@ -1,0 +1,175 @@
+"""CUDA graphs for pure-decode steps: the bucket sizes (TGI's `--cuda-graphs`), a step's metadata padded to its
+bucket, the fixed-shape input buffers graphs read, and (CUDA only) their capture and replay.
+
+A pure-decode step (every row feeds one token: no prompt chunk, no drafts) of n rows runs as the graph of the
+smallest bucket ≥ n; larger steps, and every other step, run eagerly. The padded rows n … bucket-1 feed token 0 at
+position 0 with no context, and their only KV block is the scratch block, a block past the scheduler's
+(`num_blocks`: the cache is allocated one block larger): they write their K/V to the scratch block's first slot,
+read nothing else, and are never sampled (only logits[:n] are read). The buffers are allocated once, at the
+largest bucket, and updated in place before each replay, since a graph reads the addresses it was captured with.
+The bucket choice and the padding are pure and run on any device; `DecodeGraphs` needs CUDA (and an attention
+backend with no host-side step, the Triton kernel's) and is exercised only on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)  # TGI's default for --cuda-graphs
+
+
+def parse_buckets(flag: str | None) -> tuple[int, ...]:
+    """TGI's `--cuda-graphs`: a comma list of batch sizes, sorted and deduplicated; zeros are dropped, so "0"
+    disables graphs; unset (None) gives TGI's default. Raises ValueError on anything but non-negative integers."""
+    if flag is None:
+        return DEFAULT_BUCKETS
+    sizes = set()
+    for part in flag.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit():
+            raise ValueError(f"--cuda-graphs takes a comma list of batch sizes (0 disables), not {flag!r}")
+        sizes.add(int(part))
+    sizes.discard(0)
+    return tuple(sorted(sizes))
+
+
+def bucket_for(rows: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket that holds `rows` rows; None when none does (the step runs eagerly)."""
+    for b in buckets:
+        if b >= rows:
+            return b
+    return None
+
+
+def pure_decode(num_tokens: np.ndarray, drafts: np.ndarray | None = None) -> bool:
+    """Whether a step is pure decode: every row feeds exactly one token and drafts none."""
+    return len(num_tokens) > 0 and bool((num_tokens == 1).all()) and (drafts is None or not drafts.any())
+
+
+@dataclass
+class DecodeStep:
+    """One decode step's metadata, one entry per row (numpy, host side)."""
+
+    input_ids: np.ndarray  # [rows] int64
+    positions: np.ndarray  # [rows] int64
+    slot_mapping: np.ndarray  # [rows] int64: where each row's new K/V go
+    block_tables: np.ndarray  # [rows, blocks] int64, padded with -1
+    context_lens: np.ndarray  # [rows] int64: tokens in the cache before this step
+
+    @property
+    def rows(self) -> int:
+        return len(self.input_ids)
+
+
+def pad_step(step: DecodeStep, bucket: int, max_blocks: int, scratch_block: int, block_size: int) -> DecodeStep:
+    """The step padded to `bucket` rows and `max_blocks` table columns (fixed shapes): real rows first, as given;
+    padded rows feed token 0 at position 0, write the scratch block's first slot and see only the scratch block."""
+    n = step.rows
+    if n > bucket:
+        raise ValueError(f"{n} rows do not fit a bucket of {bucket}")
+    if step.block_tables.shape[1] > max_blocks:
+        raise ValueError(f"block tables of {step.block_tables.shape[1]} blocks exceed the buffers' {max_blocks}")
+    pad = bucket - n
+    tables = np.full((bucket, max_blocks), -1, dtype=np.int64)
+    tables[:n, : step.block_tables.shape[1]] = step.block_tables
+    tables[n:, 0] = scratch_block
+    return DecodeStep(
+        input_ids=np.concatenate([step.input_ids, np.zeros(pad, np.int64)]),
+        positions=np.concatenate([step.positions, np.zeros(pad, np.int64)]),
+        slot_mapping=np.concatenate([step.slot_mapping, np.full(pad, scratch_block * block_size, np.int64)]),
+        block_tables=tables,
+        context_lens=np.concatenate([step.context_lens, np.zeros(pad, np.int64)]),
+    )
+
+
+class DecodeBuffers:
+    """The fixed-shape device tensors a captured decode graph reads, sized for the largest bucket; a bucket's
+    graph reads the first `bucket` rows of each. `load` writes a padded step into them in place."""
+
+    def __init__(self, max_bucket: int, max_blocks: int, device: torch.device) -> None:
+        self.input_ids = torch.zeros(max_bucket, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_bucket, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(max_bucket, dtype=torch.long, device=device)
+        self.block_tables = torch.full((max_bucket, max_blocks), -1, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(max_bucket, dtype=torch.int32, device=device)
+        # pure decode: row i's one query is token i
+        self.cu_seqlens_q = torch.arange(max_bucket + 1, dtype=torch.int32, device=device)
+
+    def view(self, bucket: int) -> dict[str, torch.Tensor]:
+        """The first `bucket` rows of every buffer (views: same storage, what a graph is captured with)."""
+        return dict(
+            input_ids=self.input_ids[:bucket],
+            positions=self.positions[:bucket],
+            slot_mapping=self.slot_mapping[:bucket],
+            block_tables=self.block_tables[:bucket],
+            context_lens=self.context_lens[:bucket],
+            cu_seqlens_q=self.cu_seqlens_q[: bucket + 1],
+        )
+
+    def load(self, padded: DecodeStep) -> None:
+        """Copy a padded step into the buffers' first rows (in place: the captured addresses stay valid)."""
+        b = padded.rows
+        for name, dtype in (("input_ids", torch.long), ("positions", torch.long), ("slot_mapping", torch.long)):
+            getattr(self, name)[:b].copy_(torch.from_numpy(getattr(padded, name)).to(dtype), non_blocking=True)
+        self.block_tables[:b].copy_(torch.from_numpy(padded.block_tables.astype(np.int32)), non_blocking=True)
+        self.context_lens[:b].copy_(torch.from_numpy(padded.context_lens.astype(np.int32)), non_blocking=True)
+
+
+# One decode forward over a bucket's buffer views → its logits [bucket, vocab]; what a graph captures.
+DecodeForward = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+
+
+class DecodeGraphs:
+    """Captured decode graphs, one per bucket, sharing one memory pool and one set of buffers (CUDA only).
+
+    `capture(forward)` runs `forward` once per bucket on a side stream (warm-up: Triton compiles, allocator
+    settles), then captures it, largest bucket first, in a shared pool; `run(step)` pads the step, loads the
+    buffers, replays the bucket's graph and returns the real rows' logits (a view into the graph's output,
+    valid until the next replay). Only exercised on a GPU (scripts/gpu_check.py's job), never on CPU.
+    """
+
+    def __init__(
+        self, buckets: tuple[int, ...], max_blocks: int, scratch_block: int, block_size: int, device: torch.device
+    ) -> None:
+        if not torch.cuda.is_available() or torch.device(device).type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        if not buckets:
+            raise ValueError("no buckets: --cuda-graphs 0 disables graphs")
+        self.buckets, self.max_blocks = buckets, max_blocks
+        self.scratch_block, self.block_size = scratch_block, block_size
+        self.buffers = DecodeBuffers(max(buckets), max_blocks, torch.device(device))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def capture(self, forward: DecodeForward) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside capture: lazy inits, kernel compiles
+            for b in self.buckets:
+                forward(self.buffers.view(b))
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for b in sorted(self.buckets, reverse=True):  # largest first: the smaller ones reuse its pool
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[b] = forward(self.buffers.view(b))
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+
+    def run(self, step: DecodeStep) -> torch.Tensor | None:
+        """The step's logits [rows, vocab] by replay; None when no bucket holds it (run it eagerly)."""
+        bucket = bucket_for(step.rows, self.buckets)
+        if bucket is None or bucket not in self.graphs or step.block_tables.shape[1] > self.max_blocks:
+            return None
+        self.buffers.load(pad_step(step, bucket, self.max_blocks, self.scratch_block, self.block_size))
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][: step.rows]

@@ -1,0 +1,120 @@
+"""The decode-graph buckets and padding (services/shard/graphs.py), on CPU: TGI's `--cuda-graphs` semantics, the
+bucket a step runs in, fixed shapes, and that padded rows write and read the scratch block only (a simulated KV
+write leaves every real slot as it was). The capture and replay themselves need CUDA (scripts/gpu_check.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.shard.graphs import (
+    DEFAULT_BUCKETS,
+    DecodeBuffers,
+    DecodeGraphs,
+    DecodeStep,
+    bucket_for,
+    pad_step,
+    parse_buckets,
+    pure_decode,
+)
+
+BS, BLOCKS = 4, 10  # block size; the scheduler's blocks (the scratch block is block 10)
+
+
+def test_parse_buckets_as_tgi():
+    assert parse_buckets(None) == DEFAULT_BUCKETS == (1, 2, 4, 8, 16, 32)
+    assert parse_buckets("0") == ()
+    assert parse_buckets("8,1, 2,2,0,256") == (1, 2, 8, 256)
+    assert parse_buckets("") == ()
+    for bad in ("1,x", "-1", "2.5"):
+        with pytest.raises(ValueError):
+            parse_buckets(bad)
+
+
+def test_bucket_for():
+    buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert [bucket_for(n, buckets) for n in (1, 2, 3, 5, 8, 9, 200, 256)] == [1, 2, 4, 8, 8, 16, 256, 256]
+    assert bucket_for(257, buckets) is None and bucket_for(1, ()) is None
+    assert pure_decode(np.ones(3, np.int64)) and not pure_decode(np.array([1, 2]))
+    assert not pure_decode(np.ones(2, np.int64), np.array([0, 1])) and not pure_decode(np.zeros(0, np.int64))
+
+
+def _step(rows: int, seed: int = 0) -> DecodeStep:
+    """A decode step of `rows` rows on disjoint real blocks (0 … BLOCKS-1), as the runner lays one out."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.permutation(BLOCKS)
+    per = min(BLOCKS // rows, 4)
+    tables = np.full((rows, per), -1, np.int64)
+    context = np.zeros(rows, np.int64)
+    for r in range(rows):
+        used = int(rng.integers(1, per + 1))
+        tables[r, :used] = blocks[r * per : r * per + used]
+        context[r] = int(rng.integers((used - 1) * BS, used * BS))  # the new token lands in the last block
+    rows_at = np.arange(rows)
+    slots = tables[rows_at, context // BS] * BS + context % BS
+    return DecodeStep(rng.integers(1, 100, rows), context.copy(), slots, tables, context)
+
+
+@pytest.mark.parametrize("rows,bucket", [(1, 1), (3, 4), (5, 8), (2, 2)])
+def test_padding_shapes_and_real_rows_unchanged(rows, bucket):
+    step = _step(rows, seed=rows)
+    padded = pad_step(step, bucket, max_blocks=6, scratch_block=BLOCKS, block_size=BS)
+    assert padded.rows == bucket and padded.block_tables.shape == (bucket, 6)
+    for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
+        assert getattr(padded, name).shape == (bucket,)
+        assert np.array_equal(getattr(padded, name)[:rows], getattr(step, name))
+    assert np.array_equal(padded.block_tables[:rows, : step.block_tables.shape[1]], step.block_tables)
+    assert (padded.block_tables[:rows, step.block_tables.shape[1] :] == -1).all()
+    # padded rows: token 0 at position 0, no context, the scratch block alone
+    assert (padded.input_ids[rows:] == 0).all() and (padded.positions[rows:] == 0).all()
+    assert (padded.context_lens[rows:] == 0).all()
+    assert (padded.block_tables[rows:, 0] == BLOCKS).all() and (padded.block_tables[rows:, 1:] == -1).all()
+    assert (padded.slot_mapping[rows:] == BLOCKS * BS).all()
+    with pytest.raises(ValueError):  # tables wider than the buffers
+        pad_step(step, bucket, step.block_tables.shape[1] - 1, BLOCKS, BS)
+    with pytest.raises(ValueError):  # more rows than the bucket
+        pad_step(step, rows - 1, 6, BLOCKS, BS)
+
+
+def test_padded_rows_cannot_touch_real_kv():
+    """A KV write at the padded slot mapping (as paged.write_kv's index_copy_) changes no slot of the scheduler's
+    blocks but the real rows' own; the blocks every padded row can read are the scratch block only."""
+    step = _step(3, seed=7)
+    padded = pad_step(step, 8, max_blocks=4, scratch_block=BLOCKS, block_size=BS)
+    kv = torch.zeros(2, (BLOCKS + 1) * BS, 5)  # [kv_heads, slots, D], one block more than the scheduler's
+    new = torch.ones(2, 8, 5)
+    kv.index_copy_(1, torch.from_numpy(padded.slot_mapping), new)
+    written = set(np.flatnonzero(kv[0, :, 0].numpy()).tolist())
+    real = set(step.slot_mapping.tolist())
+    assert written == real | {BLOCKS * BS}
+    assert all(s < BLOCKS * BS for s in real)
+    # what a padded row may read: its context (none) plus its one new key, in its table's blocks
+    for r in range(3, 8):
+        visible = padded.block_tables[r][padded.block_tables[r] >= 0]
+        assert visible.tolist() == [BLOCKS]
+        last = padded.context_lens[r]  # the new token's position: 0
+        assert padded.block_tables[r, last // BS] * BS + last % BS == padded.slot_mapping[r]
+
+
+def test_buffers_load_in_place():
+    buffers = DecodeBuffers(max_bucket=8, max_blocks=4, device=torch.device("cpu"))
+    addresses = {k: v.data_ptr() for k, v in buffers.view(8).items()}
+    for rows, bucket in ((3, 4), (5, 8), (1, 1)):
+        step = _step(rows, seed=rows)
+        padded = pad_step(step, bucket, 4, BLOCKS, BS)
+        buffers.load(padded)
+        view = buffers.view(bucket)
+        assert {k: v.data_ptr() for k, v in buffers.view(8).items()} == addresses  # same storage every step
+        assert view["input_ids"].tolist() == padded.input_ids.tolist()
+        assert view["slot_mapping"].tolist() == padded.slot_mapping.tolist()
+        assert view["block_tables"].tolist() == padded.block_tables.tolist()
+        assert view["block_tables"].dtype == torch.int32 and view["context_lens"].dtype == torch.int32
+        assert view["cu_seqlens_q"].tolist() == list(range(bucket + 1))
+
+
+def test_graphs_refuse_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: capture is scripts/gpu_check.py's to test")
+    with pytest.raises(RuntimeError):
+        DecodeGraphs((1, 2), 4, BLOCKS, BS, torch.device("cpu"))
