@@ -105,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag("max-batch-total-tokens", type=int, help="KV cache size in tokens (default: max(65536, max-total-tokens))")
     flag("max-batch-size", type=int, default=256)
+    flag(
+        "cuda-graphs",
+        help="decode batch sizes captured as CUDA graphs: a comma list, 0 disables (default 1,2,4,8,16,32; "
+        "CUDA only, no effect on CPU)",
+    )
+    flag(
+        "cuda-memory-fraction",
+        type=float,
+        default=1.0,
+        help="the share of each GPU's memory a shard may allocate (CUDA only, no effect on CPU)",
+    )
     flag("speculate", type=int, help=SPECULATE_HELP)
     flag(
         "speculate-policy",

@@ -22,8 +22,6 @@ IGNORED = [
     ("trust-remote-code", "flag", False, "custom model code from the Hub; only transformers' own architectures run"),
     ("max-waiting-tokens", int, 20, "how long waiting requests wait before joining; here they join every step"),
     ("waiting-served-ratio", float, 0.3, "when waiting requests force a prefill; here new prefills join every step"),
-    ("cuda-graphs", str, None, "CUDA graph batch sizes; no CUDA graphs are captured"),
-    ("cuda-memory-fraction", float, 1.0, "GPU memory share; the KV cache is sized by --max-batch-total-tokens"),
     ("disable-custom-kernels", "flag", False, "no custom kernels are used anyway"),
     ("prometheus-port", int, 9000, "a separate metrics port; metrics are served on /metrics of --port"),
     ("usage-stats", str, "on", "telemetry; none is ever sent"),
@@ -95,6 +93,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1")
     if args.validation_workers < 1:
         raise SystemExit("error: `validation_workers` must be > 0")
+    cuda_graphs, cuda_memory_fraction = _cuda_flags(args)
     curve_secret, curve_public = bus_flags.curve_keys(args.bus_curve_secret_key, args.bus_curve_public_key)
     lora_adapters = _lora_adapters(args)
     try:
@@ -157,6 +156,8 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         lora_fold=not args.disable_lora_fold,
+        cuda_graphs=cuda_graphs,
+        cuda_memory_fraction=cuda_memory_fraction,
     )
 
 
@@ -189,6 +190,20 @@ def _lora_adapters(args: argparse.Namespace) -> str:
     if any("," in str(f) or "=" in name for name, f in folders.items()):
         raise SystemExit("error: a LoRA adapter's name or folder contains `,` or `=`, which --lora-adapters reserves")
     return ",".join(f"{name}={folder}" for name, folder in folders.items())
+
+
+def _cuda_flags(args: argparse.Namespace) -> tuple[str, float]:
+    """--cuda-graphs as TGI reads it (a comma list, 0 disables, unset: TGI's default), as Settings carries it
+    ("1,2,4", "" for none), and --cuda-memory-fraction, checked; both act on CUDA shards only."""
+    from services.shard.graphs import parse_buckets  # not at import time (torch)
+
+    try:
+        buckets = parse_buckets(args.cuda_graphs)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if not 0.0 < args.cuda_memory_fraction <= 1.0:
+        raise SystemExit(f"error: --cuda-memory-fraction must be in (0, 1], not {args.cuda_memory_fraction}")
+    return ",".join(map(str, buckets)), args.cuda_memory_fraction
 
 
 def _origins(given: list[str] | None) -> str:

@@ -107,6 +107,10 @@ class Settings:
     # the stacked LoRA shrink folded into the base oneDNN product (services/shard/lora/fold.py): off with
     # --disable-lora-fold, which saves the adapted linears' second packing
     lora_fold: bool = True
+    # CUDA only (no effect on CPU): the decode batch sizes captured as CUDA graphs, --cuda-graphs as resolved by
+    # services/shard/graphs.py ("": none), and the share of each GPU's memory a shard may allocate
+    cuda_graphs: str = "1,2,4,8,16,32"
+    cuda_memory_fraction: float = 1.0
     # set by the launcher: the server's private run directory (launcher/rundir.py), where its ipc sockets, the
     # schedulers' LoRA records and a shard's "cannot-load" mark live ("": a process started by hand keeps none)
     run_dir: str = ""

@@ -29,6 +29,8 @@ class ShardService:
         # one accelerator per shard when there is one (shard process i takes device i), else the CPU
         index = replica * settings.num_shard + rank
         device = f"cuda:{index % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+        if device != "cpu":  # --cuda-memory-fraction: this process's allocator takes at most that share of its GPU
+            torch.cuda.set_per_process_memory_fraction(settings.cuda_memory_fraction, torch.device(device))
         self.tp = settings.num_shard
         if self.tp > 1:  # the replica's ranks rendezvous (a barrier) before loading their shards of the model
             if not settings.tp_port:

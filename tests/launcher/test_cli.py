@@ -153,9 +153,9 @@ def test_chat_template_from_a_file(tmp_path, model_dir):
 def test_compatibility_flags_are_accepted_and_ignored(model_dir, caplog):
     argv = [
         *("--trust-remote-code", "--max-waiting-tokens", "10"),
-        *("--waiting-served-ratio", "1.2", "--cuda-graphs", "1,2,4", "--sharded", "false"),
+        *("--waiting-served-ratio", "1.2", "--sharded", "false"),
         *("--disable-custom-kernels", "--prometheus-port", "9001", "--usage-stats", "off"),
-        *("--kv-cache-dtype", "fp8_e5m2", "--cuda-memory-fraction", "0.8"),
+        *("--kv-cache-dtype", "fp8_e5m2"),
     ]
     with caplog.at_level("WARNING", logger="switchyard.launcher"):
         s = settings_from(parse(*argv), model_dir)
@@ -169,6 +169,23 @@ def test_compatibility_flags_are_accepted_and_ignored(model_dir, caplog):
         settings_from(parse("--validation-workers", "0"), model_dir)
     helps = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions}
     assert "gptq" in helps["quantize"] and "always computed" in helps["enable_prefill_logprobs"]
+
+
+def test_cuda_flags_are_settings(model_dir, monkeypatch, caplog):
+    """--cuda-graphs as TGI reads it (comma list, zeros dropped, "0" disables, unset: 1..32) and
+    --cuda-memory-fraction in (0, 1]: settings of the CUDA shards, never warned about."""
+    with caplog.at_level("WARNING", logger="switchyard.launcher"):
+        s = settings_from(parse("--cuda-graphs", "8,1,2,0", "--cuda-memory-fraction", "0.8"), model_dir)
+    assert (s.cuda_graphs, s.cuda_memory_fraction) == ("1,2,8", 0.8)
+    assert "cuda" not in caplog.text
+    default = settings_from(parse(), model_dir)
+    assert (default.cuda_graphs, default.cuda_memory_fraction) == ("1,2,4,8,16,32", 1.0)
+    assert settings_from(parse("--cuda-graphs", "0"), model_dir).cuda_graphs == ""
+    monkeypatch.setenv("CUDA_GRAPHS", "4,16")
+    assert settings_from(parse(), model_dir).cuda_graphs == "4,16"
+    for bad in (("--cuda-graphs", "1,x"), ("--cuda-memory-fraction", "0"), ("--cuda-memory-fraction", "1.5")):
+        with pytest.raises(SystemExit):
+            settings_from(parse(*bad), model_dir)
 
 
 def test_dtype_is_chosen_once_by_the_launcher_and_logged(tmp_path, caplog):
