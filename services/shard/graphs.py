@@ -7,18 +7,24 @@ position 0 with no context, and their only KV block is the scratch block, a bloc
 (`num_blocks`: the cache is allocated one block larger): they write their K/V to the scratch block's first slot,
 read nothing else, and are never sampled (only logits[:n] are read). The buffers are allocated once, at the
 largest bucket, and updated in place before each replay, since a graph reads the addresses it was captured with.
-The bucket choice and the padding are pure and run on any device; `DecodeGraphs` needs CUDA (and an attention
-backend with no host-side step, the Triton kernel's) and is exercised only on a GPU.
+The bucket choice and the padding are pure and run on any device; `DecodeGraphs` and the runner's `RunnerGraphs`
+need CUDA and the Triton attention (no host-side step), check their first replay against the eager forward, and
+are exercised only on a GPU.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from services.shard.attention.paged import PagedBatch
+from services.shard.step_batch import Batch
+
+log = logging.getLogger("switchyard.shard")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)  # TGI's default for --cuda-graphs
 
 
@@ -88,18 +94,40 @@ def pad_step(step: DecodeStep, bucket: int, max_blocks: int, scratch_block: int,
     )
 
 
+def decode_step(batch: Batch) -> DecodeStep | None:
+    """A runner batch's metadata as a DecodeStep when it is pure decode with every row sampled, no prompt
+    logprobs and no LoRA adapter (what a graph computes); None otherwise."""
+    num_tokens = batch.cu[1:] - batch.cu[:-1]
+    if batch.prompt_rows or not batch.sample_rows.all() or not pure_decode(num_tokens, batch.drafts):
+        return None
+    if any(st.adapter for st in batch.states):  # LoRA groups rows per step on the host: not in a graph
+        return None
+    paged = batch.paged
+    context, tables, bs = paged.host_context, paged.host_tables, paged.block_size
+    slots = tables[np.arange(len(context)), context // bs] * bs + context % bs
+    return DecodeStep(batch.fed_ids, context.copy(), slots, tables, context)
+
+
 class DecodeBuffers:
     """The fixed-shape device tensors a captured decode graph reads, sized for the largest bucket; a bucket's
-    graph reads the first `bucket` rows of each. `load` writes a padded step into them in place."""
+    graph reads the first `bucket` rows of each. They start as padded rows (a warm-up or capture run before the
+    first load writes the scratch block only); `load` writes a padded step into them in place."""
 
-    def __init__(self, max_bucket: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self, max_bucket: int, max_blocks: int, device: torch.device, scratch_block: int, block_size: int
+    ) -> None:
         self.input_ids = torch.zeros(max_bucket, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_bucket, dtype=torch.long, device=device)
         self.slot_mapping = torch.zeros(max_bucket, dtype=torch.long, device=device)
         self.block_tables = torch.full((max_bucket, max_blocks), -1, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(max_bucket, dtype=torch.int32, device=device)
-        # pure decode: row i's one query is token i
+        # pure decode: row i's one query is token i, and every row's logits are kept
         self.cu_seqlens_q = torch.arange(max_bucket + 1, dtype=torch.int32, device=device)
+        self.keep = torch.arange(max_bucket, dtype=torch.long, device=device)
+        empty = DecodeStep(
+            *(np.zeros(0, np.int64) for _ in range(3)), np.zeros((0, 0), np.int64), np.zeros(0, np.int64)
+        )
+        self.load(pad_step(empty, max_bucket, max_blocks, scratch_block, block_size))
 
     def view(self, bucket: int) -> dict[str, torch.Tensor]:
         """The first `bucket` rows of every buffer (views: same storage, what a graph is captured with)."""
@@ -110,6 +138,7 @@ class DecodeBuffers:
             block_tables=self.block_tables[:bucket],
             context_lens=self.context_lens[:bucket],
             cu_seqlens_q=self.cu_seqlens_q[: bucket + 1],
+            keep=self.keep[:bucket],
         )
 
     def load(self, padded: DecodeStep) -> None:
@@ -143,7 +172,7 @@ class DecodeGraphs:
             raise ValueError("no buckets: --cuda-graphs 0 disables graphs")
         self.buckets, self.max_blocks = buckets, max_blocks
         self.scratch_block, self.block_size = scratch_block, block_size
-        self.buffers = DecodeBuffers(max(buckets), max_blocks, torch.device(device))
+        self.buffers = DecodeBuffers(max(buckets), max_blocks, torch.device(device), scratch_block, block_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -173,3 +202,98 @@ class DecodeGraphs:
         self.buffers.load(pad_step(step, bucket, self.max_blocks, self.scratch_block, self.block_size))
         self.graphs[bucket].replay()
         return self.outputs[bucket][: step.rows]
+
+
+# (input_ids, position_ids, keep, paged) → logits [kept, vocab]: the runner's eager packed forward
+PackedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedBatch], torch.Tensor]
+
+
+def scratch_blocks(cuda_graphs: tuple[int, ...] | bool, device: torch.device) -> int:
+    """KV blocks the runner allocates past the scheduler's for the graphs' padded rows: 1 with graphs asked for
+    on CUDA, else 0."""
+    return int(bool(cuda_graphs) and torch.device(device).type == "cuda")
+
+
+class RunnerGraphs:
+    """The runner's side of decode graphs: `step(batch)` replays a pure-decode step's bucket (capturing every
+    bucket on the first such step) and returns its logits, or None for the runner to run the step eagerly.
+
+    The first replay is checked against the eager forward of the same step (the same K/V are written again, the
+    same values); a capture that fails or disagrees turns graphs off for good, with a warning, and the server runs
+    on eagerly. Needs CUDA and the Triton attention backend (`build` says why not otherwise).
+    """
+
+    def __init__(
+        self,
+        buckets: tuple[int, ...],
+        forward: PackedForward,
+        kv_cache: list,
+        kv_flat: list | None,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.forward, self.kv_cache, self.kv_flat, self.block_size = forward, kv_cache, kv_flat, block_size
+        # a row never holds more blocks than the scheduler has; the scratch block is the one past them
+        self.graphs = DecodeGraphs(buckets, num_blocks, num_blocks, block_size, device)
+        self.state = "pending"  # "pending" capture, "on", or "off" (a failed capture or check)
+
+    def _captured_forward(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
+        bucket = views["input_ids"].shape[0]
+        paged = PagedBatch(
+            kv_cache=self.kv_cache,
+            kv_flat=self.kv_flat,
+            slot_mapping=views["slot_mapping"],
+            cu_seqlens_q=views["cu_seqlens_q"],
+            context_lens=views["context_lens"],
+            block_tables=views["block_tables"],
+            block_size=self.block_size,
+            host_cu=np.arange(bucket + 1),  # one query per row: what the Triton launch sizes its tiles by
+            backend="triton",
+        )
+        return self.forward(views["input_ids"], views["positions"], views["keep"], paged)
+
+    def step(self, batch: Batch) -> torch.Tensor | None:
+        if self.state == "off":
+            return None
+        step = decode_step(batch)
+        if step is None or bucket_for(step.rows, self.graphs.buckets) is None:
+            return None
+        if self.state == "on":
+            return self.graphs.run(step)
+        try:
+            self.graphs.capture(self._captured_forward)
+            logits = self.graphs.run(step)
+            eager = self.forward(batch.input_ids, batch.position_ids, batch.keep, batch.paged)
+            same = logits is not None and torch.allclose(logits.float(), eager.float(), rtol=1e-3, atol=1e-3)
+        except Exception as e:  # noqa: BLE001 — any capture failure: run eagerly
+            log.warning("CUDA graphs off: capture failed (%s: %s)", type(e).__name__, e)
+            self.state, self.graphs.graphs = "off", {}
+            return None
+        if not same:
+            log.warning("CUDA graphs off: the first replay disagrees with the eager forward")
+            self.state, self.graphs.graphs = "off", {}
+            return eager
+        self.state = "on"
+        return logits
+
+
+def build(
+    cuda_graphs: tuple[int, ...] | bool,
+    forward: PackedForward,
+    kv_cache: list,
+    kv_flat: list | None,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    attention: str,
+) -> tuple[RunnerGraphs | None, str]:
+    """The runner's decode graphs, or None and why (True: TGI's default buckets)."""
+    buckets = DEFAULT_BUCKETS if cuda_graphs is True else tuple(sorted(set(cuda_graphs or ())))
+    if not buckets:
+        return None, "no --cuda-graphs buckets"
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return None, "CUDA graphs need CUDA"
+    if attention != "triton":
+        return None, f"CUDA graphs need the triton attention backend, not {attention!r}"
+    return RunnerGraphs(buckets, forward, kv_cache, kv_flat, num_blocks, block_size, device), ""

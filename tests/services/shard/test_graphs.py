@@ -1,6 +1,7 @@
 """The decode-graph buckets and padding (services/shard/graphs.py), on CPU: TGI's `--cuda-graphs` semantics, the
 bucket a step runs in, fixed shapes, and that padded rows write and read the scratch block only (a simulated KV
-write leaves every real slot as it was). The capture and replay themselves need CUDA (scripts/gpu_check.py)."""
+write, then a real decode step of the tiny model run padded: same logits, real KV slots as unpadded). The capture
+and replay themselves need CUDA (scripts/gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,22 @@ import numpy as np
 import pytest
 import torch
 
+from bench.engine import Engine, request
+from services.shard.attention.paged import PagedBatch
 from services.shard.graphs import (
     DEFAULT_BUCKETS,
     DecodeBuffers,
     DecodeGraphs,
     DecodeStep,
     bucket_for,
+    build,
+    decode_step,
     pad_step,
     parse_buckets,
     pure_decode,
 )
+from services.shard.model_runner import ModelRunner
+from tests.tiny_models import prompts_for
 
 BS, BLOCKS = 4, 10  # block size; the scheduler's blocks (the scratch block is block 10)
 
@@ -98,7 +105,7 @@ def test_padded_rows_cannot_touch_real_kv():
 
 
 def test_buffers_load_in_place():
-    buffers = DecodeBuffers(max_bucket=8, max_blocks=4, device=torch.device("cpu"))
+    buffers = DecodeBuffers(8, 4, torch.device("cpu"), scratch_block=BLOCKS, block_size=BS)
     addresses = {k: v.data_ptr() for k, v in buffers.view(8).items()}
     for rows, bucket in ((3, 4), (5, 8), (1, 1)):
         step = _step(rows, seed=rows)
@@ -118,3 +125,65 @@ def test_graphs_refuse_without_cuda():
         pytest.skip("a CUDA machine: capture is scripts/gpu_check.py's to test")
     with pytest.raises(RuntimeError):
         DecodeGraphs((1, 2), 4, BLOCKS, BS, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert build(True, None, [], None, BLOCKS, BS, cpu, "torch") == (None, "CUDA graphs need CUDA")
+    assert build((), None, [], None, BLOCKS, BS, cpu, "triton")[0] is None
+
+
+def test_fresh_buffers_are_padding():
+    """Before any step is loaded (a capture's warm-up) every row writes the scratch block only."""
+    buffers = DecodeBuffers(8, 4, torch.device("cpu"), scratch_block=BLOCKS, block_size=BS)
+    assert (buffers.slot_mapping == BLOCKS * BS).all() and (buffers.block_tables[:, 0] == BLOCKS).all()
+    assert (buffers.block_tables[:, 1:] == -1).all() and (buffers.context_lens == 0).all()
+
+
+def test_a_padded_decode_step_on_the_model(tiny_dirs):
+    """A real decode step of 3 rows from the runner, padded to a bucket of 4 and run eagerly on CPU (the torch
+    attention over the padded metadata, as a graph would replay it): the real rows' logits are the unpadded step's,
+    and the KV cache differs from the unpadded run's in the scratch block only."""
+    model_dir = tiny_dirs["llama"]
+    runner = ModelRunner(str(model_dir), num_blocks=32, block_size=4)
+    assert runner.walk is not None
+    scratch = 31  # the requests below take far fewer blocks: block 31 stays the scheduler's last, unused
+    eager_forward, checked = runner._forward, []
+
+    def forward(batch):
+        step = decode_step(batch)
+        if step is None or step.rows != 3 or checked:
+            return eager_forward(batch)
+        assert (step.block_tables < scratch).all()
+        assert np.array_equal(step.slot_mapping, batch.paged.slot_mapping.numpy())
+        assert np.array_equal(step.positions, batch.position_ids.numpy())
+        before = [(k.clone(), v.clone()) for k, v in runner.kv_cache]
+        padded = pad_step(step, 4, max_blocks=8, scratch_block=scratch, block_size=4)
+        paged = PagedBatch(
+            kv_cache=runner.kv_cache,
+            kv_flat=runner.kv_flat,
+            slot_mapping=torch.from_numpy(padded.slot_mapping),
+            cu_seqlens_q=torch.arange(5, dtype=torch.int32),
+            context_lens=torch.from_numpy(padded.context_lens.astype(np.int32)),
+            block_tables=torch.from_numpy(padded.block_tables.astype(np.int32)),
+            block_size=4,
+            host_cu=np.arange(5),
+            host_context=padded.context_lens,
+            host_tables=padded.block_tables,
+        )
+        ids, pos = torch.from_numpy(padded.input_ids), torch.from_numpy(padded.positions)
+        got = runner.walk.forward(ids, pos, torch.arange(4), paged)  # the runner's eager forward (forward_packed)
+        after_padded = [(k.clone(), v.clone()) for k, v in runner.kv_cache]
+        for (k0, v0), (k1, v1) in zip(before, runner.kv_cache):  # eager from the same cache
+            k1.copy_(k0), v1.copy_(v0)
+        want = eager_forward(batch)
+        torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+        for (kp, vp), (ke, ve), (k0, _) in zip(after_padded, runner.kv_cache, before):
+            torch.testing.assert_close(kp[:, :scratch], ke[:, :scratch], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(vp[:, :scratch], ve[:, :scratch], rtol=1e-6, atol=1e-6)
+            assert not torch.equal(kp[:, scratch], k0[:, scratch])  # the padded row wrote its K there
+        checked.append(True)
+        return want
+
+    runner._forward = forward
+    prompts = prompts_for(model_dir)
+    arrivals = {0: [request(str(i), prompts[i][:9], 3) for i in range(3)]}
+    got = Engine.build(runner, model_dir).run(arrivals)
+    assert checked and all(len(out.tokens) == 3 for out in got.values())
