@@ -33,7 +33,8 @@ def warp_all(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
         # TopKLogitsWarper: drop scores strictly below the k-th largest (ties at the k-th survive)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
         k = top_k.clamp(1, scores.shape[-1])
-        kth = torch.topk(scores, int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
+        widest = min(max(max(p.top_k for p in params), 1), scores.shape[-1])  # k.max(), without a device sync
+        kth = torch.topk(scores, widest, dim=-1).values.gather(-1, (k - 1)[:, None])
         scores = scores.masked_fill((scores < kth) & (top_k > 0)[:, None], float("-inf"))
 
     if any(p.top_p < 1.0 for p in params):
