@@ -35,7 +35,7 @@ from services.shard.verify import PickGenerators, accept, expand_picks, kept_pos
 class ModelRunner:
     def __init__(
         self,
-        model_dir: str,
+        model_dir: str | None,
         *,
         num_blocks: int,
         block_size: int = 16,
@@ -54,6 +54,7 @@ class ModelRunner:
         grammar_fill: str = "ahead",  # where structured output's masks are filled: "ahead" or "inline" (Settings)
         device_sampling: bool | None = None,  # one counter-keyed draw for all rows (sampling/counter.py); None: on CUDA
         kv_prefault: bool = False,  # the KV cache touched at start, resident from the start (Settings.kv_prefault)
+        model: torch.nn.Module | None = None,  # built in memory (from_config); model_dir: its tokenizer, or None
     ) -> None:
         self.device = torch.device(device)
         self.block_size = block_size
@@ -66,7 +67,9 @@ class ModelRunner:
         kwargs = {} if tp == 1 else {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp)}
         # quantized linears replace the dense ones before use_onednn, which then only packs what stayed dense
         load_kwargs = dict(dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
-        if quantize:
+        if model is not None:
+            self.model = model
+        elif quantize:
             self.model = quantized_from_pretrained(model_dir, quantize, **load_kwargs)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs)
@@ -97,8 +100,36 @@ class ModelRunner:
         self.seqs: dict[int, SequenceState] = {}
         self.timings: dict[str, float] | None = None  # a profiler's dict: seconds per part of every step, summed
         self._pick_pool = PickGenerators(self.device)
-        eos_ids = model_store.model_info(model_dir)["eos_token_ids"]
-        self.grammars = ShardGrammars(model_dir, eos_ids, grammar, fill=grammar_fill)
+        eos_ids = model_store.model_info(model_dir)["eos_token_ids"] if model is None else config_eos_ids(cfg)
+        # grammar needs the tokenizer's folder: an in-memory model without one serves no structured output
+        self.grammars = ShardGrammars(model_dir or "", eos_ids, grammar and bool(model_dir), fill=grammar_fill)
+
+    @classmethod
+    def from_config(
+        cls,
+        config,
+        *,
+        num_blocks: int,
+        tokenizer_dir: str | None = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        **kwargs,
+    ) -> ModelRunner:
+        """A runner over a model built in memory from a transformers `config`, with the random weights its
+        architecture initializes from `seed`: an 8B-shaped model for a benchmark or the device check, no download.
+
+        The weights are made on `device` itself (its torch.device context), so a GPU's gigabytes of them never
+        pass through host memory. `tokenizer_dir`: a folder whose tokenizer.json serves structured output (none:
+        grammar off). One device only (no tensor parallelism); `kwargs` are __init__'s. The server never builds
+        one: it loads a folder (__init__).
+        """
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise ValueError("a model built in memory runs on one device (no tensor parallelism)")
+        torch.manual_seed(seed)  # seeds every device: the same seed on the same device gives the same weights
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        return cls(tokenizer_dir, num_blocks=num_blocks, dtype=dtype, device=device, model=model, **kwargs)
 
     # ---------------------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -333,6 +364,12 @@ class ModelRunner:
         result.prompt_seqs = batch.seqs[batch.prompt_rows].astype(np.int32)
         result.prompt_counts = (cu[1:] - cu[:-1])[batch.prompt_rows].astype(np.int32)
         result.prompt_logprobs = torch.cat(runs).cpu().numpy().astype(np.float32)
+
+
+def config_eos_ids(config) -> list[int]:
+    """The EOS ids a transformers config names (one id, a list of them, or none)."""
+    eos = getattr(config, "eos_token_id", None)
+    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
 def draw_seed(seed: int, position: int) -> int:
