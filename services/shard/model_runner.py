@@ -19,7 +19,7 @@ from transformers.distributed import DistributedConfig
 
 from libs.protocol.step_messages import StepPlan, StepResult
 from libs.runtime import model_store
-from services.shard.attention.paged import ATTN_IMPLEMENTATION, PagedBatch, allocate_pages
+from services.shard.attention.paged import ATTN_IMPLEMENTATION, PagedBatch, allocate_pages, attention_backend
 from services.shard.grammar.runner import ShardGrammars
 from services.shard.lora.registry import LoraRegistry
 from services.shard.model import decoder_walk as walk_module
@@ -54,6 +54,7 @@ class ModelRunner:
         grammar_fill: str = "ahead",  # where structured output's masks are filled: "ahead" or "inline" (Settings)
         device_sampling: bool | None = None,  # one counter-keyed draw for all rows (sampling/counter.py); None: on CUDA
         kv_prefault: bool = False,  # the KV cache touched at start, resident from the start (Settings.kv_prefault)
+        attention: str = "auto",  # "torch", "triton" or "auto": triton on CUDA where it imports (attention_backend)
         model: torch.nn.Module | None = None,  # built in memory (from_config); model_dir: its tokenizer, or None
     ) -> None:
         self.device = torch.device(device)
@@ -97,6 +98,7 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (self.num_kv_heads, num_blocks, block_size, self.head_dim)
         self.kv_cache, self.kv_flat = allocate_pages(self.num_layers, shape, dtype, self.device, kv_prefault)
+        self.attention = attention_backend(attention, self.device)
         self.seqs: dict[int, SequenceState] = {}
         self.timings: dict[str, float] | None = None  # a profiler's dict: seconds per part of every step, summed
         self._pick_pool = PickGenerators(self.device)
@@ -255,6 +257,7 @@ class ModelRunner:
             host_cu=cu,
             host_context=context_lens,
             host_tables=tables,
+            backend=self.attention,
         )
         # rows still in their prompt that report prompt logprobs need the LM head on every fed position
         prompt_rows = [i for i, st in enumerate(states) if st.prefilling and st.sampling.prompt_logprobs]

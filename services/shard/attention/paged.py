@@ -7,7 +7,8 @@ D] by one `index_copy_`; each row attends over its own context, gathered from it
 math, so float32 output matches `generate()` token for token. Rows are bucketed into groups of similar (query,
 key) lengths, one batched matmul each (padding masked; one-query rows apart), whose gather indices and masks are
 built once per step and window and shared by every layer; GQA folds the heads sharing a KV head into the query
-dimension. Long prefill rows run tiled (services/shard/attention/tiled.py). docs/attention.md tells why.
+dimension. Long prefill rows run tiled (services/shard/attention/tiled.py). docs/attention.md tells why. This is the
+reference path; a PagedBatch whose `backend` is "triton" hands each layer to services/shard/attention/triton.py.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class PagedBatch:
     host_tables: np.ndarray = None  # [rows, max_blocks] int64, padded with -1
     # per layer (K, V) as [kv_heads, slots, D] views (None: formed per call); the runner forms them once at load
     kv_flat: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    backend: str = "torch"  # "torch": the ops below (the reference); "triton": services/shard/attention/triton.py
     _groups: dict = field(default_factory=dict)  # sliding window (0 = none) -> (groups, tiled rows)
 
     def plan(self, window: int, device: torch.device) -> tuple[list[_Group], list[TiledRow]]:
@@ -203,6 +205,25 @@ def attend_layer(
 ) -> torch.Tensor:
     """One layer's attention over the packed batch, [T, heads, D]: the new K/V into the pages, then every row
     over its context (the decoder walk calls this directly; transformers' models through `paged_attention`)."""
+    if paged.backend == "triton":
+        from services.shard.attention.triton import attend_layer_triton  # imports triton: only for this backend
+
+        return attend_layer_triton(layer, query, key, value, paged, scaling, softcap, window)
+    write_kv(layer, key, value, paged)
+    k_cache, v_cache = paged.kv_cache[layer]
+    groups, tiled = paged.plan(window, query.device)
+    out = None
+    if groups:
+        out = attend(query, k_cache, v_cache, groups, scaling, softcap)
+    if tiled:
+        if out is None:
+            out = query.new_empty(query.shape)
+        attend_tiled(query.transpose(0, 1), k_cache, v_cache, tiled, out, scaling, softcap, window)
+    return out
+
+
+def write_kv(layer: int, key: torch.Tensor, value: torch.Tensor, paged: PagedBatch) -> None:
+    """The step's new K/V ([T, kv_heads, D] each) into layer `layer`'s pages, at `paged.slot_mapping`."""
     k_cache, v_cache = paged.kv_cache[layer]
     if paged.kv_flat is not None:
         k_flat, v_flat = paged.kv_flat[layer]
@@ -213,15 +234,20 @@ def attend_layer(
     # [kv_heads, T, D] into the flat slots
     k_flat.index_copy_(1, paged.slot_mapping, key.transpose(0, 1))
     v_flat.index_copy_(1, paged.slot_mapping, value.transpose(0, 1))
-    groups, tiled = paged.plan(window, query.device)
-    out = None
-    if groups:
-        out = attend(query, k_cache, v_cache, groups, scaling, softcap)
-    if tiled:
-        if out is None:
-            out = query.new_empty(query.shape)
-        attend_tiled(query.transpose(0, 1), k_cache, v_cache, tiled, out, scaling, softcap, window)
-    return out
+
+
+def attention_backend(choice: str, device: torch.device) -> str:
+    """The attention backend for ModelRunner's `attention` setting: "torch" or "triton" as given; "auto" is triton
+    on CUDA where triton imports, else torch."""
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention must be auto, torch or triton, not {choice!r}")
+    if choice != "auto" or torch.device(device).type != "cuda":
+        return "torch" if choice == "auto" else choice
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
 
 
 def attend(
