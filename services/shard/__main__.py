@@ -58,6 +58,7 @@ class ShardService:
                 decoder_walk=settings.decoder_walk,
                 grammar_fill=settings.grammar_fill,
                 kv_prefault=settings.kv_prefault,
+                cuda_graphs=tuple(int(b) for b in settings.cuda_graphs.split(",") if b),  # on CUDA only
             )
         except Exception:
             logging.getLogger(f"switchyard.{ROLE}").exception("cannot load the model from %s", settings.model_path)

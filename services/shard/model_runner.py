@@ -19,6 +19,7 @@ from transformers.distributed import DistributedConfig
 
 from libs.protocol.step_messages import StepPlan, StepResult
 from libs.runtime import model_store
+from services.shard import graphs as graphs_module
 from services.shard.attention.paged import ATTN_IMPLEMENTATION, PagedBatch, allocate_pages, attention_backend
 from services.shard.grammar.runner import ShardGrammars
 from services.shard.lora.registry import LoraRegistry
@@ -53,6 +54,7 @@ class ModelRunner:
         decoder_walk: bool = True,  # the direct decoder walk where the architecture has one (model/decoder_walk.py)
         grammar_fill: str = "ahead",  # where structured output's masks are filled: "ahead" or "inline" (Settings)
         device_sampling: bool | None = None,  # one counter-keyed draw for all rows (sampling/counter.py); None: on CUDA
+        cuda_graphs: tuple[int, ...] | bool = (),  # decode buckets replayed as CUDA graphs (graphs.py); True: TGI's
         kv_prefault: bool = False,  # the KV cache touched at start, resident from the start (Settings.kv_prefault)
         attention: str = "auto",  # "torch", "triton" or "auto": triton on CUDA where it imports (attention_backend)
         model: torch.nn.Module | None = None,  # built in memory (from_config); model_dir: its tokenizer, or None
@@ -96,9 +98,26 @@ class ModelRunner:
             )
         self.num_kv_heads //= tp  # this rank's share: the attention function sees only its heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (self.num_kv_heads, num_blocks, block_size, self.head_dim)
+        # with CUDA graphs, one block past the scheduler's: the padded rows' scratch block
+        shape = (
+            self.num_kv_heads,
+            num_blocks + graphs_module.scratch_blocks(cuda_graphs, self.device),
+            block_size,
+            self.head_dim,
+        )
         self.kv_cache, self.kv_flat = allocate_pages(self.num_layers, shape, dtype, self.device, kv_prefault)
         self.attention = attention_backend(attention, self.device)
+        # pure-decode steps replayed as CUDA graphs, or None and why (services/shard/graphs.py)
+        self.graphs, self.graphs_reason = graphs_module.build(
+            cuda_graphs,
+            self.forward_packed,
+            self.kv_cache,
+            self.kv_flat,
+            num_blocks,
+            block_size,
+            self.device,
+            self.attention,
+        )
         self.seqs: dict[int, SequenceState] = {}
         self.timings: dict[str, float] | None = None  # a profiler's dict: seconds per part of every step, summed
         self._pick_pool = PickGenerators(self.device)
@@ -287,11 +306,24 @@ class ModelRunner:
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         """One forward over every row; the logits of the kept positions only, [kept, vocab]."""
+        if self.graphs is not None:  # a pure-decode step in a bucket: its graph's replay (None: run it eagerly)
+            logits = self.graphs.step(batch)
+            if logits is not None:
+                return logits
+        return self.forward_packed(batch.input_ids, batch.position_ids, batch.keep, batch.paged)
+
+    def forward_packed(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor, paged: PagedBatch
+    ) -> torch.Tensor:
+        """The eager forward of a packed step ([T] ids and positions): the decoder walk's or transformers'."""
         if self.walk is not None:
-            return self.walk.forward(batch.input_ids, batch.position_ids, batch.keep, batch.paged)
-        ids, pos, keep = batch.input_ids[None], batch.position_ids[None], batch.keep
+            return self.walk.forward(input_ids, position_ids, keep, paged)
         return self.model(
-            input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, paged=batch.paged
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
+            use_cache=False,
+            logits_to_keep=keep,
+            paged=paged,
         ).logits[0]
 
     def _sample(self, batch: Batch, logits: torch.Tensor, result: StepResult) -> Choice:

@@ -187,3 +187,10 @@ def test_a_padded_decode_step_on_the_model(tiny_dirs):
     arrivals = {0: [request(str(i), prompts[i][:9], 3) for i in range(3)]}
     got = Engine.build(runner, model_dir).run(arrivals)
     assert checked and all(len(out.tokens) == 3 for out in got.values())
+
+
+def test_runner_graphs_stay_off_on_cpu(tiny_dirs):
+    """ModelRunner(cuda_graphs=...) on CPU: no graphs, no scratch block, the eager forward as ever."""
+    runner = ModelRunner(str(tiny_dirs["llama"]), num_blocks=8, block_size=4, cuda_graphs=True)
+    assert runner.graphs is None and runner.graphs_reason == "CUDA graphs need CUDA"
+    assert runner.kv_cache[0][0].shape[1] == 8
