@@ -137,10 +137,10 @@ def _paged_attention_kernel(
             if WINDOW:
                 visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row that sees nothing yet: no NaN
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # stays -inf while a query has seen no key
+            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # what exp subtracts: never -inf - -inf (NaN)
+            alpha = tl.exp(m_i - m_ref)
+            p = tl.exp(s - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new

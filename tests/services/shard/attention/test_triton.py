@@ -151,6 +151,18 @@ def test_dispatches_on_the_backend_and_handles_page_size_16():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_scores_far_below_zero_after_keys_a_query_cannot_see():
+    """A sliding window over a tall tile: a later query sees none of the first key tile, then only scores far
+    below zero (exp(s) would underflow against a stand-in maximum of 0); its softmax must still be its own."""
+    make, total = _batch([60], [0], kv_heads=4, head_dim=64, block_size=4, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(total, 4, 64, generator=gen)
+    key, value = (torch.randn(total, 4, 64, generator=gen) for _ in "kv")
+    want = paged.attend_layer(0, query, key, value, make("torch"), 40.0, None, 5)
+    got = paged.attend_layer(0, query, key, value, make("triton"), 40.0, None, 5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_backend_choice():
     assert paged.attention_backend("auto", torch.device("cpu")) == "torch"
     assert paged.attention_backend("triton", torch.device("cpu")) == "triton"
