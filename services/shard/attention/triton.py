@@ -8,7 +8,9 @@ find their row by a binary search over cu_seqlens_q, so the grid depends only on
 host copies. Query i of a row sits at position context_len + i and sees keys at positions <= its own and, on a
 sliding-window layer, > position - window (masking_utils' convention, as the torch path); a soft-cap applies
 tanh(s / cap) * cap before the mask. Softmax is online, in float32; float32 inputs use IEEE dots, so the output
-matches the torch path to rounding. This module imports triton: paged.py loads it only for the triton backend.
+matches the torch path to rounding. Few one-tile rows over long contexts split their keys into segments (split-KV,
+a third grid axis), whose partial softmaxes a second kernel combines (`split_segments` decides, from host copies
+only). This module imports triton: paged.py loads it only for the triton backend.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from services.shard.attention.paged import PagedBatch, write_kv
 
 # Keys per inner tile (a tile may span several pages: each key finds its page through the block table).
 BLOCK_N = 32
+# Split-KV (few rows over long contexts): a launch of fewer programs than SPLIT_PROGRAMS (a GPU's SMs, twice over)
+# splits each row's keys into up to MAX_SEGMENTS segments of at least SPLIT_MIN_KEYS keys; a second kernel combines.
+SPLIT_PROGRAMS = 256
+SPLIT_MIN_KEYS = 512
+MAX_SEGMENTS = 16
 
 
 @triton.jit
@@ -56,6 +63,9 @@ def _paged_attention_kernel(
     k_ptr,  # [kv_heads, blocks, block_size, D]
     v_ptr,
     out_ptr,  # [T, heads, D]
+    part_m_ptr,  # SEGMENTS > 1: [T, heads, SEGMENTS] float32, each segment's running maximum (unused otherwise)
+    part_l_ptr,  # ... its sum of exponentials
+    part_acc_ptr,  # ... [T, heads, SEGMENTS, HEAD_DIM] float32, its unnormalized output
     cu_ptr,  # [rows + 1] int32
     ctx_ptr,  # [rows] int32
     tables_ptr,  # [rows, max_blocks] int32
@@ -84,6 +94,7 @@ def _paged_attention_kernel(
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    SEGMENTS: tl.constexpr,  # 1: the output itself; > 1: this program's share of the keys, into the partials
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -110,6 +121,10 @@ def _paged_attention_kernel(
         k_start = 0
         if WINDOW:
             k_start = tl.maximum(0, context + tile * BLOCK_Q - window + 1)
+        if SEGMENTS > 1:  # split-KV: segment s of SEGMENTS takes its run of whole key tiles
+            seg_len = tl.cdiv(tl.cdiv(k_end - k_start, SEGMENTS), BLOCK_N) * BLOCK_N
+            k_start = k_start + tl.program_id(2) * seg_len
+            k_end = tl.minimum(k_start + seg_len, k_end)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -145,10 +160,46 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
-        l_i = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / l_i[:, None]
-        o_off = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+        if SEGMENTS == 1:
+            l_i = tl.where(l_i > 0, l_i, 1.0)
+            out = acc / l_i[:, None]
+            o_off = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
+            tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+        else:
+            part = (token * (N_REP * tl.num_programs(1)) + head) * SEGMENTS + tl.program_id(2)
+            tl.store(part_m_ptr + part, m_i, mask=m_valid)
+            tl.store(part_l_ptr + part, l_i, mask=m_valid)
+            a_off = part[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.store(part_acc_ptr + a_off, acc, mask=m_valid[:, None] & d_valid[None, :])
+
+
+@triton.jit
+def _combine_segments_kernel(
+    out_ptr,  # [T, heads, D]
+    part_m_ptr,  # [T, heads, SEGMENTS]
+    part_l_ptr,
+    part_acc_ptr,  # [T, heads, SEGMENTS, HEAD_DIM]
+    heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SEGMENTS: tl.constexpr,
+):
+    """One (token, head): the segments' partial softmaxes rescaled to their common maximum and summed."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (token * heads + head) * SEGMENTS + tl.arange(0, SEGMENTS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    m = tl.load(part_m_ptr + part)  # -inf: a segment with no key this query sees
+    l_s = tl.load(part_l_ptr + part)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp(m - tl.where(m_max > float("-inf"), m_max, 0.0))
+    total = tl.sum(w * l_s, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+    o_off = token * stride_ot + head.to(tl.int64) * stride_oh + offs_d
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 def attend_layer_triton(
@@ -161,8 +212,10 @@ def attend_layer_triton(
     softcap: float | None,
     window: int,  # 0: full attention
     out: torch.Tensor | None = None,  # [T, heads, D], contiguous in D; None: allocated
+    segments: int | None = None,  # split-KV segments, a power of two (None: `split_segments` chooses)
 ) -> torch.Tensor:
-    """`attend_layer` by the Triton kernel: the new K/V into the pages, then one launch for every row."""
+    """`attend_layer` by the Triton kernel: the new K/V into the pages, then one launch for every row (with
+    split-KV, a second one that combines the segments)."""
     write_kv(layer, key, value, paged)
     k_cache, v_cache = paged.kv_cache[layer]
     total, heads, head_dim = query.shape
@@ -181,13 +234,22 @@ def attend_layer_triton(
     block_m = 16 if longest * n_rep <= 16 else (64 if head_pad <= 128 else 32)
     block_m = max(block_m, triton.next_power_of_2(n_rep))
     block_q = block_m // n_rep
-    grid = (total // block_q + rows, kv_heads)
+    if segments is None:
+        segments = split_segments(paged, rows * kv_heads if longest <= block_q else None)
+    grid = (total // block_q + rows, kv_heads, segments)
     fp32 = query.dtype == torch.float32
+    part_m = part_l = part_acc = out  # placeholders: read only with SEGMENTS > 1
+    if segments > 1:
+        part_m, part_l = (torch.empty(total, heads, segments, dtype=torch.float32, device=query.device) for _ in "ml")
+        part_acc = torch.empty(total, heads, segments, head_dim, dtype=torch.float32, device=query.device)
     _paged_attention_kernel[grid](
         query,
         k_cache,
         v_cache,
         out,
+        part_m,
+        part_l,
+        part_acc,
         paged.cu_seqlens_q,
         paged.context_lens,
         paged.block_tables,
@@ -216,5 +278,32 @@ def attend_layer_triton(
         SOFTCAP=bool(softcap),
         WINDOW=bool(window),
         PRECISION="ieee" if fp32 else "tf32",
+        SEGMENTS=segments,
     )
+    if segments > 1:
+        _combine_segments_kernel[(total, heads)](
+            out,
+            part_m,
+            part_l,
+            part_acc,
+            heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+            SEGMENTS=segments,
+        )
     return out
+
+
+def split_segments(paged: PagedBatch, programs: int | None) -> int:
+    """Split-KV segments for a launch of `programs` (None: rows of more than one query tile, never split): more
+    while the launch is smaller than SPLIT_PROGRAMS and every segment keeps SPLIT_MIN_KEYS keys of the longest
+    row. Needs the host copy of the context lengths (a captured graph has none: one segment)."""
+    if programs is None or paged.host_context is None or paged.host_cu is None:
+        return 1
+    longest = int((paged.host_context + paged.host_cu[1:] - paged.host_cu[:-1]).max())
+    segments = 1
+    while segments < MAX_SEGMENTS and programs * segments < SPLIT_PROGRAMS and longest >= 2 * segments * SPLIT_MIN_KEYS:
+        segments *= 2
+    return segments

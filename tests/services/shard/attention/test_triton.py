@@ -70,6 +70,7 @@ def _interpreter_shims() -> None:
 
 _interpreter_shims()
 
+from services.shard.attention import triton as triton_kernel  # noqa: E402
 from services.shard.attention.triton import attend_layer_triton  # noqa: E402
 
 
@@ -139,6 +140,33 @@ def test_matches_the_torch_path(shape, mask, dtype):
         assert torch.equal(k_want, k_got) and torch.equal(v_want, v_got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"cap{m[0]}-win{m[1]}")
+def test_split_kv_matches_the_torch_path(mask, dtype):
+    """Segments of the keys, each its own program, combined by a second kernel: decodes over long contexts (several
+    key tiles a segment, some segments empty under a window) beside a short prefill chunk."""
+    softcap, window = mask
+    make, total = _batch([1, 1, 9, 1], [150, 301, 20, 70], kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    gen = torch.Generator().manual_seed(4)
+    query = torch.randn(total, 8, 64, generator=gen).to(dtype)
+    key, value = (torch.randn(total, 2, 64, generator=gen).to(dtype) for _ in "kv")
+    want = paged.attend_layer(0, query, key, value, make("torch"), 0.125, softcap, window)
+    out = torch.full((total, 8, 64), float("nan"), dtype=dtype)
+    got = attend_layer_triton(0, query, key, value, make("triton"), 0.125, softcap, window, out=out, segments=4)
+    assert not got.isnan().any()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_split_kv_only_for_few_one_tile_rows_over_long_contexts():
+    make, _ = _batch([1, 1], [5000, 40], kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32)
+    assert triton_kernel.split_segments(make("triton"), 4) == 8  # segments of at least SPLIT_MIN_KEYS (512) keys
+    assert triton_kernel.split_segments(make("triton"), None) == 1  # rows of several query tiles
+    assert triton_kernel.split_segments(make("triton"), triton_kernel.SPLIT_PROGRAMS) == 1  # a full launch
+    short, _ = _batch([1, 1], [700, 40], kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32)
+    assert triton_kernel.split_segments(short("triton"), 4) == 1  # segments would hold too few keys
+
+
 def test_dispatches_on_the_backend_and_handles_page_size_16():
     """attend_layer runs the kernel for backend "triton"; pages of 16, one row much longer than the others."""
     # the 130-query row takes the torch path's tiled kernel (tiled.py), the others its grouped one
@@ -173,11 +201,9 @@ def test_backend_choice():
 def test_greedy_matches_generate_through_the_kernel(tiny_dirs, monkeypatch):
     """gemma2 (GQA, soft-cap, sliding and global layers) end to end with every layer's attention by the kernel: two
     prompts prefilled in one step, a third chunked beside their decodes, greedy-equal to transformers' generate()."""
-    from services.shard.attention import triton as kernel
-
     calls = []
-    launch = kernel.attend_layer_triton
-    monkeypatch.setattr(kernel, "attend_layer_triton", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    launch = triton_kernel.attend_layer_triton
+    monkeypatch.setattr(triton_kernel, "attend_layer_triton", lambda *a, **k: calls.append(1) or launch(*a, **k))
     model_dir = tiny_dirs["gemma2"]
     prompts = prompts_for(model_dir)
     runner = ModelRunner(str(model_dir), num_blocks=24, block_size=16, attention="triton")
