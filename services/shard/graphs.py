@@ -187,7 +187,8 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         for b in sorted(self.buckets, reverse=True):  # largest first: the smaller ones reuse its pool
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread-local: the grammar's mask worker may touch the device meanwhile, outside the captured stream
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self.outputs[b] = forward(self.buffers.view(b))
             if self.pool is None:
                 self.pool = graph.pool()
