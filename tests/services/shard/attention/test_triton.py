@@ -2,7 +2,7 @@
 
 TRITON_INTERPRET=1 is set before the kernel's module is imported (its functions are decorated as interpreted), so
 the kernel runs here without a GPU; the module is skipped only where triton is not installed. Three interpreter
-gaps are patched in the harness, not the kernel (`_interpreter_shims`): triton's own helpers decorated before the
+gaps are patched in the harness, not the kernel (tests/triton_interpreter.py): triton's own helpers decorated before the
 variable was set, int() of a scalar tensor under numpy 2.4, and dots of bfloat16 operands. Every case poisons the
 output with NaN first, so a query the kernel never writes fails; float32 must match the torch path to rounding,
 bf16 to bf16's precision, and the pages both paths write must be equal. One tiny model runs end to end with every
@@ -19,56 +19,16 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
 from bench.engine import Engine, request  # noqa: E402
 from services.shard.attention import paged  # noqa: E402
 from services.shard.model_runner import ModelRunner  # noqa: E402
 from tests.reference import reference_generate  # noqa: E402
 from tests.tiny_models import prompts_for  # noqa: E402
+from tests.triton_interpreter import install_interpreter_shims  # noqa: E402
 
-
-def _interpreter_shims() -> None:
-    """Three gaps of Triton 3.6's interpreter, patched here (the kernel itself is unchanged):
-    - triton is imported early (torch._dynamo, through transformers), before TRITON_INTERPRET is set, so its own
-      jit helpers (tl.zeros, tl.max, tl.sum) are compiled-mode functions, which refuse to be called: inside an
-      interpreted kernel they are interpreted too;
-    - it turns a scalar tensor into an int with int() of a shape-(1,) array, which numpy 2.4 refuses: `.item()`;
-    - its dot multiplies bfloat16 operands as their raw uint16 bits: they are widened to float32 first (exact; a
-      GPU's bf16 dot also accumulates in float32)."""
-    from triton.runtime import interpreter
-    from triton.runtime.jit import JITFunction
-
-    if getattr(interpreter, "switchyard_shims", False) or not hasattr(interpreter, "_patch_lang_tensor"):
-        return
-    patch_tensor, create_dot = interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot
-    interpreted = {}
-
-    def call_jit(self, *args, **kwargs):
-        if self.fn not in interpreted:
-            interpreted[self.fn] = interpreter.InterpretedFunction(self.fn)
-        return interpreted[self.fn](*args, **kwargs)
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    def widen(x):
-        if x.dtype.scalar != triton.language.bfloat16:
-            return x
-        data = interpreter._convert_float(x.data, x.dtype.scalar, triton.language.float32, None)
-        return interpreter.TensorHandle(data.view(np.float32), triton.language.float32)
-
-    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    JITFunction.__call__ = call_jit  # in compiled mode only called by mistake (it raises): harmless there
-    interpreter._patch_lang_tensor = patched_tensor
-    interpreter.InterpreterBuilder.create_dot = patched_dot
-    interpreter.switchyard_shims = True
-
-
-_interpreter_shims()
+install_interpreter_shims()
 
 from services.shard.attention import triton as triton_kernel  # noqa: E402
 from services.shard.attention.triton import attend_layer_triton  # noqa: E402
