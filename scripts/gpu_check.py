@@ -115,8 +115,12 @@ def triton_module():
         return None, f"services/shard/attention/triton.py not importable ({e})"
     if not hasattr(mod, "attend_layer_triton"):
         return None, "services/shard/attention/triton.py has no attend_layer_triton"
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return None, "needs CUDA, or TRITON_INTERPRET=1 on a CPU"
+    if not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return None, "needs CUDA, or TRITON_INTERPRET=1 on a CPU"
+        from tests.triton_interpreter import install_interpreter_shims  # the interpreter's gaps on a CPU
+
+        install_interpreter_shims()
     return mod, ""
 
 
@@ -329,16 +333,24 @@ def phase2(rep: Report, dev: torch.device, quick: bool, work: Path) -> None:
 
 
 def bf16_forced(rep, dev, arch, model_dir, prompts, expected, backends) -> None:
-    """bf16, teacher-forced: the runner's prompt logprobs of prompt + the float32 answer against transformers' own
-    bf16 eager forward over the same tokens (their log-softmax at each next token)."""
+    """bf16, teacher-forced: the runner's prompt logprobs of prompt + the float32 answer, measured against
+    transformers' float32 eager forward over the same tokens, and held to how far transformers' own bf16 eager
+    forward is from it (a kernel that rounds differently from eager's bf16 is as exact, not equal)."""
     seqs = [p + e for p, e in zip(prompts, expected)]
-    ref = reference_model(str(model_dir), dev, torch.bfloat16)
-    want = []
-    with torch.inference_mode():
-        for s in seqs:
-            ids = torch.tensor([s], device=dev)
-            lp = torch.log_softmax(ref(ids).logits[0, :-1].float(), -1)
-            want.append(lp.gather(1, ids[0, 1:, None])[:, 0].cpu().numpy())
+
+    def teacher_forced(dtype):
+        ref = reference_model(str(model_dir), dev, dtype)
+        out = []
+        with torch.inference_mode():
+            for s in seqs:
+                ids = torch.tensor([s], device=dev)
+                lp = torch.log_softmax(ref(ids).logits[0, :-1].float(), -1)
+                out.append(lp.gather(1, ids[0, 1:, None])[:, 0].cpu().numpy().astype(np.float64))
+        return out
+
+    want = teacher_forced(torch.float32)
+    eager = np.concatenate([np.abs(b - w) for b, w in zip(teacher_forced(torch.bfloat16), want)])
+    mean_limit, max_limit = 1.25 * float(eager.mean()) + 0.02, 2.0 * float(eager.max()) + 0.1
     for backend in backends:
         check = f"{arch} bf16 teacher-forced {backend}"
         try:
@@ -363,8 +375,11 @@ def bf16_forced(rep, dev, arch, model_dir, prompts, expected, backends) -> None:
             diffs.append(np.abs(got - w))
         d = np.concatenate(diffs)
         worst, mean = float(d.max()), float(d.mean())
-        ok = mean <= 0.05 and worst <= 0.5
-        detail = f"|Δ logprob| mean {mean:.3f} (≤ 0.05), max {worst:.3f} (≤ 0.5) over {len(d)} positions"
+        ok = mean <= mean_limit and worst <= max_limit
+        detail = (
+            f"|Δ logprob| from float32: mean {mean:.3f} (≤ {mean_limit:.3f}), max {worst:.3f} (≤ {max_limit:.3f}) "
+            f"over {len(d)} positions; eager bf16: mean {eager.mean():.3f}, max {eager.max():.3f}"
+        )
         rep.add(2, check, "ok" if ok else "fail", detail, mean_abs=mean, max_abs=worst)
 
 
