@@ -43,6 +43,7 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     tool_prompt: str | None = None  # TGI's tool_prompt (None or "": its default), appended to the last message
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     traceparent: str | None = None  # W3C trace context of the http span, continued by each hop
+    prompt_ids: list[int] | None = None  # a prompt given as token ids (OpenAI completions): used as is, not `inputs`
 
 
 class TokenizedRequest(Message, tag="tokenized", kw_only=True):

@@ -102,10 +102,10 @@ class Processor:
         # TGI applies the chat template before it validates anything (try_into_generate), so a template error
         # wins over every validation error of the same request.
         plan = self._tools(req)
-        text, special = self._prompt(req, plan)
+        text, special = self._prompt(req, plan) if req.prompt_ids is None else ("", False)
         validation.check_parameters(
             p,
-            inputs=text,
+            inputs=text if req.prompt_ids is None else "ids",  # ids: their emptiness is checked by _prompt_ids
             max_stop_sequences=s.max_stop_sequences,
             max_input_tokens=s.max_input_tokens,
             max_best_of=s.max_best_of,
@@ -113,7 +113,7 @@ class Processor:
             stream=req.stream,
         )
         adapter = validation.check_adapter(p.adapter_id, self.adapters.names(s.lora_names), s.model_id)
-        ids = self._encode(text, special).ids
+        ids = self._encode(text, special).ids if req.prompt_ids is None else self._prompt_ids(req.prompt_ids)
         resolved = validation.resolve(p, ids, max_input_tokens=s.max_input_tokens, max_total_tokens=s.max_total_tokens)
         checked = self._grammar(p.grammar, plan)  # TGI checks the grammar last
         return TokenizedRequest(
@@ -130,6 +130,18 @@ class Processor:
             grammar_kind=checked.kind if checked else "",
             adapter=adapter,
         )
+
+    def _prompt_ids(self, ids: list[int]) -> list[int]:
+        """A prompt given as token ids, used without re-tokenizing: each must be in the vocabulary."""
+        if not ids:
+            raise validation.ValidationError("`inputs` cannot be empty")
+        vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise validation.ValidationError(
+                f"token id {bad[0]} in `prompt` is out of the vocabulary (ids must be >= 0 and < {vocab})"
+            )
+        return list(ids)
 
     def _grammar(self, grammar, plan: ToolPlan) -> Checked | None:
         """The request's grammar, checked and compiled (ValidationError / ToolError with TGI's messages)."""

@@ -161,8 +161,24 @@ class ChatRequest(msgspec.Struct):
         return "".join(out)
 
 
+PromptObject = Annotated[
+    Any,
+    msgspec.Meta(
+        extra_json_schema={
+            "description": "A text, a list of texts, a list of token ids, or a list of lists of token ids",
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}},
+                {"type": "array", "items": {"type": "integer"}},
+                {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+            ],
+        }
+    ),
+]
+
+
 class CompletionRequest(msgspec.Struct):
-    prompt: str | list[str]
+    prompt: PromptObject  # str | list[str] | list[int] | list[list[int]] (see `prompts`)
     model: str | None = None  # as ChatRequest.model
     max_tokens: U32 | None = None
     temperature: float | None = None  # 0 = greedy
@@ -175,15 +191,38 @@ class CompletionRequest(msgspec.Struct):
     stop: str | list[str] | None = None
     echo: bool | None = None  # OpenAI's: the prompt is prepended to the text (TGI ignores it)
     response_format: GrammarObject | None = None  # as chat's (beyond TGI's completions)
+    logprobs: U32 | None = None  # OpenAI's legacy int: alternatives per token (see responses.completion_logprobs)
 
     def __post_init__(self):
         check_u64(self, "seed")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("Empty array detected. Do not use an empty array for the prompt.")
+        _prompt_shape(self.prompt)
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt per request: a text or a list of token ids."""
+        return _prompt_shape(self.prompt)
+
+
+def _prompt_shape(prompt: Any) -> list[str | list[int]]:
+    """The prompts of `prompt` (str | list[str] | list[int] | list[list[int]]); ValueError for another shape."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(_is_id(i) for i in prompt):
+        return [prompt]
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(p, list) and p and all(_is_id(i) for i in p) for p in prompt):
+        return prompt
+    raise ValueError(
+        "Expected `prompt` to be a string, a list of strings, a list of token ids or a list of lists of token ids "
+        "- at `$.prompt`"
+    )
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ---- request → TGI parameters -----------------------------------------------------------------
@@ -240,9 +279,12 @@ def chat_parameters(body: ChatRequest, model_id: str) -> Parameters:
 def completion_parameters(body: CompletionRequest, model_id: str) -> Parameters:
     do_sample, temperature = _sampling(body.temperature)
     # TGI also asks for decoder_input_details when not streaming, only to count prompt tokens from the
-    # prefill list; FinalInfo.input_length gives that count without the LM head over the whole prompt.
+    # prefill list; FinalInfo.input_length gives that count without the LM head over the whole prompt. Here it
+    # is asked for when the prompt's tokens are answered (completion_details).
     return Parameters(
-        max_new_tokens=body.max_tokens,
+        max_new_tokens=1 if body.max_tokens == 0 else body.max_tokens,  # 0: see prompt_only
+        decoder_input_details=completion_details(body),
+        top_n_tokens=body.logprobs,
         do_sample=do_sample,
         temperature=temperature,
         top_p=body.top_p,
@@ -255,3 +297,17 @@ def completion_parameters(body: CompletionRequest, model_id: str) -> Parameters:
         grammar=_format(body.response_format),
         adapter_id=adapter(body.model, model_id),
     )
+
+
+def prompt_only(body: CompletionRequest) -> bool:
+    """`max_tokens: 0`: only the prompt is answered (its echo and logprobs). One token is still generated (the
+    pipeline always samples after prefill) and the response leaves it out: text, logprobs and usage."""
+    return body.max_tokens == 0
+
+
+def completion_details(body: CompletionRequest) -> bool:
+    """Whether the prompt's tokens come back (decoder_input_details): echo with logprobs, or echo of a prompt
+    given as token ids (its text is then the tokens' texts). Never when streaming (TGI refuses it there)."""
+    if not body.echo or body.stream:
+        return False
+    return body.logprobs is not None or any(not isinstance(p, str) for p in body.prompts)

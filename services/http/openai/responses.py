@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from libs.protocol.messages import FinalInfo, TextRow
+from libs.protocol.messages import FinalInfo, TextRow, TokenText
 from services.http.openai.requests import REF
 from services.http.tgi.schemas import SimpleToken, clean_logprob, token_rows
 
@@ -135,10 +135,21 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True, tag_field="object", tag=
     usage: Usage | None
 
 
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """OpenAI's legacy completions logprobs: per token (the prompt's first with echo) its text, its logprob
+    (null for the first prompt token), its alternatives ({text: logprob}; null for prompt tokens, whose
+    alternatives the pipeline does not compute) and its character offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float | None] | None]
+    text_offset: list[int]
+
+
 class CompletionComplete(msgspec.Struct, kw_only=True):
     index: int  # the prompt's
     text: str
-    logprobs: None = None  # always null, as TGI
+    logprobs: CompletionLogprobs | None = None  # only with `logprobs` (TGI: always null)
     finish_reason: str
 
 
@@ -183,6 +194,30 @@ def usage(final: FinalInfo) -> Usage:
 def token_logprob(row: TextRow) -> ChatCompletionLogprob:
     tops = [ChatCompletionTopLogprob(t.text, clean_logprob(t.logprob)) for t in row.top_tokens]
     return ChatCompletionLogprob(row.text, clean_logprob(row.logprob), tops)
+
+
+def completion_logprobs(prefill: list[TokenText], start: int, rows: list[TextRow]) -> CompletionLogprobs:
+    """The logprobs of the prompt tokens `prefill` (echo) then of the generated `rows`. Offsets: a prompt token
+    advances by its text (a special token by nothing: it is not in the prompt's text); the generated tokens
+    start at `start` (the echoed prompt's length) and advance by their incremental text."""
+    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    at = 0
+    for t in prefill:
+        out.tokens.append(t.text)
+        out.token_logprobs.append(clean_logprob(t.logprob))
+        out.top_logprobs.append(None)
+        out.text_offset.append(at)
+        at += 0 if t.special else len(t.text)
+    at = start
+    for r in rows:
+        out.tokens.append(r.text)
+        out.token_logprobs.append(clean_logprob(r.logprob))
+        tops = {t.text: clean_logprob(t.logprob) for t in r.top_tokens}
+        tops.setdefault(r.text, clean_logprob(r.logprob))  # the chosen token too, as vLLM
+        out.top_logprobs.append(tops)
+        out.text_offset.append(at)
+        at += len(r.text)
+    return out
 
 
 class Envelope:
@@ -234,14 +269,29 @@ class Envelope:
     def usage_chunk(self, final: FinalInfo) -> ChatCompletionChunk:
         return ChatCompletionChunk(**self.head(), choices=[], usage=usage(final))
 
-    def completion(self, results: list[tuple[str, list[TextRow]]], echo: bool) -> Completion:
+    def completion(
+        self,
+        results: list[tuple[str | list[int], list[TextRow]]],
+        echo: bool,
+        logprobs: int | None = None,
+        prompt_only: bool = False,
+    ) -> Completion:
+        """One choice per prompt (a text, or token ids whose echo is their prefill texts). `prompt_only`
+        (max_tokens 0): the one generated token is left out of the text, the logprobs and the usage."""
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for index, (prompt, rows) in enumerate(results):
             final = rows[-1].final
-            text = prompt + final.generated_text if echo else final.generated_text
-            choices.append(CompletionComplete(index=index, text=text, finish_reason=openai_finish(final.finish_reason)))
+            generated = [] if prompt_only else token_rows(rows)
+            generated_text = "" if prompt_only else final.generated_text
+            prompt_text = prompt if isinstance(prompt, str) else "".join(t.text for t in final.prefill if not t.special)
+            text = prompt_text + generated_text if echo else generated_text
+            lp = None
+            if logprobs is not None:
+                lp = completion_logprobs(final.prefill if echo else [], len(prompt_text) if echo else 0, generated)
+            finish = "length" if prompt_only else openai_finish(final.finish_reason)
+            choices.append(CompletionComplete(index=index, text=text, logprobs=lp, finish_reason=finish))
             prompt_tokens += final.input_length
-            completion_tokens += final.generated_tokens
+            completion_tokens += 0 if prompt_only else final.generated_tokens
         total = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
         return Completion(**self.head(), choices=choices, usage=total)
 

@@ -157,7 +157,7 @@ class OpenAIRoutes:
             return _error(e)
         params = oa.completion_parameters(body, self.settings.model_id)
         # add_special_tokens stays True, as TGI's completions
-        wires = [bus_request(request, self.ingress.index, params, inputs=p, stream=body.stream) for p in body.prompts]
+        wires = [self._completion_wire(request, params, p, body.stream) for p in body.prompts]
         env = oar.Envelope(self.settings.model_id, FINGERPRINT)
         if body.stream:
             return await self._completion_stream(request, body, wires, env)
@@ -169,9 +169,18 @@ class OpenAIRoutes:
             return _error(e)
         end = time.monotonic()
         headers = sum_headers(
-            [timing_headers(t, p, r[-1].final, end) for t, p, r in zip(timings, body.prompts, results)]
+            [timing_headers(t, w.inputs, r[-1].final, end) for t, w, r in zip(timings, wires, results)]
         )
-        return json_response(env.completion(list(zip(body.prompts, results)), bool(body.echo)), headers)
+        completion = env.completion(
+            list(zip(body.prompts, results)), bool(body.echo), body.logprobs, oa.prompt_only(body)
+        )
+        return json_response(completion, headers)
+
+    def _completion_wire(self, request, params, prompt: str | list[int], stream: bool) -> GenerateRequest:
+        """One prompt's GenerateRequest: a text, or token ids the tokenizer takes as they are."""
+        if isinstance(prompt, str):
+            return bus_request(request, self.ingress.index, params, inputs=prompt, stream=stream)
+        return bus_request(request, self.ingress.index, params, inputs="", prompt_ids=prompt, stream=stream)
 
     async def _completion_stream(self, request, body: oa.CompletionRequest, wires, env: oar.Envelope):
         """The prompts' streams interleaved as their tokens come; one [DONE] at the end."""
