@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 
 from libs.protocol.messages import FINISH_ABORTED, FINISH_EOS, FINISH_LENGTH, FINISH_NONE, TokenizedRequest
+from libs.protocol.params import SamplingParams
 from libs.protocol.step_messages import NewSequence, StepPlan, StepResult
 from libs.runtime.settings import BLOCK_SIZE
 from services.scheduler.block_allocator import BlockAllocator, blocks_for
@@ -313,7 +314,7 @@ class Batcher:
                 appended += 1
                 if len(s.output) >= s.req.max_new_tokens:
                     finish = FINISH_LENGTH
-                elif tokens[j] in self.eos_ids:
+                elif self.ends(s.req.sampling, tokens[j], len(s.output)):
                     finish = FINISH_EOS
                 rows.append(Emitted(s, len(s.output) - 1, tokens[j], logprobs[j], finish, alt_ids, alt_logprobs))
             self.counters["generated"] += appended
@@ -334,6 +335,13 @@ class Batcher:
             if k and s.seq == handle and handle in self.running:
                 self._free_past(s)
         return rows
+
+    def ends(self, sampling: SamplingParams, token: int, generated: int) -> bool:
+        """Whether `token`, the `generated`-th, ends its sequence: an EOS (unless ignore_eos) or one of its
+        stop_token_ids, once min_tokens are out (the shard masks them before; this holds the rule on its own)."""
+        if generated <= sampling.min_tokens:
+            return False
+        return (token in self.eos_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids
 
     def _free_past(self, s: Sequence) -> None:
         """Give back the blocks past what a drafted row keeps (its next token's slot); the next plan tells the shard."""

@@ -39,10 +39,12 @@ class Processor:
             max_depth=settings.grammar_max_depth,
             compile_timeout_s=settings.grammar_compile_timeout_s,
         )
+        self.eos_ids = eos_ids(settings.model_path, tokenizer, templates)
+        self.vocab_size = vocab_size(settings.model_path, tokenizer)  # logit_bias / stop_token_ids are checked by it
         # the LLTokenizer is built on a thread (Gemma's vocabulary: seconds); the first grammar waits for it
         self.grammars = GrammarCompiler(
             os.path.join(settings.model_path, "tokenizer.json"),
-            eos_ids(settings.model_path, tokenizer, templates),
+            self.eos_ids,
             limits=self.limits,
             disabled=settings.disable_grammar_support,
         )
@@ -112,9 +114,16 @@ class Processor:
             max_top_n_tokens=s.max_top_n_tokens,
             stream=req.stream,
         )
+        validation.check_openai_parameters(p, vocab_size=self.vocab_size)
         adapter = validation.check_adapter(p.adapter_id, self.adapters.names(s.lora_names), s.model_id)
         ids = self._encode(text, special).ids if req.prompt_ids is None else self._prompt_ids(req.prompt_ids)
-        resolved = validation.resolve(p, ids, max_input_tokens=s.max_input_tokens, max_total_tokens=s.max_total_tokens)
+        resolved = validation.resolve(
+            p,
+            ids,
+            max_input_tokens=s.max_input_tokens,
+            max_total_tokens=s.max_total_tokens,
+            eos_ids=self.eos_ids,
+        )
         checked = self._grammar(p.grammar, plan)  # TGI checks the grammar last
         return TokenizedRequest(
             request_id=req.request_id,
@@ -163,3 +172,14 @@ def eos_ids(model_path: str, tokenizer: Tokenizer, templates: ChatTemplates) -> 
         token = tokenizer.token_to_id(templates.eos_token)
         ids = [] if token is None else [token]
     return ids
+
+
+def vocab_size(model_path: str, tokenizer: Tokenizer) -> int:
+    """The token ids a request may name (logit_bias, stop_token_ids): the tokenizer's, within the model's LM head
+    where its config is known."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    try:
+        head = model_store.model_info(model_path).get("vocab_size")
+    except model_store.ModelNotAvailableError:
+        head = None
+    return min(size, int(head)) if head else size

@@ -113,6 +113,30 @@ def check_parameters(
         )
 
 
+def check_openai_parameters(p: Parameters, *, vocab_size: int) -> None:
+    """The OpenAI / vLLM parameters TGI lacks (min_p, logit_bias, min_tokens, stop_token_ids), after TGI's checks;
+    the messages are vLLM's (SamplingParams._verify_args, the processor's logit_bias check), logit_bias's range
+    OpenAI's. Token ids must be >= 0 and < `vocab_size` (the ids the model can produce)."""
+    if p.min_p is not None and not 0.0 <= _f32(p.min_p) <= 1.0:
+        raise ValidationError(f"min_p must be in [0, 1], got {p.min_p}.")
+    if p.min_tokens is not None:
+        if p.min_tokens < 0:
+            raise ValidationError(f"min_tokens must be greater than or equal to 0, got {p.min_tokens}.")
+        if p.max_new_tokens is not None and p.min_tokens > p.max_new_tokens:
+            raise ValidationError(
+                f"min_tokens must be less than or equal to max_tokens={p.max_new_tokens}, got {p.min_tokens}."
+            )
+    for token, bias in (p.logit_bias or {}).items():
+        if not -100.0 <= bias <= 100.0:
+            raise ValidationError(f"logit_bias values must be in [-100, 100], got {bias} for token_id {token}.")
+    for name, ids in (("logit_bias", list(p.logit_bias or {})), ("stop_token_ids", p.stop_token_ids)):
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise ValidationError(
+                f"token_id(s) {bad} in {name} contain out-of-vocab token ids. Vocabulary size: {vocab_size}"
+            )
+
+
 def check_adapter(adapter_id: str | None, loaded: list[str], model_id: str) -> str | None:
     """The LoRA adapter a request runs with (None: the base model, also when it names the base model itself).
 
@@ -149,7 +173,14 @@ def is_sampling(p: Parameters) -> bool:
     )
 
 
-def resolve(p: Parameters, input_ids: list[int], *, max_input_tokens: int, max_total_tokens: int) -> Resolved:
+def resolve(
+    p: Parameters,
+    input_ids: list[int],
+    *,
+    max_input_tokens: int,
+    max_total_tokens: int,
+    eos_ids: list[int] = (),
+) -> Resolved:
     """Truncate, run TGI's length checks, resolve max_new_tokens and sampling (after check_parameters).
 
     max_new_tokens: None → max_total_tokens − input_length. TGI generates that in chunks of ≤1024 tokens
@@ -192,6 +223,7 @@ def resolve(p: Parameters, input_ids: list[int], *, max_input_tokens: int, max_t
         watermark=p.watermark,
         top_n_tokens=p.top_n_tokens or 0,
         prompt_logprobs=p.decoder_input_details,
+        **openai_sampling(p, input_length, eos_ids),
     )
     if not is_sampling(p):
         return Resolved(ids, max_new_tokens, SamplingParams(do_sample=False, **common), None)
@@ -204,7 +236,24 @@ def resolve(p: Parameters, input_ids: list[int], *, max_input_tokens: int, max_t
         top_k=p.top_k if p.top_k is not None else 0,
         top_p=p.top_p if p.top_p is not None else 1.0,
         typical_p=p.typical_p if p.typical_p is not None else 1.0,
+        min_p=p.min_p if p.min_p is not None else 0.0,  # a warper: greedy rows (temperature 0) ignore it
         seed=seed,
         **common,
     )
     return Resolved(ids, max_new_tokens, sampling, seed)
+
+
+def openai_sampling(p: Parameters, input_length: int, eos_ids: list[int]) -> dict:
+    """The OpenAI / vLLM parameters as SamplingParams fields (greedy rows too): logit_bias, ignore_eos,
+    stop_token_ids, and min_tokens both as the scheduler's count and as the shard's mask (the ids that would end
+    the sequence — EOS unless ignored, and stop_token_ids — are masked while it is shorter than min_length)."""
+    min_tokens = p.min_tokens or 0
+    ends = set(p.stop_token_ids) if p.ignore_eos else {int(i) for i in eos_ids} | set(p.stop_token_ids)
+    return dict(
+        logit_bias={int(k): float(v) for k, v in (p.logit_bias or {}).items()},
+        ignore_eos=p.ignore_eos,
+        stop_token_ids=list(p.stop_token_ids),
+        min_tokens=min_tokens,
+        min_length=input_length + min_tokens if min_tokens and ends else 0,
+        min_length_ids=sorted(ends) if min_tokens else [],
+    )

@@ -102,7 +102,8 @@ class ChatRequest(msgspec.Struct):
     messages: list[MessageObject]
     model: str | None = None  # not "tgi" nor the served model: a LoRA adapter's name (see `adapter`)
     frequency_penalty: float | None = None
-    logit_bias: list[float] | None = None  # ignored, as TGI (whose type is an array, not OpenAI's map)
+    # OpenAI's map token id → bias (-100…100), applied; TGI's own type, an array, is accepted and ignored as TGI does
+    logit_bias: dict[int, float] | list[float] | None = None
     logprobs: bool | None = None
     top_logprobs: U32 | None = None
     max_tokens: U32 | None = None
@@ -122,6 +123,11 @@ class ChatRequest(msgspec.Struct):
     chat_template_kwargs: dict[str, Any] | None = None
     # not TGI's (ignored, as TGI does); only the `text-generation` client sends this key, see `sends_done`
     repetition_penalty: float | None | msgspec.UnsetType = msgspec.UNSET
+    # vLLM's sampling extras (not TGI's); as on CompletionRequest
+    min_p: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
 
     def __post_init__(self):
         check_u64(self, "seed")
@@ -191,6 +197,11 @@ class CompletionRequest(msgspec.Struct):
     stop: str | list[str] | None = None
     echo: bool | None = None  # OpenAI's: the prompt is prepended to the text (TGI ignores it)
     response_format: GrammarObject | None = None  # as chat's (beyond TGI's completions)
+    logit_bias: dict[int, float] | None = None  # OpenAI's map token id → bias (-100…100)
+    min_p: float | None = None  # vLLM's: MinPLogitsWarper
+    ignore_eos: bool = False  # vLLM's: EOS is an ordinary token, generation runs to max_tokens
+    min_tokens: int | None = None  # vLLM's: no EOS nor stop_token_ids before this many tokens
+    stop_token_ids: list[int] | None = None  # vLLM's: any of them ends the answer (finish_reason `stop`)
     logprobs: U32 | None = None  # OpenAI's legacy int: alternatives per token (see responses.completion_logprobs)
 
     def __post_init__(self):
@@ -256,6 +267,17 @@ def _format(response_format: dict | None) -> dict | None:
     return response_format
 
 
+def _extras(body: ChatRequest | CompletionRequest) -> dict[str, Any]:
+    """The OpenAI / vLLM parameters TGI lacks, as Parameters fields (a list logit_bias is TGI's, ignored)."""
+    return dict(
+        logit_bias=body.logit_bias if isinstance(body.logit_bias, dict) else None,
+        min_p=body.min_p,
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        stop_token_ids=list(body.stop_token_ids or []),
+    )
+
+
 def chat_parameters(body: ChatRequest, model_id: str) -> Parameters:
     do_sample, temperature = _sampling(body.temperature)
     return Parameters(
@@ -273,6 +295,7 @@ def chat_parameters(body: ChatRequest, model_id: str) -> Parameters:
         top_n_tokens=body.top_logprobs,
         grammar=_format(body.response_format),
         adapter_id=adapter(body.model, model_id),
+        **_extras(body),
     )
 
 
@@ -296,6 +319,7 @@ def completion_parameters(body: CompletionRequest, model_id: str) -> Parameters:
         frequency_penalty=body.frequency_penalty,
         grammar=_format(body.response_format),
         adapter_id=adapter(body.model, model_id),
+        **_extras(body),
     )
 
 

@@ -1,5 +1,6 @@
-"""Token choice, in TGI's order, as calls: penalties (watermark, repetition, frequency); the grammar mask (rows
-with a grammar only); warpers (temperature, top-k, top-p, typical-p); the reduction (argmax and every logprob);
+"""Token choice, in TGI's order, as calls: logit_bias and the min_tokens mask (vLLM's, before its penalties);
+penalties (watermark, repetition, frequency); the grammar mask (rows with a grammar only); warpers (temperature,
+top-k, top-p, min-p, typical-p); the reduction (argmax and every logprob);
 the seeded draws (per row with its generator, draws.py, or all rows in one call keyed by seed and position,
 counter.py); the top-n alternatives. One file per stage beside this one.
 
@@ -21,6 +22,8 @@ import torch
 from libs.protocol.params import SamplingParams
 from services.shard.sampling import counter
 from services.shard.sampling.draws import draws
+from services.shard.sampling.logit_bias import apply_logit_bias
+from services.shard.sampling.min_tokens import mask_short
 from services.shard.sampling.penalties import apply_penalties
 from services.shard.sampling.reduction import choose_sparse, reduce, top_n
 from services.shard.sampling.warpers import warp
@@ -48,6 +51,7 @@ def choose(
     watermark_delta: float = 2.0,
     constrain: Callable[[torch.Tensor], None] | None = None,  # the grammar mask, see final_scores
     keys: counter.DrawKeys | None = None,  # every row's seed and draw position: sampled rows draw by counter.py
+    lengths: list[int] | None = None,  # per row: the tokens before its pick (the min_tokens mask reads them)
 ) -> Choice:
     """Pick one token per row and report its logprob (and the alternatives asked for).
 
@@ -60,7 +64,7 @@ def choose(
     if n == 0:
         return Choice(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, device=device))
     scores, sparse = logits, {}
-    if constrain is not None or any(p.keeps_history() or p.warps() for p in params):
+    if constrain is not None or any(p.keeps_history() or p.biases() or p.warps() for p in params):
         # greedy rows without alternatives may be chosen among their grammar's few allowed ids alone (CPU)
         plain = [i for i, p in enumerate(params) if not p.samples() and p.top_n_tokens == 0]
         scores, sparse = final_scores(
@@ -71,6 +75,7 @@ def choose(
             watermark_delta=watermark_delta,
             constrain=constrain,
             sparse_ok=plain if constrain is not None and device.type == "cpu" else None,
+            lengths=lengths,
         )
     token_ids, maxes, spreads = reduce(scores, [i for i in range(n) if i not in sparse] if sparse else None)
     if sparse:
@@ -99,6 +104,7 @@ def final_scores(
     watermark_delta: float = 2.0,
     constrain: Callable[[torch.Tensor], None] | None = None,
     sparse_ok: list[int] | None = None,
+    lengths: list[int] | None = None,
 ) -> tuple[torch.Tensor, dict[int, np.ndarray]]:
     """The scores a row's token is chosen from — penalties, the grammar mask, then warpers — and the rows chosen
     among a few allowed ids ({row: ids}).
@@ -109,10 +115,14 @@ def final_scores(
     choice). With `sparse_ok` and a mask that can split (grammar.runner.GrammarMask), those rows that allow few
     tokens are left unmasked and their allowed ids returned: the caller chooses among them alone."""
     scores, sparse = logits, {}
-    if any(p.keeps_history() for p in params):
+    biased = any(p.biases() for p in params)
+    if biased or any(p.keeps_history() for p in params):
         scores = logits.float()
-        if scores is logits:  # penalties write in place: never into the caller's tensor
+        if scores is logits:  # the processors write in place: never into the caller's tensor
             scores = scores.clone()
+    if biased:
+        scores = mask_short(apply_logit_bias(scores, params), params, lengths)
+    if any(p.keeps_history() for p in params):
         histories = histories or [None] * len(params)
         scores = apply_penalties(scores, params, histories, gamma=watermark_gamma, delta=watermark_delta)
     if constrain is not None:

@@ -1,6 +1,6 @@
-"""The warpers, in TGI's order: temperature, top-k, top-p, typical-p (HF/TGI semantics; removed tokens become
--inf). Each is per row, so a row's result is the same whatever shares the batch; only the rows that have a warper
-are warped."""
+"""The warpers, in TGI's order: temperature, top-k, top-p, min-p (transformers' place for it), typical-p (HF/TGI
+semantics; removed tokens become -inf). Each is per row, so a row's result is the same whatever shares the batch;
+only the rows that have a warper are warped."""
 
 from __future__ import annotations
 
@@ -47,6 +47,14 @@ def warp_all(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
         sorted_remove[:, -1] = False
         sorted_remove &= (top_p < 1.0)[:, None]
         scores = scores.masked_fill(sorted_remove.scatter(1, order, sorted_remove), float("-inf"))
+
+    if any(p.min_p > 0.0 for p in params):
+        # MinPLogitsWarper: drop tokens whose probability is below min_p times the best one's (the best stays)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        probs = scores.softmax(dim=-1)
+        remove = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        remove.scatter_(1, scores.argmax(dim=-1, keepdim=True), False)
+        scores = scores.masked_fill(remove, float("-inf"))
 
     if any(p.typical_p < 1.0 for p in params):
         mass = torch.tensor([p.typical_p for p in params], dtype=torch.float32, device=device)

@@ -68,6 +68,25 @@ def test_chat_other_fields():
     assert chat_params(n=3, logit_bias=[0.5]).max_new_tokens is None  # accepted, ignored
 
 
+@pytest.mark.parametrize("build", [chat_params, completion_params])
+def test_openai_sampling_extras(build):
+    p = build(logit_bias={"50256": -100, "7": 2.5}, min_p=0.1, ignore_eos=True, min_tokens=3, stop_token_ids=[9, 4])
+    assert p.logit_bias == {50256: -100.0, 7: 2.5}
+    assert (p.min_p, p.ignore_eos, p.min_tokens, p.stop_token_ids) == (0.1, True, 3, [9, 4])
+    p = build()
+    assert (p.logit_bias, p.min_p, p.ignore_eos, p.min_tokens, p.stop_token_ids) == (None, None, False, None, [])
+
+
+def test_chat_logit_bias_as_tgi_array_is_accepted_and_ignored():
+    assert chat_params(logit_bias=[0.5, -1.0]).logit_bias is None
+
+
+def test_completion_logit_bias_array_is_refused():
+    with pytest.raises(Failure) as e:
+        completion_params(logit_bias=[0.5])
+    assert e.value.status == 422
+
+
 def test_model_becomes_adapter_id_unless_tgi_or_the_served_model():
     assert chat_params(model="tgi").adapter_id is None
     assert chat_params(model=MODEL).adapter_id is None
@@ -117,7 +136,7 @@ def test_completion_body_errors(raw, status, words):
         {"messages": [{"role": "user"}]},
         {"messages": [{"content": "no role"}]},
         {"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]},
-        {"messages": MESSAGES, "logit_bias": {"50256": -100}},  # TGI's type is a list
+        {"messages": MESSAGES, "logit_bias": {"x": -100}},  # OpenAI's map is keyed by token ids
         {"messages": MESSAGES, "tools": [{"type": "function"}]},
         {"messages": MESSAGES, "stream": None},
         {},
