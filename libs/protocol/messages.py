@@ -122,6 +122,9 @@ class StreamOpen(msgspec.Struct, kw_only=True, array_like=True):
     prompt_ids: list[int] = []
     prompt_logprobs: list[float] = []
     traceparent: str | None = None  # W3C trace context of the scheduler span the detokenizer's span continues
+    # with prompt_ids: per prompt position, the raw argmax token before it and its logprob (-1 / NaN for the first)
+    prompt_greedy_ids: list[int] = []
+    prompt_greedy_logprobs: list[float] = []
 
 
 # finish codes in TokenBatch.finish
@@ -188,6 +191,8 @@ class FinalInfo(msgspec.Struct, kw_only=True, array_like=True):
     input_length: int
     seed: int | None = None
     prefill: list[TokenText] = []  # with decoder_input_details: the prompt tokens
+    # with decoder_input_details: per prompt token, the greedy token at its position (None for the first)
+    prefill_greedy: list[TokenText | None] = []
 
 
 class TextRow(msgspec.Struct, kw_only=True, array_like=True):

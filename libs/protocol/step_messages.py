@@ -91,6 +91,8 @@ class StepResult(Message, tag="result", kw_only=True):
         ("prompt_counts", "<i4"),  # per such row: tokens fed this step (a prefill chunk)
         ("prompt_logprobs", "<f4"),  # logprob of each fed token given the ones before it (raw logits;
         #                              NaN for the very first prompt token), concatenated
+        ("prompt_greedy_ids", "<i4"),  # per fed token: the raw argmax before it (-1 for the first), or empty
+        ("prompt_greedy_logprobs", "<f4"),  # its logprob (NaN for the first), or empty
     )
 
     step: int
@@ -108,6 +110,8 @@ class StepResult(Message, tag="result", kw_only=True):
     prompt_seqs: Any = None
     prompt_counts: Any = None
     prompt_logprobs: Any = None
+    prompt_greedy_ids: Any = None
+    prompt_greedy_logprobs: Any = None
 
     def check(self) -> None:
         counts = () if self.token_counts is None else self.token_counts
@@ -124,6 +128,10 @@ class StepResult(Message, tag="result", kw_only=True):
             self.prompt_logprobs
         ):
             raise ValueError("result prompt logprobs do not match prompt_counts")
+        if len(self.prompt_greedy_ids) not in (0, len(self.prompt_logprobs)) or len(self.prompt_greedy_ids) != len(
+            self.prompt_greedy_logprobs
+        ):
+            raise ValueError("result prompt greedy tokens do not match prompt_logprobs")
 
 
 class ShardReady(Message, tag="shard_ready", kw_only=True):

@@ -162,6 +162,7 @@ class Detokenizer:
             input_length=o.input_length,
             seed=o.seed,
             prefill=self.texts.prefill(o),
+            prefill_greedy=self.texts.prefill_greedy(o),
         )
         special = token >= 0 and st.decoder.special(token)
         return TextRow(

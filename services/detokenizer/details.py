@@ -44,3 +44,7 @@ class TokenTexts:
         """TGI's `prefill` for a request that asked for decoder_input_details; [] when it did not."""
         logprobs = o.prompt_logprobs
         return [self.token(i, logprobs[k] if k < len(logprobs) else None) for k, i in enumerate(o.prompt_ids)]
+
+    def prefill_greedy(self, o: StreamOpen) -> list[TokenText | None]:
+        """Per prompt token, the greedy token at its position (None where there is none); [] without them."""
+        return [None if i < 0 else self.token(i, lp) for i, lp in zip(o.prompt_greedy_ids, o.prompt_greedy_logprobs)]

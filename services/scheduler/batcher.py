@@ -222,6 +222,7 @@ class Batcher:
         s.blocks, s.hashes, s.computed, s.registered = [], [], 0, 0
         if not s.opened:
             s.prompt_logprobs = []  # the prompt is scored again from its start
+            s.prompt_greedy = []
         s.preempted += 1
         self.counters["preemptions"] += 1
         self.waiting.appendleft(s)
@@ -355,10 +356,12 @@ class Batcher:
     def _gather_prompt_logprobs(self, result: StepResult) -> None:
         """Append each fed prompt chunk's logprobs to its sequence (only sequences that asked send any)."""
         logprobs, start = result.prompt_logprobs.tolist(), 0
+        greedy = prompt_greedy(result)
         for seq, count in zip(result.prompt_seqs.tolist(), result.prompt_counts.tolist()):
             s = self.running.get(seq)
             if s is not None and not s.opened:  # after the open they could no longer reach the detokenizer
                 s.prompt_logprobs.extend(logprobs[start : start + count])
+                s.prompt_greedy.extend(greedy[start : start + count])
             start += count
 
     def finish(self, request_id: str, code: int = FINISH_ABORTED) -> Emitted | None:
@@ -393,3 +396,11 @@ class Batcher:
         self.allocator.release(s.blocks)
         s.blocks = []
         self._to_drop.append(s.seq)
+
+
+def prompt_greedy(result: StepResult) -> list[tuple[int, float]]:
+    """The (greedy id, logprob) beside each of the result's prompt logprobs; [] when the shard sent none."""
+    ids, logprobs = result.prompt_greedy_ids, result.prompt_greedy_logprobs
+    if ids is None or logprobs is None or len(ids) == 0:
+        return []
+    return list(zip(ids.tolist(), logprobs.tolist()))

@@ -22,6 +22,8 @@ class Sequence:
     # with sampling.prompt_logprobs: the logprob of each prompt token so far, gathered over prefill chunks
     # until the StreamOpen carries them (then dropped: the detokenizer keeps them)
     prompt_logprobs: list[float] = field(default_factory=list)
+    # and the greedy token (raw argmax) at each of those positions, with its logprob
+    prompt_greedy: list[tuple[int, float]] = field(default_factory=list)
     computed: int = 0  # tokens (prompt, then generated) whose KV is in its blocks, once the planned step ran
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of its first full blocks (lookup, index)
     registered: int = 0  # its first blocks that are in the prefix index (or came from it)
@@ -58,6 +60,17 @@ class Sequence:
         logprobs = self.prompt_logprobs[:n] + [math.nan] * max(0, n - len(self.prompt_logprobs))
         self.prompt_logprobs = []
         return self.req.input_ids.tolist(), logprobs
+
+    def take_prompt_greedy(self) -> tuple[list[int], list[float]]:
+        """For the StreamOpen: the greedy token at every prompt position and its logprob (-1 / NaN where the
+        shard sent none), or ([], []) when the request asked for no prompt logprobs or the shard sent none."""
+        if not self.req.sampling.prompt_logprobs or not self.prompt_greedy:
+            self.prompt_greedy = []
+            return [], []
+        n = self.prompt_len
+        greedy = self.prompt_greedy[:n] + [(-1, math.nan)] * max(0, n - len(self.prompt_greedy))
+        self.prompt_greedy = []
+        return [i for i, _ in greedy], [lp for _, lp in greedy]
 
 
 @dataclass

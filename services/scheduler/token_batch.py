@@ -14,6 +14,7 @@ def stream_open(row: Emitted, replica: int) -> StreamOpen:
     s.opened = True
     req = s.req
     prompt_ids, prompt_logprobs = s.take_prompt_details()
+    greedy_ids, greedy_logprobs = s.take_prompt_greedy()
     return StreamOpen(
         request_id=req.request_id,
         ingress=req.ingress,
@@ -24,6 +25,8 @@ def stream_open(row: Emitted, replica: int) -> StreamOpen:
         seed=req.seed,
         prompt_ids=prompt_ids,
         prompt_logprobs=prompt_logprobs,
+        prompt_greedy_ids=greedy_ids,
+        prompt_greedy_logprobs=greedy_logprobs,
     )
 
 

@@ -25,7 +25,7 @@ from services.shard.grammar.runner import ShardGrammars
 from services.shard.lora.registry import LoraRegistry
 from services.shard.model import decoder_walk as walk_module
 from services.shard.model.onednn import use_onednn
-from services.shard.prompt_logprobs import chunk_logprobs
+from services.shard.prompt_logprobs import chunk_greedy, chunk_logprobs
 from services.shard.quant.loader import from_pretrained as quantized_from_pretrained
 from services.shard.sampling.counter import DrawKeys
 from services.shard.sampling.sampler import Choice, choose
@@ -392,15 +392,18 @@ class ModelRunner:
 
     def _prompt_logprobs(self, batch: Batch, logits: torch.Tensor, result: StepResult) -> None:
         """Fill the result's prompt logprobs: one run per prompt row, in row order."""
-        cu, runs = batch.cu, []
+        cu, runs, greedy = batch.cu, [], []
         for i, at in zip(batch.prompt_rows, batch.prompt_at):
             st, n = batch.states[i], int(cu[i + 1] - cu[i])
+            greedy.append(chunk_greedy(logits[at : at + n], st.carried))  # (OpenAI's prompt top_logprobs)
             lps, last = chunk_logprobs(logits[at : at + n], batch.input_ids[cu[i] : cu[i + 1]], st.carried)
             st.carried = last  # dropped when the row samples (the prompt is over)
             runs.append(lps)
         result.prompt_seqs = batch.seqs[batch.prompt_rows].astype(np.int32)
         result.prompt_counts = (cu[1:] - cu[:-1])[batch.prompt_rows].astype(np.int32)
         result.prompt_logprobs = torch.cat(runs).cpu().numpy().astype(np.float32)
+        result.prompt_greedy_ids = torch.cat([g[0] for g in greedy]).cpu().numpy().astype(np.int32)
+        result.prompt_greedy_logprobs = torch.cat([g[1] for g in greedy]).cpu().numpy().astype(np.float32)
 
 
 def config_eos_ids(config) -> list[int]:
@@ -434,4 +437,6 @@ def _empty_rows() -> dict[str, np.ndarray]:
         prompt_seqs=i4,
         prompt_counts=i4,
         prompt_logprobs=f4,
+        prompt_greedy_ids=i4,
+        prompt_greedy_logprobs=f4,
     )

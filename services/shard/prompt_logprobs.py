@@ -31,3 +31,25 @@ def chunk_logprobs(
         picked = rows.gather(-1, tokens[start + 1 : end + 1, None])[:, 0]
         out[start + 1 : end + 1] = picked - torch.logsumexp(rows, dim=-1)
     return out, torch.log_softmax(logits[n - 1].float(), dim=-1)
+
+
+def chunk_greedy(
+    logits: torch.Tensor,  # [n, vocab]: the raw logits at each fed position of the chunk
+    carried: torch.Tensor | None,  # [vocab] log-softmax at the previous chunk's last position, or None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy token at each fed position and its logprob (ids [n] int32, logprobs [n] float32): what the raw
+    distribution before each fed token ranks first (OpenAI's prompt `top_logprobs`). The first token of a
+    sequence has none: id -1, NaN."""
+    n = logits.shape[0]
+    ids = torch.full((n,), -1, dtype=torch.int32, device=logits.device)
+    out = torch.full((n,), float("nan"), dtype=torch.float32, device=logits.device)
+    if carried is not None:
+        best = carried.argmax()
+        ids[0], out[0] = best.to(torch.int32), carried[best]
+    for start in range(0, n - 1, _CHUNK):
+        end = min(start + _CHUNK, n - 1)
+        rows = logits[start:end].float()
+        top, best = rows.max(dim=-1)
+        ids[start + 1 : end + 1] = best.to(torch.int32)
+        out[start + 1 : end + 1] = top - torch.logsumexp(rows, dim=-1)
+    return ids, out

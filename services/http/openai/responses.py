@@ -137,8 +137,8 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True, tag_field="object", tag=
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
     """OpenAI's legacy completions logprobs: per token (the prompt's first with echo) its text, its logprob
-    (null for the first prompt token), its alternatives ({text: logprob}; null for prompt tokens, whose
-    alternatives the pipeline does not compute) and its character offset in the choice's text."""
+    (null for the first prompt token), its alternatives ({text: logprob}; for a prompt token its position's
+    greedy token and itself, null for the first) and its character offset in the choice's text."""
 
     tokens: list[str]
     token_logprobs: list[float | None]
@@ -196,16 +196,24 @@ def token_logprob(row: TextRow) -> ChatCompletionLogprob:
     return ChatCompletionLogprob(row.text, clean_logprob(row.logprob), tops)
 
 
-def completion_logprobs(prefill: list[TokenText], start: int, rows: list[TextRow]) -> CompletionLogprobs:
-    """The logprobs of the prompt tokens `prefill` (echo) then of the generated `rows`. Offsets: a prompt token
-    advances by its text (a special token by nothing: it is not in the prompt's text); the generated tokens
-    start at `start` (the echoed prompt's length) and advance by their incremental text."""
+def completion_logprobs(
+    prefill: list[TokenText], greedy: list[TokenText | None], start: int, rows: list[TextRow]
+) -> CompletionLogprobs:
+    """The logprobs of the prompt tokens `prefill` (echo; `greedy`: the greedy token at each position) then of
+    the generated `rows`. Offsets: a prompt token advances by its text (a special token by nothing: it is not in
+    the prompt's text); the generated tokens start at `start` (the echoed prompt's length) and advance by their
+    incremental text."""
     out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     at = 0
-    for t in prefill:
+    for k, t in enumerate(prefill):
+        best = greedy[k] if k < len(greedy) else None
         out.tokens.append(t.text)
         out.token_logprobs.append(clean_logprob(t.logprob))
-        out.top_logprobs.append(None)
+        tops = None
+        if best is not None and t.logprob is not None:
+            tops = {best.text: clean_logprob(best.logprob)}
+            tops.setdefault(t.text, clean_logprob(t.logprob))
+        out.top_logprobs.append(tops)
         out.text_offset.append(at)
         at += 0 if t.special else len(t.text)
     at = start
@@ -287,7 +295,8 @@ class Envelope:
             text = prompt_text + generated_text if echo else generated_text
             lp = None
             if logprobs is not None:
-                lp = completion_logprobs(final.prefill if echo else [], len(prompt_text) if echo else 0, generated)
+                prompt = (final.prefill, final.prefill_greedy) if echo else ([], [])
+                lp = completion_logprobs(*prompt, len(prompt_text) if echo else 0, generated)
             finish = "length" if prompt_only else openai_finish(final.finish_reason)
             choices.append(CompletionComplete(index=index, text=text, logprobs=lp, finish_reason=finish))
             prompt_tokens += final.input_length

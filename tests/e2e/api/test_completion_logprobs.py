@@ -38,10 +38,17 @@ def test_echo_logprobs(tiny_server, tiny_model_dir, tiny_tokenizer, max_tokens):
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
     assert len(lp["tokens"]) == n + max_tokens
     assert lp["tokens"][:n] == [tiny_tokenizer.decode([i], skip_special_tokens=False) for i in ids]
-    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][:n] == [None] * n
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     expected = log_softmax_of(tiny_model_dir, ids)
     worst = max(abs(lp["token_logprobs"][i] - expected[i - 1, ids[i]].item()) for i in range(1, n))
     assert worst <= TOL, worst
+    for i in range(1, n):  # a prompt position's alternatives: its greedy token (and the fed one)
+        best = int(expected[i - 1].argmax())
+        top = lp["top_logprobs"][i]
+        assert top[tiny_tokenizer.decode([best], skip_special_tokens=False)] == pytest.approx(
+            expected[i - 1, best].item(), abs=TOL
+        )
+        assert top[lp["tokens"][i]] == lp["token_logprobs"][i]
     # offsets: each non-special prompt token's text is the prompt's text at its offset
     special = set(tiny_tokenizer.all_special_ids)
     for k, i in enumerate(ids):
@@ -70,7 +77,19 @@ def test_continuation_logprob_and_greedy(tiny_server, tiny_model_dir, tiny_token
     expected = log_softmax_of(tiny_model_dir, ids)
     want = sum(expected[i - 1, ids[i]].item() for i in range(ctxlen, len(ids)))
     assert sum(lp["token_logprobs"][ctxlen:-1]) == pytest.approx(want, abs=1e-3)
-    assert lp["top_logprobs"][ctxlen:-1] == [None] * (len(ids) - ctxlen)  # prompt alternatives: not computed
+    # lm-eval's is_greedy: each continuation token's logprob is the best of its position's top_logprobs
+    is_greedy = all(
+        t == max(top.values()) for t, top in zip(lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1])
+    )
+    assert is_greedy == all(int(expected[i - 1].argmax()) == ids[i] for i in range(ctxlen, len(ids)))
+    # a continuation that is the model's own greedy text is greedy
+    greedy_ids = ids[:ctxlen]
+    for _ in range(3):
+        greedy_ids.append(int(log_softmax_of(tiny_model_dir, greedy_ids)[-1].argmax()))
+    lp = complete(tiny_server.url, prompt=greedy_ids, max_tokens=1, logprobs=1, echo=True).json()["choices"][0][
+        "logprobs"
+    ]
+    assert all(t == max(top.values()) for t, top in zip(lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1]))
 
 
 def test_id_prompts_equal_text(tiny_server, tiny_tokenizer):

@@ -98,6 +98,24 @@ def test_echo_logprobs_and_max_tokens_zero():
     serve(test)
 
 
+def test_prompt_top_logprobs_are_the_greedy_token_and_the_fed_one():
+    async def test(client, ingress):
+        rows = with_prefill(script([" 3"], reason="length", input_length=3))
+        rows[-1].final.prefill_greedy = [
+            None,
+            TokenText(id=40, text="one", logprob=-2.0),
+            TokenText(id=7, text=" six", logprob=-1.5),
+        ]
+        ingress.scripts["one two"] = rows
+        req = {"prompt": "one two", "logprobs": 1, "echo": True, "max_tokens": 1}
+        lp = (await (await client.post("/v1/completions", json=req)).json())["choices"][0]["logprobs"]
+        assert lp["top_logprobs"][:3] == [None, {"one": -2.0}, {" six": -1.5, " two": -3.0}]
+        # lm-eval's greedy test: the fed token is greedy where its logprob is the position's best
+        assert [lp["token_logprobs"][k] == max(lp["top_logprobs"][k].values()) for k in (1, 2)] == [True, False]
+
+    serve(test)
+
+
 def test_token_id_prompts():
     async def test(client, ingress):
         ingress.scripts[""] = with_prefill(script([" 3"], reason="length", input_length=3))
