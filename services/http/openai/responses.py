@@ -304,9 +304,14 @@ class Envelope:
         total = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
         return Completion(**self.head(), choices=choices, usage=total)
 
-    def completion_chunk(self, index: int, row: TextRow, prefix: str = "") -> CompletionChunk:
+    def completion_chunk(
+        self, index: int, row: TextRow, prefix: str = "", logprobs: bool = False, at: int = 0
+    ) -> CompletionChunk:
+        """One token; with `logprobs`, its logprobs (`at`: its offset in the choice's streamed text)."""
         final = row.final
         choice = CompletionComplete(index=index, text=prefix + row.text, finish_reason="")
+        if logprobs:
+            choice.logprobs = completion_logprobs([], [], at + len(prefix), token_rows([row]))
         out = CompletionChunk(**self.head(), choices=[choice])
         if final is not None:
             choice.finish_reason = final.finish_reason

@@ -188,13 +188,13 @@ class OpenAIRoutes:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, wire: GenerateRequest) -> None:
-            prefix = wire.inputs if body.echo else ""
+            prefix, at, logprobs = wire.inputs if body.echo else "", 0, body.logprobs is not None
             try:
                 with self.permits.hold():
                     async with contextlib.aclosing(self.ingress.generate(wire)) as rows:
                         async for row in rows:
-                            queue.put_nowait(sse(env.completion_chunk(index, row, prefix)))
-                            prefix = ""
+                            queue.put_nowait(sse(env.completion_chunk(index, row, prefix, logprobs, at)))
+                            at, prefix = at + len(prefix) + len(row.text), ""
             except Failure as e:
                 queue.put_nowait(sse(openai_stream_error(e)))
             finally:

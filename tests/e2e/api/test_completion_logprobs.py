@@ -9,6 +9,7 @@ import pytest
 import requests
 import torch
 
+from tests.e2e.conftest import sse_events
 from tests.reference import load_model
 
 pytestmark = pytest.mark.e2e
@@ -105,6 +106,16 @@ def test_id_prompts_equal_text(tiny_server, tiny_tokenizer):
     one = complete(tiny_server.url, prompt=ids[0], max_tokens=4).json()
     assert one["choices"][0]["text"] == by_text["choices"][0]["text"][len(PROMPT) :]
     assert by_ids["usage"] == by_text["usage"]
+
+
+def test_stream_logprobs_equal_the_answer(tiny_server):
+    body = {"prompt": PROMPT, "max_tokens": 5, "logprobs": 2}
+    whole = complete(tiny_server.url, **body).json()["choices"][0]["logprobs"]
+    r = requests.post(tiny_server.url + "/v1/completions", json={**body, "temperature": 0, "stream": True}, timeout=60)
+    chunks = [e["choices"][0]["logprobs"] for e in sse_events(r.content) if e != "[DONE]"]
+    streamed = {k: [v for c in chunks for v in c[k]] for k in whole}
+    assert streamed["tokens"] == whole["tokens"] and streamed["text_offset"] == whole["text_offset"]
+    assert streamed["token_logprobs"] == pytest.approx(whole["token_logprobs"], abs=TOL)
 
 
 def test_bad_input_is_a_422(tiny_server, tiny_tokenizer):

@@ -129,11 +129,29 @@ def test_token_id_prompts():
     serve(test)
 
 
-def test_stream_unchanged():
+def test_stream_logprobs_of_the_generated_tokens():
     async def test(client, ingress):
-        ingress.scripts["one"] = script([" 1"], reason="length", top=1)
-        r = await client.post("/v1/completions", json={"prompt": "one", "logprobs": 1, "stream": True})
-        chunks = [e for e in events(await r.read()) if e != "[DONE]"]
-        assert [c["choices"][0]["text"] for c in chunks] == [" 1"]
+        ingress.scripts["one"] = script([" 1", " 2"], reason="length", top=1)
+        req = {"prompt": "one", "logprobs": 1, "stream": True, "echo": True}
+        r = await client.post("/v1/completions", json=req)
+        chunks = [e["choices"][0] for e in events(await r.read()) if e != "[DONE]"]
+        assert [c["text"] for c in chunks] == ["one 1", " 2"]
+        assert [c["logprobs"] for c in chunks] == [
+            {
+                "tokens": [" 1"],
+                "token_logprobs": [-0.5],
+                "top_logprobs": [{"alt0": -1.0, " 1": -0.5}],
+                "text_offset": [3],
+            },
+            {
+                "tokens": [" 2"],
+                "token_logprobs": [-0.5],
+                "top_logprobs": [{"alt0": -1.0, " 2": -0.5}],
+                "text_offset": [5],
+            },
+        ]
+        assert not ingress.requests[0].parameters.decoder_input_details  # TGI refuses it when streaming
+        r = await client.post("/v1/completions", json={"prompt": "one", "stream": True})
+        assert all(e["choices"][0]["logprobs"] is None for e in events(await r.read()) if e != "[DONE]")
 
     serve(test)
