@@ -120,9 +120,7 @@ def test_buffers_load_in_place():
         assert view["cu_seqlens_q"].tolist() == list(range(bucket + 1))
 
 
-def test_graphs_refuse_without_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA machine: capture is scripts/gpu_check.py's to test")
+def test_graphs_refuse_a_cpu_device():
     with pytest.raises(RuntimeError):
         DecodeGraphs((1, 2), 4, BLOCKS, BS, torch.device("cpu"))
     cpu = torch.device("cpu")
