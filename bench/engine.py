@@ -64,7 +64,7 @@ class Engine:
     def build(
         cls,
         runner: ModelRunner,
-        model_dir: str,
+        model_dir: str | None,
         *,
         max_batch_size: int = 256,
         max_batch_prefill_tokens: int = 4096,
@@ -72,8 +72,9 @@ class Engine:
         eos_ids: set[int] | None = None,
         **batcher_kw,
     ) -> Engine:
-        """An engine over `runner` with a Batcher of the runner's KV geometry and the model's EOS ids (`eos_ids`:
-        others; an empty set: every request runs to its max_new_tokens, as benchmarks want)."""
+        """An engine over `runner` with a Batcher of the runner's KV geometry and the EOS ids of the model in
+        `model_dir` (`eos_ids` instead, for a model built in memory; an empty set: every request runs to its
+        max_new_tokens, as benchmarks want)."""
         batcher = Batcher(
             runner.num_blocks,
             max_batch_size=max_batch_size,
