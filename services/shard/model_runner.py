@@ -265,18 +265,8 @@ class ModelRunner:
         slot_mapping = tables[rows, positions // bs] * bs + positions % bs
 
         dev = self.device
-        paged = PagedBatch(
-            kv_cache=self.kv_cache,
-            kv_flat=self.kv_flat,
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
-            block_size=bs,
-            host_cu=cu,
-            host_context=context_lens,
-            host_tables=tables,
-            backend=self.attention,
+        paged = PagedBatch.from_host(
+            self.kv_cache, slot_mapping, cu, context_lens, tables, bs, dev, kv_flat=self.kv_flat, backend=self.attention
         )
         # rows still in their prompt that report prompt logprobs need the LM head on every fed position
         prompt_rows = [i for i, st in enumerate(states) if st.prefilling and st.sampling.prompt_logprobs]

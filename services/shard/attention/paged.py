@@ -67,6 +67,33 @@ class PagedBatch:
     backend: str = "torch"  # "torch": the ops below (the reference); "triton": services/shard/attention/triton.py
     _groups: dict = field(default_factory=dict)  # sliding window (0 = none) -> (groups, tiled rows)
 
+    @classmethod
+    def from_host(
+        cls,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        slot_mapping: np.ndarray,
+        cu: np.ndarray,
+        context_lens: np.ndarray,
+        tables: np.ndarray,
+        block_size: int,
+        device: torch.device,
+        **extra,
+    ) -> PagedBatch:
+        """The batch from its host arrays (int64: slots [T], cu [rows + 1], context lengths [rows], block tables
+        [rows, max_blocks] padded with -1), copied to `device`; `extra`: kv_flat, backend."""
+        return cls(
+            kv_cache=kv_cache,
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(device),
+            context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
+            block_size=block_size,
+            host_cu=cu,
+            host_context=context_lens,
+            host_tables=tables,
+            **extra,
+        )
+
     def plan(self, window: int, device: torch.device) -> tuple[list[_Group], list[TiledRow]]:
         """For layers with this sliding window (0: full attention), built on first use: the groups of short rows
         and the tile plans of long prefill rows."""
