@@ -55,7 +55,8 @@ def _rank(rank: int, model_dir: str, port: int, out: str) -> None:
     tensor_parallel.STALE_S = 0.0  # no restart to wait out here
     tensor_parallel.init_group(rank, WORLD, port, torch.device("cpu"), timeout_s=60)
     try:
-        runner = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+        # no grammar side: its loader thread, still building when a fast rank exits, can abort the process
+        runner = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, grammar=False)
         assert runner.num_kv_heads == runner.model.config.num_key_value_heads // WORLD
         Path(f"{out}.{rank}").write_text(json.dumps(_serve(runner, model_dir)))
     finally:

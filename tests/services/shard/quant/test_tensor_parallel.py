@@ -61,7 +61,7 @@ def _rank(rank: int, model_dir: str, quantize: str, token_dir: str, port: int, o
     tensor_parallel.STALE_S = 0.0
     tensor_parallel.init_group(rank, WORLD, port, torch.device("cpu"), timeout_s=60)
     try:
-        runner = ModelRunner(model_dir, num_blocks=64, block_size=8, quantize=quantize)
+        runner = ModelRunner(model_dir, num_blocks=64, block_size=8, quantize=quantize, grammar=False)
         layers = {n: m for n, m in runner.model.named_modules() if isinstance(m, quant_layers.QuantLinear)}
         q = runner.model.get_submodule("model.layers.0.self_attn.q_proj")
         o = runner.model.get_submodule("model.layers.0.self_attn.o_proj")
