@@ -151,6 +151,28 @@ class Metrics:
             "switchyard_lora_generated_tokens", "Tokens generated, by LoRA adapter", ["adapter"]
         )
         self.lora_adapters_loaded = gauge("switchyard_lora_adapters_loaded", "LoRA adapters served", ["replica"])
+        # vLLM's names, which the Gateway API Inference Extension (and llm-d, KServe) route on: one series per
+        # replica (engine = its index), set by its scheduler (docs/observability.md, "Gateway metrics")
+        engine = ["model_name", "engine"]
+        self.vllm_num_requests_waiting = gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", engine
+        )
+        self.vllm_num_requests_running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", engine
+        )
+        self.vllm_kv_cache_usage_perc = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine
+        )
+        self.vllm_lora_requests_info = gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters", *engine],
+        )
+        self.vllm_cache_config_info = gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["block_size", "num_gpu_blocks", *engine],
+        )
         self.process_up = gauge("switchyard_process_up", "1 while the process heartbeats", ["role", "index"])
         self.process_restarts = counter("switchyard_process_restarts", "Restarts seen (a new pid)", ["role", "index"])
         self.process_up.labels(role=role, index=str(index)).set(1)

@@ -30,9 +30,10 @@ from libs.protocol.messages import (
 )
 from libs.protocol.step_messages import ShardReady, StepPlan, StepResult
 from libs.runtime import bus, metrics, model_store, service
-from libs.runtime.settings import Settings
+from libs.runtime.settings import BLOCK_SIZE, Settings
 from libs.runtime.timeouts import REPLAY_EVERY
 from services.scheduler.batcher import Batcher, Emitted
+from services.scheduler.gateway_metrics import GatewayGauges
 from services.scheduler.lora import LoraControl
 from services.scheduler.recovery import Forgotten, StreamLog
 from services.scheduler.telemetry import StepObserver
@@ -64,6 +65,13 @@ class SchedulerService:
             speculate_policy=settings.speculate_policy,
         )
         self.observer = StepObserver(self.batcher)  # metrics and the per-request spans
+        self.gateway = GatewayGauges(  # the load under vLLM's names, for gateways that route on it
+            self.batcher,
+            model_name=settings.model_id,
+            engine=r,
+            max_loras=settings.max_loras,
+            block_size=BLOCK_SIZE,
+        )
         self.lora = LoraControl(  # LoRA adapters loaded and unloaded while serving
             self.batcher,
             replica=r,
@@ -349,6 +357,7 @@ class SchedulerService:
         if not self.events.heartbeat_due():
             return
         self.observer.gauges()
+        self.gateway.update()
         self.streams.expire()
         for rank in self.shard_ranks:  # shard index as the launcher numbers them: replica-major
             self.observer.shard_up(self.replica * self.settings.num_shard + rank, self.ready)
