@@ -44,6 +44,8 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     traceparent: str | None = None  # W3C trace context of the http span, continued by each hop
     prompt_ids: list[int] | None = None  # a prompt given as token ids (OpenAI completions): used as is, not `inputs`
+    # the `n` choices of one OpenAI request share this id: one replica prefills their prompt once ("": alone)
+    group: str = ""
 
 
 class TokenizedRequest(Message, tag="tokenized", kw_only=True):
@@ -73,6 +75,7 @@ class TokenizedRequest(Message, tag="tokenized", kw_only=True):
     grammar: str = ""  # llguidance grammar text, compiled once by the tokenizer ("": unconstrained)
     grammar_kind: str = ""  # json | regex | gbnf | lark | tools | tools_auto (a metrics label)
     adapter: str | None = None  # the LoRA adapter it runs with (None: the base model), checked by the tokenizer
+    group: str = ""  # GenerateRequest.group: siblings whose prompt KV blocks the scheduler shares
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,14 +29,18 @@ class Placement:
         self.owner: OrderedDict[bytes, int] = OrderedDict()  # chain hash → replica that last computed it
         self._since_hb = [0] * replicas  # placed on r since r's last heartbeat
         self._next_detok = 0
+        self.groups: OrderedDict[str, int] = OrderedDict()  # sibling group (`n` choices) → its replica
 
     def observe(self, hb: Heartbeat) -> None:
         """A scheduler heartbeat: its own load supersedes what we placed before it."""
         if hb.role == "scheduler" and 0 <= hb.index < self.replicas:
             self._since_hb[hb.index] = 0
 
-    def choose_replica(self, input_ids: np.ndarray, schedulers: list[Heartbeat], adapter: str | None = None) -> int:
-        """The replica for a prompt, among the ready schedulers.
+    def choose_replica(
+        self, input_ids: np.ndarray, schedulers: list[Heartbeat], adapter: str | None = None, group: str = ""
+    ) -> int:
+        """The replica for a prompt, among the ready schedulers; the siblings of a `group` all go where the first
+        went while it is alive (their scheduler shares the prompt's KV blocks among them).
 
         With none ready (shards loading or restarting) any live one will do, and with none alive replica 0:
         the request then waits in that scheduler's queue (or its socket) instead of failing.
@@ -48,6 +52,9 @@ class Placement:
             self._since_hb[0] += 1
             return 0
         least = min(load, key=lambda r: (load[r], r))
+        if group and self.groups.get(group) in load:
+            self._since_hb[self.groups[group]] += 1
+            return self.groups[group]
         hashes = prefix_hashes(input_ids, BLOCK_SIZE, adapter)  # a LoRA adapter's KV is its own
         chosen = least
         for h in reversed(hashes):  # the longest prefix some live replica holds
@@ -61,6 +68,10 @@ class Placement:
             self.owner.move_to_end(h)
         while len(self.owner) > MAX_REMEMBERED:
             self.owner.popitem(last=False)
+        if group:
+            self.groups[group] = chosen
+            while len(self.groups) > MAX_REMEMBERED:
+                self.groups.popitem(last=False)
         self._since_hb[chosen] += 1
         return chosen
 

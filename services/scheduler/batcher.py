@@ -25,6 +25,7 @@ from services.scheduler.drafting import Drafter
 from services.scheduler.prefill_pacing import PrefillPacing
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.sequence import Emitted, Sequence
+from services.scheduler.siblings import Siblings
 
 
 class Batcher:
@@ -88,6 +89,7 @@ class Batcher:
             "accepted_tokens": 0,  # of them, accepted
         }
         self.prefix = PrefixIndex(self.allocator, block_size, prefix_caching, self.counters)
+        self.siblings = Siblings(block_size, self.counters)  # the `n` choices of a request: one prompt prefill
 
     def add(self, req: TokenizedRequest) -> None:
         if req.request_id in self.by_request:
@@ -239,6 +241,10 @@ class Batcher:
                 self.counters["saturated_steps"] += 1  # the rest wait a step: the first prompts finish sooner
                 break
             cached = self.prefix.lookup(s)
+            forked = self.siblings.fork(s, self.running.values(), (p[0] for p in picks))
+            if forked is None:
+                break  # a sibling plans the prompt's blocks in this step: they are forked in the next one
+            cached = forked if len(forked) >= len(cached) else cached
             n = min(s.total - len(cached) * self.block_size, budget)
             need = blocks_for(len(cached) * self.block_size + n, self.block_size) - len(cached)
             need += self.allocator.unheld(cached)  # held now, they no longer count as free
@@ -264,6 +270,7 @@ class Batcher:
         for s, cached, n in picks:
             self.waiting.popleft()
             self.prefix.count(s, cached)
+            self.siblings.count(s, cached, self.running.values())
             s.seq = next(self._handles)
             s.blocks = cached + self.allocator.allocate(
                 blocks_for(len(cached) * self.block_size + n, self.block_size) - len(cached)

@@ -138,6 +138,7 @@ class Processor:
             grammar=checked.grammar.text if checked else "",
             grammar_kind=checked.kind if checked else "",
             adapter=adapter,
+            group=req.group,
         )
 
     def _prompt_ids(self, ids: list[int]) -> list[int]:

@@ -50,3 +50,14 @@ def test_detokenizers_round_robin():
     detoks = [Heartbeat(role="detokenizer", index=i, pid=1) for i in range(3)]
     assert [p.choose_detokenizer(detoks) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
     assert p.choose_detokenizer([]) is None
+
+
+def test_siblings_of_a_group_follow_the_first_whatever_the_load():
+    p = Placement(2, slack=0)
+    short = prompt(3, 8)  # no full block: no prefix affinity to lean on
+    first = p.choose_replica(short, [sched(0, queue=1), sched(1)], group="g")
+    assert first == 1
+    busy = [sched(0), sched(1, queue=9)]
+    assert [p.choose_replica(short, busy, group="g") for _ in range(3)] == [1, 1, 1]
+    assert p.choose_replica(short, busy) == 0  # the same prompt alone goes by load
+    assert p.choose_replica(short, [sched(0)], group="g") == 0  # its replica gone: placed anew
