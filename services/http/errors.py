@@ -43,6 +43,15 @@ class Failure(Exception):
         self.status = status if status is not None else ERROR_STATUS.get(error_type, 500)
 
 
+class OpenAIFailure(Failure):
+    """A refusal OpenAI's routes answer in OpenAI's own shape, `{"error": {message, type, param, code}}`, because
+    OpenAI's clients read its code (an unknown `model`: 404, invalid_request_error, model_not_found)."""
+
+    def __init__(self, message: str, status: int, *, kind: str, code: str, param: str | None = None):
+        super().__init__(message, kind, status)
+        self.kind, self.code, self.param = kind, code, param
+
+
 class ErrorResponse(msgspec.Struct):
     """TGI's error body."""
 
@@ -74,6 +83,11 @@ def error_response(e: Failure, *, charset: str | None = "utf-8") -> web.Response
     """A route's answer to `e`; OpenAI's routes pass charset=None (see the module's note)."""
     body = msgspec.json.encode(error_body(e))
     return web.Response(body=body, status=e.status, content_type="application/json", charset=charset)
+
+
+def openai_error_response(e: OpenAIFailure) -> web.Response:
+    body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+    return web.Response(body=msgspec.json.encode(body), status=e.status, content_type="application/json")
 
 
 def layer_error_response(status: int, message: str, error_type: str) -> web.Response:

@@ -23,7 +23,7 @@ from aiohttp import web
 from libs.protocol import topics
 from libs.protocol.lora import AdapterDone, AdapterSet, KnownAdapters, LoadAdapter, UnloadAdapter
 from libs.runtime.settings import Settings
-from services.http.errors import Failure
+from services.http.errors import Failure, OpenAIFailure
 from services.http.openai import requests as oa
 
 KNOWN = KnownAdapters()  # this process's view of the replicas' adapters
@@ -59,10 +59,13 @@ def seed_from_records(replicas: int, start: list[str], run_dir: str) -> bool:
 
 
 def check_model(model: str | None, settings: Settings) -> str | None:
-    """The adapter an OpenAI request's `model` names (None: the base model); raises the 404 for an unknown one."""
+    """The adapter an OpenAI request's `model` names (None: the base model); raises the 404 for an unknown one, in
+    OpenAI's shape."""
     name = oa.adapter(model, settings.model_id)
     if name is not None and name not in names(settings):
-        raise Failure(f"The model `{model}` does not exist.", "not_found", 404)
+        # vLLM's text, in OpenAI's shape and code (clients of OpenAI's API match on model_not_found)
+        message = f"The model `{model}` does not exist."
+        raise OpenAIFailure(message, 404, kind="invalid_request_error", code="model_not_found")
     return name
 
 

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from libs.protocol.messages import GenerateRequest
 from libs.runtime.settings import Settings
-from services.http.errors import Failure, error_response, openai_stream_error
+from services.http.errors import Failure, OpenAIFailure, error_response, openai_error_response, openai_stream_error
 from services.http.generation import Permits, bus_request, collect
 from services.http.lora import check_model
 from services.http.openai import requests as oa
@@ -33,6 +33,8 @@ FINGERPRINT = f"{VERSION}-native"  # TGI: "{version}-{docker_label or 'native'}"
 
 
 def _error(e: Failure) -> web.Response:
+    if isinstance(e, OpenAIFailure):  # an unknown model: OpenAI's shape, as its clients expect
+        return openai_error_response(e)
     return error_response(e, charset=None)  # these routes' JSON errors have always gone without a charset
 
 

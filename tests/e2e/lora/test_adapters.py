@@ -184,7 +184,9 @@ def test_unknown_adapter_is_an_error_on_every_route(lora_server, tiny_model_dir)
     for route, request in [("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "hi", "model": "nope"})]:
         r = requests.post(url + route, json=request, timeout=60)
         assert r.status_code == 404, (route, r.text)
-        assert r.json()["error"] == "The model `nope` does not exist."
+        error = r.json()["error"]  # OpenAI's shape
+        assert error["message"] == "The model `nope` does not exist." and error["code"] == "model_not_found"
+        assert error["type"] == "invalid_request_error"
     assert _generate(url, "hello", "mlp")  # and the server goes on serving
 
     models = requests.get(url + "/v1/models", timeout=10).json()["data"]

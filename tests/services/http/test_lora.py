@@ -1,5 +1,5 @@
 """LoRA adapters on the http side: OpenAI's `model` resolved against the loaded adapters (vLLM's 404 for an unknown
-one, before any generation), /v1/models in vLLM's shape, /info naming the loaded adapters."""
+one in OpenAI's error shape, before any generation), /v1/models in vLLM's shape, /info naming the loaded adapters."""
 
 import json
 
@@ -16,7 +16,14 @@ def test_unknown_model_is_a_404_on_both_openai_routes():
             for stream in (False, True):
                 r = await client.post(path, json={**body, "model": "nope", "stream": stream})
                 assert r.status == 404, (path, stream)
-                assert (await r.json())["error"] == "The model `nope` does not exist."
+                assert await r.json() == {  # OpenAI's shape and code
+                    "error": {
+                        "message": "The model `nope` does not exist.",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "model_not_found",
+                    }
+                }
             for model in ("a", "org/b", "tgi", SETTINGS.model_id, None):
                 r = await client.post(path, json={**body, "model": model})
                 assert r.status == 200, (path, model, await r.text())
