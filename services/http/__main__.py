@@ -14,6 +14,7 @@ from services.http.generation import Permits
 from services.http.ingress import Ingress
 from services.http.middleware import middlewares
 from services.http.openai.routes import OpenAIRoutes
+from services.http.responses_api.routes import ResponsesRoutes
 from services.http.tgi.routes import Routes
 
 ROLE = "http"
@@ -27,6 +28,7 @@ def build_app(settings: Settings, ingress) -> web.Application:
     openai = OpenAIRoutes(settings, ingress, permits)
     Routes(settings, ingress, permits, openai).install(app)
     openai.install(app)
+    ResponsesRoutes(settings, ingress, permits).install(app)
     return app
 
 
