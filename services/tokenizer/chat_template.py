@@ -5,6 +5,15 @@ TGI renders with minijinja; we render with jinja2's ImmutableSandboxedEnvironmen
 HTML), since the Hub's templates are written for that. TGI's input shaping is kept: message content is flattened
 to one string (text parts joined, images as `![](url)`, tool calls as JSON), only role and content reach the
 template, and a final assistant message is continued rather than closed.
+
+The model's own way (`render(..., native=True)`, used where the template has a known tool-call format, see
+services.http.tool_parsers) passes everything a template reads, as `transformers.apply_chat_template` does:
+`tools` (the request's list), assistant messages with `tool_calls` (arguments as a dict: the JSON string a client
+sends is parsed, `InvalidMessage` when it is not JSON), `tool` messages with `tool_call_id` and `name`, content parts
+as a list where the template iterates over content (else their text joined, as TGI), `chat_template_kwargs`
+(e.g. `enable_thinking`) and `documents`. Keys whose value is null are dropped (a template tests `is defined`).
+`native_messages` is that shaping alone; `probe(kwargs)` renders a one-message chat (its generation prompt shows
+whether reasoning opens in the prompt).
 """
 
 from __future__ import annotations
@@ -46,6 +55,16 @@ class TemplateError(Exception):
 
 # minijinja's error for a missing template (ErrorKind::TemplateNotFound, no detail), which TGI reports as is
 NOT_FOUND = TemplateError("template not found")
+
+
+class InvalidMessage(TemplateError):
+    """A message the model's template cannot be given (e.g. tool call arguments that are not JSON): 422."""
+
+    error_type = "validation"
+
+    @property
+    def full_message(self) -> str:
+        return self.detail
 
 
 class _Raised(Exception):
@@ -128,6 +147,45 @@ def flatten_content(message: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+# a template that loops over a message's content reads content parts (a list); others read one string
+_READS_PARTS = re.compile(r"for\s+\w+\s+in\s+[\w.\[\]'\"]*content\b")
+
+
+def _no_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _no_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_no_nulls(v) for v in value]
+    return value
+
+
+def _arguments(arguments: Any, where: str) -> Any:
+    """A tool call's arguments for the template: a dict (the JSON text a client sends, parsed)."""
+    if not isinstance(arguments, str):
+        return arguments if arguments is not None else {}
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except ValueError as e:
+        raise InvalidMessage(f"{where}.function.arguments is not valid JSON: {e}") from None
+
+
+def native_messages(messages: list[dict[str, Any]], content_parts: bool) -> list[dict[str, Any]]:
+    """Messages as transformers' templates read them (see the module docstring)."""
+    out = []
+    for i, message in enumerate(messages):
+        m = _no_nulls(dict(message))
+        content = m.get("content")
+        if isinstance(content, list) and not content_parts:
+            m["content"] = flatten_content(m)
+        for j, call in enumerate(m.get("tool_calls") or []):
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and "arguments" in function:
+                where = f"messages[{i}].tool_calls[{j}]"
+                call["function"] = {**function, "arguments": _arguments(function["arguments"], where)}
+        out.append(m)
+    return out
+
+
 def _token_text(token: Any) -> str | None:
     """A special token from tokenizer_config.json: a string or an AddedToken object with `content`."""
     if isinstance(token, str):
@@ -155,6 +213,7 @@ class ChatTemplates:
         self._compiled: dict[str, jinja2.Template | TemplateError] = {}
         env = _environment()
         self._uses_tools: set[str] = set()  # templates that read the `tools` variable
+        self._reads_parts = {name for name, source in self.sources.items() if _READS_PARTS.search(source)}
         for name, source in self.sources.items():
             try:
                 if "tools" in jinja2.meta.find_undeclared_variables(env.parse(source)):
@@ -206,28 +265,52 @@ class ChatTemplates:
         last.pop("tool_calls", None)
         return [*messages[:-1], last]
 
+    def source(self, tools: bool = True) -> str:
+        """The template's text (the tool-use one where there is one): what the tool and reasoning parsers read."""
+        return self.sources.get("tool_use" if tools and "tool_use" in self.sources else "default", "")
+
+    def uses_tools(self) -> bool:
+        """Whether the template (the tool-use one where there is one) renders the `tools` it is given."""
+        return ("tool_use" if "tool_use" in self.sources else "default") in self._uses_tools
+
+    def probe(self, kwargs: dict[str, Any] | None = None) -> str:
+        """A one-message chat rendered with its generation prompt ("" when the template fails on it)."""
+        try:
+            return self.render([{"role": "user", "content": "."}], None, kwargs, native=True)
+        except TemplateError:
+            return ""
+
     def render(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         kwargs: dict[str, Any] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        native: bool = False,
     ) -> str:
-        """The prompt text; raises TemplateError (TGI's message) when there is no template or rendering fails."""
+        """The prompt text; raises TemplateError (TGI's message) when there is no template or rendering fails.
+        `native`: the model's own way (module docstring), else TGI's flattening."""
         name = "tool_use" if tools and "tool_use" in self._compiled else "default"
         template = self._compiled.get(name)
         if template is None:
             raise NOT_FOUND
         if isinstance(template, TemplateError):
             raise template
-        chat = [{"role": m.get("role"), "content": flatten_content(m)} for m in messages]
+        if native:
+            chat = native_messages(messages, name in self._reads_parts)
+            tools = _no_nulls(tools) if tools else tools
+        else:
+            chat = [{"role": m.get("role"), "content": flatten_content(m)} for m in messages]
         # TGI's continue_final_message: a final assistant message is continued, not closed, so no generation prompt
-        continuing = bool(chat) and chat[-1]["role"] == "assistant"
+        continuing = bool(chat) and chat[-1]["role"] == "assistant" and isinstance(chat[-1].get("content"), str)
         if continuing:
             chat[-1]["content"] += _CONTINUE_TAG
         variables: dict[str, Any] = dict(kwargs or {})  # the fixed variables below win over chat_template_kwargs
         for key, value in (("bos_token", self.bos_token), ("eos_token", self.eos_token)):
             if value is not None:  # unset stays undefined (renders empty) rather than "None"
                 variables[key] = value
+        if documents is not None:
+            variables["documents"] = documents
         variables.update(messages=chat, tools=tools, add_generation_prompt=not continuing)
         try:
             text = template.render(**variables)

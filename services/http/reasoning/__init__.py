@@ -1,0 +1,34 @@
+"""Reasoning kept apart from the answer: `reasoning_content` (and `reasoning`) beside `content`.
+
+One parser per format, one file each: `think_tags` (`<think>…</think>`: DeepSeek-R1, Qwen3, QwQ, GLM-4.5). vLLM's
+flag names for it (`deepseek_r1`, `qwen3`, `glm45`) all select it.
+
+Interface:
+- `choose(template, flag)` → the parser for a chat template's text, or the one `--reasoning-parser` names
+  (`none`: no split); None when the template shows no reasoning markers;
+- `parser.opened_in(prompt)` → whether the rendered prompt leaves the reasoning open (the answer starts in it);
+- `parser.split(text, opened)` → Split(reasoning or None, content) of the whole answer;
+- `ReasoningStream(parser, opened).push(piece, final)` → [("reasoning" | "content", text)], assembling to `split`.
+- `parser.start` / `parser.end`: the markers (the tokenizer's thinking budget writes `end` itself).
+"""
+
+from __future__ import annotations
+
+from services.http.reasoning.think_tags import ReasoningStream, Split, ThinkTagsParser
+
+PARSERS = {"think": ThinkTagsParser, "deepseek_r1": ThinkTagsParser, "qwen3": ThinkTagsParser, "glm45": ThinkTagsParser}
+NONE = "none"
+NAMES = (NONE, *PARSERS)
+
+
+def choose(template: str, flag: str = "") -> ThinkTagsParser | None:
+    if flag == NONE:
+        return None
+    if flag:
+        return PARSERS[flag]()
+    if "</think>" in template:
+        return ThinkTagsParser()
+    return None
+
+
+__all__ = ["NAMES", "PARSERS", "ReasoningStream", "Split", "ThinkTagsParser", "choose"]
