@@ -48,6 +48,32 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     group: str = ""
 
 
+class ImageInput(msgspec.Struct, kw_only=True, array_like=True):
+    """One image of a request: where its placeholder tokens sit in the prompt and the shape of its pixels, whose
+    float32 values travel in the carrying message's `pixel_values` frame (images in order, each flattened)."""
+
+    digest: str  # content hash of its preprocessed pixels (hex): the prefix-cache key and the encoder cache's
+    start: int  # prompt position of its first placeholder token
+    tokens: int  # placeholder tokens it fills (the vision encoder's output rows)
+    shape: list[int]  # pixel tensor shape, as the model's processor made it
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def check_images(images: list[ImageInput], pixel_values: Any, prompt_len: int | None = None) -> None:
+    """The images' pixels fill the frame exactly and their placeholders lie within the prompt (ValueError)."""
+    if sum(im.size for im in images) != (0 if pixel_values is None else len(pixel_values)):
+        raise ValueError("pixel values do not match the images' shapes")
+    for im in images:
+        if im.start < 0 or im.tokens < 1 or (prompt_len is not None and im.start + im.tokens > prompt_len):
+            raise ValueError("an image's placeholders lie outside the prompt")
+
+
 class TokenizedRequest(Message, tag="tokenized", kw_only=True):
     """A validated, tokenized request (tokenizer → admit → router → replica in).
 
@@ -55,11 +81,12 @@ class TokenizedRequest(Message, tag="tokenized", kw_only=True):
     `detokenizer` filled in.
     """
 
-    FRAMES = (("input_ids", "<i4"),)
+    FRAMES = (("input_ids", "<i4"), ("pixel_values", "<f4"))
 
     def check(self) -> None:
         if len(self.input_ids) == 0 or self.max_new_tokens < 1:
             raise ValueError("a tokenized request needs input ids and max_new_tokens >= 1")
+        check_images(self.images, self.pixel_values, len(self.input_ids))
 
     request_id: str
     ingress: int
@@ -75,6 +102,8 @@ class TokenizedRequest(Message, tag="tokenized", kw_only=True):
     grammar: str = ""  # llguidance grammar text, compiled once by the tokenizer ("": unconstrained)
     grammar_kind: str = ""  # json | regex | gbnf | lark | tools | tools_auto (a metrics label)
     adapter: str | None = None  # the LoRA adapter it runs with (None: the base model), checked by the tokenizer
+    images: list[ImageInput] = []  # a vision model's images, in prompt order (their pixels: `pixel_values`)
+    pixel_values: Any = None  # np.ndarray[float32], every image's pixels flattened and concatenated (raw frame)
     group: str = ""  # GenerateRequest.group: siblings whose prompt KV blocks the scheduler shares
 
 

@@ -16,9 +16,11 @@ import hashlib
 import numpy as np
 
 
-def chain_hash(previous: bytes, block_ids: np.ndarray) -> bytes:
-    """The hash of one full block given the hash of the blocks before it (b"" for the first block)."""
-    return hashlib.blake2b(previous + np.ascontiguousarray(block_ids, dtype="<i4").tobytes(), digest_size=16).digest()
+def chain_hash(previous: bytes, block_ids: np.ndarray, extra: bytes = b"") -> bytes:
+    """The hash of one full block given the hash of the blocks before it (b"" for the first block); `extra`: the
+    content digests of the images whose placeholder tokens the block holds."""
+    ids = np.ascontiguousarray(block_ids, dtype="<i4").tobytes()
+    return hashlib.blake2b(previous + ids + extra, digest_size=16).digest()
 
 
 def adapter_seed(adapter: str | None) -> bytes:
@@ -27,14 +29,20 @@ def adapter_seed(adapter: str | None) -> bytes:
 
 
 def extend_hashes(
-    hashes: list[bytes], ids: np.ndarray, upto: int, block_size: int, adapter: str | None = None
+    hashes: list[bytes], ids: np.ndarray, upto: int, block_size: int, adapter: str | None = None, images=()
 ) -> list[bytes]:
-    """Append to `hashes` (the chain of `ids`' first full blocks) the hashes of every full block within ids[:upto]."""
+    """Append to `hashes` (the chain of `ids`' first full blocks) the hashes of every full block within ids[:upto].
+
+    `images` (ImageInput-like: digest, start, tokens): a vision model's placeholder tokens are the same ids for
+    every image, so a block holding some of an image's placeholders hashes that image's digest too (the same
+    placeholders with another image never hit; the same image does)."""
     for start in range(len(hashes) * block_size, upto - block_size + 1, block_size):
-        hashes.append(chain_hash(hashes[-1] if hashes else adapter_seed(adapter), ids[start : start + block_size]))
+        end = start + block_size
+        extra = b"".join(bytes.fromhex(im.digest) for im in images if im.start < end and start < im.start + im.tokens)
+        hashes.append(chain_hash(hashes[-1] if hashes else adapter_seed(adapter), ids[start:end], extra))
     return hashes
 
 
-def prefix_hashes(ids: np.ndarray, block_size: int, adapter: str | None = None) -> list[bytes]:
+def prefix_hashes(ids: np.ndarray, block_size: int, adapter: str | None = None, images=()) -> list[bytes]:
     """Chain hashes of every full block of `ids`, shortest prefix first."""
-    return extend_hashes([], ids, len(ids), block_size, adapter)
+    return extend_hashes([], ids, len(ids), block_size, adapter, images)

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from libs.protocol.message_base import Message
+from libs.protocol.messages import ImageInput, check_images
 from libs.protocol.params import SamplingParams
 
 # --------------------------------------------------------------------------------------------
@@ -25,6 +26,8 @@ class NewSequence(msgspec.Struct, array_like=True):
     adapter: str | None = None  # the LoRA adapter its rows run with (None: the base model)
     grammar: str = ""  # llguidance grammar text: the shard builds the sequence's matcher ("": unconstrained)
     grammar_ids: list[int] = []  # the tokens it generated already (a recompute): replayed into the matcher
+    # the images whose placeholders it still has to feed (not in its cached prefix); pixels in StepPlan.pixel_values
+    images: list[ImageInput] = []
 
 
 class StepPlan(Message, tag="plan", kw_only=True):
@@ -44,6 +47,7 @@ class StepPlan(Message, tag="plan", kw_only=True):
         # per row: how many of its fed tokens are drafts to verify (speculative decoding; a drafted row feeds
         # [its last token, d1..dk] and yields 1..k+1 tokens), or empty when no row has drafts
         ("drafts", "<i4"),
+        ("pixel_values", "<f4"),  # the new sequences' images' pixels, in order (NewSequence.images)
     )
 
     step: int
@@ -59,8 +63,10 @@ class StepPlan(Message, tag="plan", kw_only=True):
     # seq → how many blocks of its table it keeps: the scheduler freed the ones past (rejected drafts' KV);
     # applied before `blocks` appends
     trim: dict[int, int] = {}
+    pixel_values: Any = None
 
     def check(self) -> None:
+        check_images([im for new in self.new for im in new.images], self.pixel_values)
         n = len(self.seqs)
         if not len(self.num_tokens) == len(self.context_lens) == len(self.sample) == n:
             raise ValueError("plan rows of unequal length")

@@ -338,6 +338,11 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
+def read_config(path: str | Path) -> dict:
+    """A model folder's config.json ({} when it has none)."""
+    return _read_json(Path(path) / "config.json")
+
+
 def model_info(path: str | Path) -> dict:
     """What services need to know of a model, from its json files only (no torch import)."""
     folder = Path(path)
@@ -360,4 +365,6 @@ def model_info(path: str | Path) -> dict:
         "pad_token_id": field("pad_token_id"),
         "max_position_embeddings": field("max_position_embeddings"),
         "vocab_size": field("vocab_size"),
+        # a vision-language model (vision tower + language model): it takes images (services/shard/vision)
+        "takes_images": "vision_config" in config and "text_config" in config,
     }

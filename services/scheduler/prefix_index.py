@@ -23,7 +23,7 @@ class PrefixIndex:
             return []
         usable = s.total - 1  # the last token must be fed: its logits give the next token
         if not s.hashes:
-            extend_hashes(s.hashes, s.tokens(0, usable), usable, self.block_size, self._key(s))
+            extend_hashes(s.hashes, s.tokens(0, usable), usable, self.block_size, self._key(s), s.req.images)
         return self.allocator.lookup(s.hashes[: usable // self.block_size])
 
     def count(self, s: Sequence, cached: list[int]) -> None:
@@ -45,7 +45,7 @@ class PrefixIndex:
             if s.seq != handle or handle not in running or full <= s.registered:
                 continue
             if len(s.hashes) < full:
-                extend_hashes(s.hashes, s.tokens(0, full * bs), full * bs, bs, self._key(s))
+                extend_hashes(s.hashes, s.tokens(0, full * bs), full * bs, bs, self._key(s), s.req.images)
             for i in range(s.registered, full):
                 self.allocator.register(s.blocks[i], s.hashes[i])
             s.registered = full

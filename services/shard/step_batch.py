@@ -68,6 +68,7 @@ class Batch:
     sample_at: np.ndarray  # where each sampled row's logits are among the kept ones
     keys: list[int | None] | None = None  # per pick: its handle when it has a grammar (None: no row has)
     chains: list | None = None  # per pick of a drafted row with a grammar: (its row's drafts, j) (expand_picks)
+    images: object = None  # a vision model's step: the placeholders' embeddings (vision/cache.py StepImages)
 
     def sampled_states(self) -> list[SequenceState]:
         return self.states if self.sample_rows.all() else [st for st, s in zip(self.states, self.sample_rows) if s]

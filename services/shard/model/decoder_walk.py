@@ -77,16 +77,28 @@ class DecoderWalk:
 
     # -----------------------------------------------------------------------------------------------------------
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor, paged: PagedBatch
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: torch.Tensor,
+        paged: PagedBatch,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[kept, vocab] logits of one packed step (input_ids, position_ids: [T])."""
+        """[kept, vocab] logits of one packed step (input_ids, position_ids: [T]); `inputs_embeds` ([T, hidden]:
+        a vision model's, images merged) instead of the ids' embeddings."""
         self.forwards += 1
-        h = self.body(input_ids, position_ids, paged)
+        h = self.body(input_ids, position_ids, paged, inputs_embeds)
         return self.head(h, keep)
 
-    def body(self, input_ids: torch.Tensor, position_ids: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
+    def body(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        paged: PagedBatch,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The residual stream after the last layer, [T, hidden] (before the final norm)."""
-        h = self.embed(input_ids)
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         ropes = self._ropes(h, position_ids)
         layer_fn = self._llama_layer if self.kind == "llama" else self._gemma_layer
         for spec in self.layers:

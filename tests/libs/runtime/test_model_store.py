@@ -161,6 +161,7 @@ def test_model_info(tiny_model):
         "pad_token_id": 0,
         "max_position_embeddings": 64,
         "vocab_size": len(WORDS),
+        "takes_images": False,
     }
 
 

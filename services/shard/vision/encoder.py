@@ -1,0 +1,43 @@
+"""The vision tower and projector of a vision-language model: an image's pixels in, the embeddings of its
+placeholder tokens out, as transformers' own `get_image_features` computes them (same modules, same layer and
+feature selection from the config)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class VisionEncoder:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        cfg = model.config
+        self.feature_layer = getattr(cfg, "vision_feature_layer", -1)
+        self.select = getattr(cfg, "vision_feature_select_strategy", "default")
+        self.dtype = next(model.model.vision_tower.parameters()).dtype
+        self.device = next(model.model.vision_tower.parameters()).device
+        self.images = 0  # images encoded (tests and metrics read it)
+        self.seconds = 0.0  # time spent encoding them
+
+    @torch.inference_mode()
+    def encode(self, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each image's placeholder embeddings, [tokens, hidden]; images of one shape run as one batch."""
+        started = time.perf_counter()
+        out: list[torch.Tensor | None] = [None] * len(pixels)
+        by_shape: dict[tuple, list[int]] = {}
+        for i, px in enumerate(pixels):
+            by_shape.setdefault(tuple(px.shape), []).append(i)
+        for idx in by_shape.values():
+            batch = torch.stack([pixels[i] for i in idx]).to(self.device, self.dtype)
+            feats = self.model.model.get_image_features(
+                pixel_values=batch,
+                vision_feature_layer=self.feature_layer,
+                vision_feature_select_strategy=self.select,
+                return_dict=True,
+            ).pooler_output
+            for i, f in zip(idx, feats):
+                out[i] = f
+        self.images += len(pixels)
+        self.seconds += time.perf_counter() - started
+        return out

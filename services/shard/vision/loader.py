@@ -1,0 +1,56 @@
+"""Loading a vision-language model: the whole model (vision tower, projector, language model) with the paged
+attention on its language model only, and the language model alone as a causal LM sharing the same modules, which
+the runner walks as any text model (the decoder walk or transformers' forward)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+# families whose image embeddings replace their placeholder tokens' embeddings one for one (encoder.py)
+FAMILIES = {"llava"}
+
+
+def is_vision_config(config: dict) -> bool:
+    """Whether a folder's config.json (as a dict) describes a vision-language model."""
+    return "vision_config" in config and "text_config" in config
+
+
+def attn_implementation(paged: str) -> dict[str, str]:
+    """The paged attention for the language model; transformers' eager one for the vision tower (as the reference
+    runs it: the encoder's output is bit for bit the same)."""
+    return {"text_config": paged, "vision_config": "eager", "": "eager"}
+
+
+def check_family(model: torch.nn.Module) -> None:
+    family = model.config.model_type
+    if family not in FAMILIES:
+        raise ValueError(f"vision-language family {family!r} is not served (served: {', '.join(sorted(FAMILIES))})")
+
+
+def from_pretrained(model_dir: str, *, attn: str, **kwargs) -> torch.nn.Module:
+    model = AutoModelForImageTextToText.from_pretrained(
+        model_dir, attn_implementation=attn_implementation(attn), **kwargs
+    )
+    check_family(model)
+    return model
+
+
+def from_config(config, *, attn: str, dtype: torch.dtype) -> torch.nn.Module:
+    model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation=attn_implementation(attn))
+    check_family(model)
+    return model
+
+
+def is_vision_model(model: torch.nn.Module) -> bool:
+    return hasattr(model.config, "vision_config") and hasattr(getattr(model, "model", None), "language_model")
+
+
+def text_model(model: torch.nn.Module, attn: str) -> torch.nn.Module:
+    """The language model and LM head of `model` as transformers' causal LM of its text config: a shell built
+    without weights whose body and head ARE the vision model's modules (nothing is copied)."""
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(model.config.get_text_config(), attn_implementation=attn)
+    shell.model = model.model.language_model
+    shell.lm_head = model.get_output_embeddings()
+    return shell

@@ -1,0 +1,93 @@
+"""A vision-language model's images in a prompt: found as TGI's markdown images (`![](url)`, which the chat
+template also writes for OpenAI's image_url parts), fetched, decoded, and run through the model's own processor
+(transformers' AutoProcessor of the folder, its PIL image path), which gives each image's pixel values and the
+placeholder tokens it stands for. Those tokens replace the image's one placeholder in the tokenized prompt, so they
+count as prompt tokens everywhere (usage, max_input_tokens, truncation)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from libs.protocol.messages import ImageInput
+from services.tokenizer.images.decode import ImageError, decode
+from services.tokenizer.images.fetch import FetchLimits, load
+
+MARKDOWN_IMAGE = re.compile(r"!\[\]\(([^)]*)\)")  # TGI's chunking of `inputs` into text and images
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    fetch: FetchLimits = FetchLimits()
+    max_pixels: int = 50_000_000  # before decoding: a bigger header is refused (a decompression bomb)
+    max_images: int = 8  # per request
+
+
+@dataclass
+class Images:
+    """A prompt's images, processed: each one's placeholder tokens and pixels."""
+
+    token_ids: list[np.ndarray] = field(default_factory=list)  # per image: the tokens its placeholder becomes
+    pixels: list[np.ndarray] = field(default_factory=list)  # per image: float32 pixel values
+    seconds: float = 0.0  # fetching, decoding and preprocessing them
+
+
+def digest(pixels: np.ndarray) -> str:
+    """The content hash of an image's preprocessed pixels (shape included): equal pixels, equal embeddings."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray(pixels.shape, "<i8").tobytes())
+    h.update(np.ascontiguousarray(pixels, "<f4").tobytes())
+    return h.hexdigest()
+
+
+class ImageProcessor:
+    def __init__(self, model_path: str, limits: ImageLimits = ImageLimits()) -> None:
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(model_path)
+        self.limits = limits
+        self.image_token: str = self.processor.image_token
+        self.image_token_id: int = self.processor.image_token_id
+
+    def placeholders(self, text: str) -> tuple[str, list[str]]:
+        """`text` with each markdown image replaced by the model's image token, and the images' URLs."""
+        urls = MARKDOWN_IMAGE.findall(text)
+        if len(urls) > self.limits.max_images:
+            raise ImageError(f"a request may hold at most {self.limits.max_images} images, this one has {len(urls)}")
+        return MARKDOWN_IMAGE.sub(lambda _: self.image_token, text), urls
+
+    def process(self, urls: list[str]) -> Images:
+        """Fetch, decode and preprocess each image (ImageError with the reason for the first that fails)."""
+        started = time.perf_counter()
+        out = Images()
+        for url in urls:
+            img = decode(load(url, self.limits.fetch), self.limits.max_pixels)
+            got = self.processor(text=self.image_token, images=[img], add_special_tokens=False, return_tensors="np")
+            out.token_ids.append(np.asarray(got["input_ids"][0], np.int32))
+            out.pixels.append(np.ascontiguousarray(got["pixel_values"][0], np.float32))
+        out.seconds = time.perf_counter() - started
+        return out
+
+    def expand(self, ids: list[int], images: Images) -> tuple[list[int], list[ImageInput]]:
+        """The prompt ids with each image token replaced by its image's tokens, and where each image's placeholder
+        tokens now lie."""
+        at = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(at) != len(images.pixels):
+            raise ImageError(
+                f"the prompt holds {len(at)} image placeholders ({self.image_token!r}) for {len(images.pixels)} images"
+            )
+        out, placed, prev = [], [], 0
+        for pos, tokens, pixels in zip(at, images.token_ids, images.pixels):
+            out += ids[prev:pos]
+            marks = np.flatnonzero(tokens == self.image_token_id)  # e.g. Gemma 3's frame: the placeholders within
+            start = len(out) + int(marks[0])
+            if len(marks) != marks[-1] - marks[0] + 1:
+                raise ImageError("the processor's placeholder tokens for an image are not contiguous")
+            placed.append(ImageInput(digest=digest(pixels), start=start, tokens=len(marks), shape=list(pixels.shape)))
+            out += tokens.tolist()
+            prev = pos + 1
+        return out + ids[prev:], placed
