@@ -20,9 +20,16 @@ import sys
 from pathlib import Path
 
 from launcher import bus_flags, keygen, quantize, rundir, supervise, tap
-from launcher.serve_settings import IGNORED, SPECULATE_HELP, SPECULATE_POLICIES, check_lora_adapters, settings_from
+from launcher.serve_settings import (
+    IGNORED,
+    SPECULATE_HELP,
+    SPECULATE_POLICIES,
+    check_lora_adapters,
+    omp_environment,
+    settings_from,
+)
 from libs.protocol import Addresses
-from libs.runtime import cpu, model_store
+from libs.runtime import cpu, cpu_team, model_store
 from libs.runtime.settings import env_value
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds a step may take before the scheduler reports its shards hung (/health 503 until it returns)",
     )
+    s.add_argument("--cpu-threads", default=_env("cpu-threads"),
+                   metavar="N|auto", help=cpu_team.THREADS_HELP)  # fmt: skip
+    s.add_argument("--cpu-bind", default=_env("cpu-bind", os.environ.get("VLLM_CPU_OMP_THREADS_BIND")),
+                   metavar="auto|none|LIST", help=cpu_team.BIND_HELP)  # fmt: skip
+    s.add_argument("--cpu-reserved", default=_env("cpu-reserved", os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")),
+                   metavar="N|auto", help=cpu_team.RESERVED_HELP)  # fmt: skip
     flag("num-shard", type=int, default=1, help="tensor-parallel shards per replica (gloo on CPU, NCCL on CUDA)")
     flag("replicas", type=int, default=1, help="model replicas: a scheduler and num-shard shards each")
     flag("tokenizer-workers", type=int, default=1, help="tokenizer processes")
@@ -279,6 +292,7 @@ def serve(args: argparse.Namespace) -> int:
             "SWITCHYARD_PYTHON": sys.executable,
             "SWITCHYARD_ROOT": str(ROOT),
             "PYTHONUNBUFFERED": "1",
+            **omp_environment(settings),
         }
         host, port = settings.hostname, settings.port
         here = ", ".join(f"{role}×{n}" for role, n in counts.items() if n)

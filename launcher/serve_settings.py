@@ -7,10 +7,11 @@ import argparse
 import ipaddress
 import logging
 import os
+import time
 from pathlib import Path
 
 from launcher import bus_flags, lora_flags, quantize
-from libs.runtime import cpu, model_store
+from libs.runtime import cpu, cpu_team, model_store
 from libs.runtime.settings import Settings
 
 log = logging.getLogger("switchyard.launcher")
@@ -94,6 +95,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
     if args.validation_workers < 1:
         raise SystemExit("error: `validation_workers` must be > 0")
     cuda_graphs, cuda_memory_fraction = _cuda_flags(args)
+    cpu_threads, cpu_bind, cpu_reserved = _cpu_flags(args)
     curve_secret, curve_public = bus_flags.curve_keys(args.bus_curve_secret_key, args.bus_curve_public_key)
     lora_adapters = _lora_adapters(args)
     try:
@@ -158,6 +160,9 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         lora_fold=not args.disable_lora_fold,
         cuda_graphs=cuda_graphs,
         cuda_memory_fraction=cuda_memory_fraction,
+        cpu_threads=cpu_threads,
+        cpu_bind=cpu_bind,
+        cpu_reserved=cpu_reserved,
     )
 
 
@@ -204,6 +209,37 @@ def _cuda_flags(args: argparse.Namespace) -> tuple[str, float]:
     if not 0.0 < args.cuda_memory_fraction <= 1.0:
         raise SystemExit(f"error: --cuda-memory-fraction must be in (0, 1], not {args.cuda_memory_fraction}")
     return ",".join(map(str, buckets)), args.cuda_memory_fraction
+
+
+def _cpu_flags(args: argparse.Namespace) -> tuple[str, str, str]:
+    """--cpu-threads, --cpu-bind and --cpu-reserved (or VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU),
+    checked against this process's usable cores, as Settings carries them."""
+    threads = getattr(args, "cpu_threads", None) or "auto"
+    bind = getattr(args, "cpu_bind", None) or "auto"
+    reserved = getattr(args, "cpu_reserved", None) or "auto"
+    try:
+        cpu_team.parse_flags(threads, bind, reserved, cpu_team.usable_cpus())
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return str(threads), "none" if bind == "nobind" else bind, str(reserved)
+
+
+def omp_environment(settings: Settings, environ=None, others: dict[int, float] | None = None) -> dict[str, str]:
+    """OpenMP's wait policy for the programs, read once when OpenMP loads, so decided here, at start: PASSIVE
+    when other processes already load the cores (cpu_team.decide; `others` measured now unless given), unless
+    OMP_WAIT_POLICY is set."""
+    environ = os.environ if environ is None else environ
+    if "OMP_WAIT_POLICY" in environ:
+        return {}
+    if others is None:
+        sampler = cpu_team.Sampler()
+        time.sleep(cpu_team.START_WINDOW_S)
+        others = sampler.sample()
+    plan = cpu_team.decide(cpu_team.usable_cpus(), others, cpu_team.flags_from(settings), settings.procs_shard)
+    if not plan.wait_policy:
+        return {}
+    log.info("OMP_WAIT_POLICY=%s for the shards: %s", plan.wait_policy, plan.reason)
+    return {"OMP_WAIT_POLICY": plan.wait_policy}
 
 
 def _origins(given: list[str] | None) -> str:

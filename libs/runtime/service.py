@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from libs.runtime import bus, logs, metrics, tracing
+from libs.runtime import bus, cpu_team, logs, metrics, tracing
 from libs.runtime.settings import Settings
 
 
@@ -22,6 +22,8 @@ def run(role: str, body: Callable[[Settings, logging.Logger], None]) -> None:
     if bus.configure(settings) is not None and settings.bus.startswith("tcp://"):
         log.info("bus links encrypted (CURVE)")
     metrics.init(role, settings.index, settings)
+    if role != "shard":  # the shard sets its own cores (services/shard/cpu_tuning.py)
+        cpu_team.pin_helper(settings, log)
     tracing.init(settings.otlp_service_name, settings.otlp_endpoint, role=role, index=str(settings.index))
     bus.exit_on_sigterm()
     try:

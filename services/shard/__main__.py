@@ -11,9 +11,9 @@ import zmq
 from libs.protocol import Addresses
 from libs.protocol.lora import ShardAdapters, ShardAdaptersAck
 from libs.protocol.step_messages import ShardReady, StepPlan, StepResult
-from libs.runtime import bus, cpu, service
+from libs.runtime import bus, cpu, cpu_team, service
 from libs.runtime.settings import BLOCK_SIZE, Settings
-from services.shard import tensor_parallel
+from services.shard import cpu_tuning, tensor_parallel
 from services.shard.model_runner import ModelRunner
 
 ROLE = "shard"
@@ -69,6 +69,7 @@ class ShardService:
                     f.write(f"{ROLE}\n")
             raise SystemExit(1) from None
         self.num_blocks = settings.num_blocks
+        self.tuner: cpu_tuning.TeamTuner | None = None  # a CPU shard's team, set by main()
 
     def run(self, log) -> None:
         got_plan = False
@@ -106,6 +107,8 @@ class ShardService:
                     result = StepResult(step=plan.step, rank=self.rank, error=f"{type(e).__name__}: {e}")
             if self.rank == 0:
                 bus.send(self.results, result)
+            if self.tuner is not None:  # between two steps: the team may be resized here
+                self.tuner.between_steps()
 
     def _sync_adapters(self, msg: ShardAdapters, log) -> None:
         """Hold the scheduler's run-time adapter set; every rank answers, so the scheduler knows all of them did."""
@@ -121,13 +124,14 @@ class ShardService:
 
 def main() -> None:
     def body(settings: Settings, log) -> None:
-        # the host's cores shared by the shards it runs (the launcher says how many), unless told
-        local_shards = max(1, settings.procs_shard)
-        torch.set_num_threads(settings.torch_threads or max(1, (os.cpu_count() or 1) // local_shards))
         # supervisord numbers the replicas × num_shard shard processes 0…; process i serves replica
         # i // num_shard as rank i % num_shard
         replica, rank = divmod(settings.index, max(1, settings.num_shard))
+        # the OpenMP team: the host's usable cores shared by the shards it runs, less what others keep busy
+        tuner = cpu_tuning.TeamTuner(cpu_team.flags_from(settings), settings.procs_shard, settings.index, log)
+        tuner.start()
         shard = ShardService(settings, replica=replica, rank=rank)
+        shard.tuner = tuner
         log.info(
             "replica %d rank %d: model loaded from %s (%s on %s); %d KV blocks",
             replica,
