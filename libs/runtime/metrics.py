@@ -121,6 +121,9 @@ class Metrics:
         self.inter_token_latency = hist(
             "switchyard_inter_token_latency_seconds", "Between two tokens of a stream, as http sends them (s)"
         )
+        # SSE: events sent and the socket writes that carried them (services/http/sse_writer.py)
+        self.sse_events = counter("switchyard_sse_events", "SSE events sent to clients")
+        self.sse_writes = counter("switchyard_sse_writes", "Socket writes of SSE events (a step's events go in one)")
         self.kv_blocks_used = gauge("switchyard_kv_blocks_used", "KV cache blocks in use (all replicas)")
         self.kv_blocks_free = gauge("switchyard_kv_blocks_free", "KV cache blocks free (all replicas)")
         self.prefix_cache_queried_tokens = counter(

@@ -239,6 +239,13 @@ class Ingress:
             raise Failure(event.message, event.error_type)
         return event
 
+    def ready(self, request_id: str) -> bool:
+        """Whether more of this request's rows already wait (the rest of a step's): a writer may hold its events
+        until they are in. Rows only: an Accepted keepalive next would leave held events waiting for the next step
+        (a replayed row that `generate` drops can, after a resync only)."""
+        q = self.queues.get(request_id)
+        return q is not None and any(isinstance(e, TextRow) for e in q._queue)  # asyncio.Queue's deque, in order
+
     async def generate(self, req: GenerateRequest, timing: Timing | None = None) -> AsyncIterator[TextRow]:
         """Submit `req` and yield its text rows up to the final one; raises Failure.
 

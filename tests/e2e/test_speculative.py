@@ -101,15 +101,34 @@ def test_copying_accepts_drafts_and_equals_generate(server, folder):
     assert skipped == accepted  # TGI's: tokens − 1 per generation
 
 
+def sse_counters(server: Server) -> tuple[float, float]:
+    """(SSE events sent, socket writes that carried them), from one scrape of /metrics."""
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    return tuple(sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+                 for name in ("switchyard_sse_events_total", "switchyard_sse_writes_total"))  # fmt: skip
+
+
 def test_streaming_sends_one_event_per_token(server, copy_prompt):
     text, _ = copy_prompt
     whole = generate(server, text, details=True)
+    before, deadline = None, time.monotonic() + 30
+    while (now := sse_counters(server)) != before:  # earlier streams' counts in: two reads a heartbeat apart agree
+        assert time.monotonic() < deadline
+        before = now
+        time.sleep(1.2)
     body = {"inputs": text, "parameters": {"max_new_tokens": MAX_NEW}, "stream": True}
     r = requests.post(server.url + "/generate_stream", json=body, timeout=300)
     events = sse_events(r.content)
     assert [e["token"]["id"] for e in events] == [t["id"] for t in whole["details"]["tokens"]]
     assert [e["index"] for e in events] == list(range(1, len(events) + 1))  # TGI's index, one per token
     assert events[-1]["generated_text"] == whole["generated_text"]
+    # the multi-token steps' events went out together: fewer socket writes than events (services/http/sse_writer.py)
+    deadline = time.monotonic() + 30
+    while (now := sse_counters(server))[0] < before[0] + len(events):
+        assert time.monotonic() < deadline, (before, now, len(events))
+        time.sleep(0.2)
+    sent, writes = now[0] - before[0], now[1] - before[1]
+    assert sent == len(events) and 0 < writes < sent, (sent, writes)
 
 
 def test_a_stop_sequence_inside_a_multi_token_step(server, copy_prompt):

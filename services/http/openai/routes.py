@@ -24,6 +24,7 @@ from services.http.openai import requests as oa
 from services.http.openai import responses as oar
 from services.http.openai import tools
 from services.http.responses import DONE, json_response, open_stream, sse
+from services.http.sse_writer import StepWriter
 from services.http.tgi.schemas import VERSION, parse_body, simple_tokens
 from services.http.timing import Timing, sum_headers, timing_headers
 
@@ -187,6 +188,7 @@ class OpenAIRoutes:
     async def _completion_stream(self, request, body: oa.CompletionRequest, wires, env: oar.Envelope):
         """The prompts' streams interleaved as their tokens come; one [DONE] at the end."""
         response = await open_stream(request, "".join(w.inputs for w in wires))
+        writer = StepWriter(response)
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, wire: GenerateRequest) -> None:
@@ -209,8 +211,9 @@ class OpenAIRoutes:
                 event = await queue.get()
                 if event is None:
                     running -= 1
-                else:
-                    await response.write(event)
+                else:  # one write for what the pumps have queued meanwhile (a step's rows)
+                    await writer.add(event, not queue.empty())
+            await writer.flush()
             await response.write(DONE)
             await response.write_eof()
         except ConnectionResetError:

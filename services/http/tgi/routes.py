@@ -22,6 +22,7 @@ from services.http.generation import Permits, bus_request, collect
 from services.http.ingress import Ingress
 from services.http.openai.routes import OpenAIRoutes
 from services.http.responses import json_response, open_stream, sse
+from services.http.sse_writer import StepWriter
 from services.http.tgi import schemas as tgi
 from services.http.timing import Timing, timing_headers
 
@@ -156,12 +157,15 @@ class Routes:
     async def _stream(self, request: web.Request, wire: GenerateRequest, full: bool) -> web.StreamResponse:
         """SSE; TGI answers 200 and reports every error in-stream."""
         response = await open_stream(request, wire.inputs)
+        writer = StepWriter(response)
         try:
             with self.permits.hold():
                 async with contextlib.aclosing(self.ingress.generate(wire)) as rows:
                     async for row in rows:
-                        await response.write(sse(tgi.stream_event(row, wire.inputs, wire.parameters, full)))
+                        event = sse(tgi.stream_event(row, wire.inputs, wire.parameters, full))
+                        await writer.add(event, row.final is None and self.ingress.ready(wire.request_id))
         except Failure as e:
+            await writer.flush()
             await response.write(sse(error_body(e)))
         except ConnectionResetError:  # the client went away; closing the rows above aborted the request
             return response
