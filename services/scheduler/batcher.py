@@ -22,6 +22,7 @@ from libs.protocol.step_messages import NewSequence, StepPlan, StepResult
 from libs.runtime.settings import BLOCK_SIZE
 from services.scheduler.block_allocator import BlockAllocator, blocks_for
 from services.scheduler.drafting import Drafter
+from services.scheduler.images import images_to_feed, plan_pixels
 from services.scheduler.prefill_pacing import PrefillPacing
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.sequence import Emitted, Sequence
@@ -67,6 +68,7 @@ class Batcher:
         self._inflight: dict[int, list[tuple[Sequence, int, int, int]]] = {}
         always = speculate_policy == "always"  # --speculate-policy: the adaptive rule off
         self.drafter = Drafter(speculate, always) if speculate > 0 else None  # speculative decoding (--speculate)
+        self._pixels: list[np.ndarray] = []  # the next plan's images' pixels, gathered as sequences are admitted
         self._trim: dict[int, int] = {}  # seq → blocks it keeps, for the next plan (rejected drafts' blocks freed)
         self.step_accepted: list[int] = []  # speculating: per sampled row of the last applied step, drafts accepted
         self._since_join = 0  # steps since waiting requests last joined a running batch
@@ -134,6 +136,7 @@ class Batcher:
             if left > 1:
                 budget -= n
             rows.append((s, n))
+        self._pixels = []  # the admitted sequences' images' pixels (services/scheduler/images.py)
         new, blocks = self._admit(rows, budget)
         if not rows:
             return None
@@ -181,6 +184,7 @@ class Batcher:
             token_ids=np.concatenate(token_ids).astype(np.int32, copy=False),
             sample=np.asarray(sample, np.uint8),
             drafts=np.asarray([len(drafts.get(i, ())) for i in range(len(rows))] if drafts else [], np.int32),
+            pixel_values=plan_pixels(self._pixels),
         )
 
     def _drafts(self, rows: list, step: int) -> dict[int, list[int]]:
@@ -284,6 +288,9 @@ class Batcher:
                 sampling = msgspec.structs.replace(sampling, prompt_logprobs=False)
             prefix = s.tokens(0, s.computed).tolist() if s.computed and sampling.keeps_history() else []
             new.append(NewSequence(s.seq, sampling, prefix, s.req.adapter))
+            if s.req.images:  # the images it still feeds travel with it (again after a preemption)
+                new[-1].images, pixels = images_to_feed(s.req, s.computed)
+                self._pixels += pixels
             if s.req.grammar:  # the shard builds its matcher, replaying what it generated already (a recompute)
                 new[-1].grammar, new[-1].grammar_ids = s.req.grammar, list(s.output)
             blocks[s.seq] = s.blocks

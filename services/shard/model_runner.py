@@ -30,6 +30,9 @@ from services.shard.quant.loader import from_pretrained as quantized_from_pretra
 from services.shard.sampling.counter import DrawKeys
 from services.shard.sampling.sampler import Choice, choose
 from services.shard.step_batch import Batch, History, SequenceState
+from services.shard.vision import loader as vision_loader
+from services.shard.vision.cache import EncoderCache, merge
+from services.shard.vision.encoder import VisionEncoder
 from services.shard.verify import PickGenerators, accept, expand_picks, kept_positions, select
 
 
@@ -72,6 +75,8 @@ class ModelRunner:
         load_kwargs = dict(dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
         if model is not None:
             self.model = model
+        elif vision_loader.is_vision_config(model_store.read_config(model_dir)):  # images in (services/shard/vision)
+            self.model = vision_loader.from_pretrained(model_dir, attn=ATTN_IMPLEMENTATION, dtype=dtype, **kwargs)
         elif quantize:
             self.model = quantized_from_pretrained(model_dir, quantize, **load_kwargs)
         else:
@@ -86,8 +91,15 @@ class ModelRunner:
         for name, folder in (lora_adapters or {}).items():
             self.lora.load(name, folder)
         self.lora.check_hooks()
+        # a vision model: its encoder outputs merged at the placeholders of the language model, which runs as a text
+        # model (None: a text model)
+        self.vision: EncoderCache | None = None
+        self.text_model = self.model
+        if vision_loader.is_vision_model(self.model):
+            self.vision = EncoderCache(VisionEncoder(self.model))
+            self.text_model = vision_loader.text_model(self.model, ATTN_IMPLEMENTATION)
         # the direct decoder walk, or None (transformers' forward) and why
-        self.walk, self.walk_reason = walk_module.build(self.model, tp, decoder_walk)
+        self.walk, self.walk_reason = walk_module.build(self.text_model, tp, decoder_walk)
         cfg = self.model.config.get_text_config()
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -149,7 +161,10 @@ class ModelRunner:
             raise ValueError("a model built in memory runs on one device (no tensor parallelism)")
         torch.manual_seed(seed)  # seeds every device: the same seed on the same device gives the same weights
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+            if vision_loader.is_vision_config(config.to_dict()):
+                model = vision_loader.from_config(config, attn=ATTN_IMPLEMENTATION, dtype=dtype)
+            else:
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         return cls(tokenizer_dir, num_blocks=num_blocks, dtype=dtype, device=device, model=model, **kwargs)
 
     # ---------------------------------------------------------------------------------------------------------
@@ -174,6 +189,7 @@ class ModelRunner:
             if new.adapter and new.adapter not in self.lora.adapters:
                 raise ValueError(f"plan asks for LoRA adapter {new.adapter!r}, which this shard has not loaded")
             self.seqs[new.seq] = SequenceState(new.sampling, gen, history=history, adapter=new.adapter)
+        self._open_images(plan)
         for new in plan.new:
             if new.grammar:  # its matcher, with the tokens it generated already replayed (a recompute)
                 self.grammars.open(new.seq, new.grammar, new.grammar_ids)
@@ -195,11 +211,26 @@ class ModelRunner:
     def _drop(self, seq: int) -> None:
         self.seqs.pop(seq, None)
         self.grammars.discard(seq)
+        if self.vision is not None:
+            self.vision.drop(seq)
+
+    def _open_images(self, plan: StepPlan) -> None:
+        """The new sequences' images, their pixels sliced from the plan's frame in order."""
+        at = 0
+        for new in plan.new:
+            if new.images:
+                if self.vision is None:
+                    raise ValueError("plan sends images to a model without a vision tower")
+                size = sum(im.size for im in new.images)
+                self.vision.open(new.seq, new.images, plan.pixel_values[at : at + size])
+                at += size
 
     def reset(self) -> None:
         """Drop every sequence (a new scheduler's probe)."""
         self.seqs.clear()
         self.grammars.clear()
+        if self.vision is not None:
+            self.vision.clear()
 
     def _seq(self, seq: int) -> SequenceState:
         try:
@@ -277,7 +308,9 @@ class ModelRunner:
             draw_positions = np.repeat(draw_positions - picks, picks) + _ranks(picks) + 1
         if any(st.adapter for st in states):  # rows grouped by adapter once per step; base-only steps skip this
             self.lora.set_step([st.adapter for st in states], num_tokens)
+        images = None if self.vision is None else self.vision.step(seqs, context_lens, num_tokens, cu)
         return Batch(
+            images=images,
             seqs=seqs,
             states=states,
             cu=cu,
@@ -296,6 +329,9 @@ class ModelRunner:
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         """One forward over every row; the logits of the kept positions only, [kept, vocab]."""
+        if batch.images is not None:  # image placeholders fed: their embeddings merged (services/shard/vision)
+            embeds = merge(self.text_model.get_input_embeddings()(batch.input_ids), batch.images)
+            return self.forward_packed(batch.input_ids, batch.position_ids, batch.keep, batch.paged, embeds)
         if self.graphs is not None:  # a pure-decode step in a bucket: its graph's replay (None: run it eagerly)
             logits = self.graphs.step(batch)
             if logits is not None:
@@ -303,13 +339,19 @@ class ModelRunner:
         return self.forward_packed(batch.input_ids, batch.position_ids, batch.keep, batch.paged)
 
     def forward_packed(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor, paged: PagedBatch
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: torch.Tensor,
+        paged: PagedBatch,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The eager forward of a packed step ([T] ids and positions): the decoder walk's or transformers'."""
         if self.walk is not None:
-            return self.walk.forward(input_ids, position_ids, keep, paged)
-        return self.model(
-            input_ids=input_ids[None],
+            return self.walk.forward(input_ids, position_ids, keep, paged, inputs_embeds)
+        return self.text_model(
+            input_ids=None if inputs_embeds is not None else input_ids[None],
+            inputs_embeds=None if inputs_embeds is None else inputs_embeds[None],
             position_ids=position_ids[None],
             use_cache=False,
             logits_to_keep=keep,
