@@ -44,6 +44,12 @@ def table(results: dict) -> str:
             f"| {_f(run['itl_p50_ms'], 1)} / {_f(run['itl_p90_ms'], 1)} / {_f(run['itl_p99_ms'], 1)} "
             f"| {_f(over, 1)} | {run['errors']} |"
         )
+    costs = [run for run in results.get("runs", []) if run.get("cpu_s_per_1k_tokens")]
+    if costs:  # where the CPU went: each server process's CPU seconds per 1,000 generated tokens
+        lines += ["", "| engine | workload | conc | CPU s per 1k tokens, by process |", "|---|---|---:|---|"]
+        for run in costs:
+            per = ", ".join(f"{role} {v:.2f}" for role, v in run["cpu_s_per_1k_tokens"].items())
+            lines.append(f"| {run['engine']} | {run.get('workload', '')} | {run['concurrency']} | {per} |")
     for run in results.get("runs", []):
         if run.get("errors"):
             lines.append(f"\n{run['engine']} {run.get('workload', '')} c={run['concurrency']}: {run['first_error']}")

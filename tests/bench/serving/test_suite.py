@@ -31,7 +31,11 @@ def test_bench_smoke_end_to_end(tmp_path):
         assert r["errors"] == 0 and r["output_tokens"] == c * 5, r
         # tokens read in one burst (a loaded machine) have 0 ms gaps: the ITL is measured, not necessarily > 0
         assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] >= 0
+        # the server's processes' CPU per 1,000 tokens, read from /proc: the shard did the forward
+        cost = r["cpu_s_per_1k_tokens"]
+        assert cost["shard"] > 0 and cost["all"] >= cost["shard"] + cost.get("http", 0), cost
     mixed = [r for r in results["runs"] if r["workload"] == "mixed"]
     assert len(mixed) == 1 and mixed[0]["errors"] == 0 and mixed[0]["requests"] == 4
     assert (out / "results.png").stat().st_size > 10_000
     assert "| switchyard | fixed | 2 |" in (out / "results.md").read_text()
+    assert "CPU s per 1k tokens, by process" in (out / "results.md").read_text()
