@@ -22,6 +22,7 @@ from pathlib import Path
 from launcher import bus_flags, keygen, quantize, rundir, supervise, tap
 from launcher.serve_settings import (
     IGNORED,
+    SCHEDULING_POLICIES,
     SPECULATE_HELP,
     SPECULATE_POLICIES,
     check_lora_adapters,
@@ -130,6 +131,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="adaptive",
         help="adaptive: draft only where the measured price of a drafted position says it pays; always: draft every "
         "match that fits (to measure what the adaptive rule saves)",
+    )
+    flag(
+        "scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="fcfs: requests run in arrival order; priority: by each request's `priority` (vLLM's: lower first), "
+        "a request that outranks the worst running one preempting it (it resumes later from its own tokens)",
+    )
+    flag(
+        "priority-aging-seconds",
+        type=float,
+        default=30.0,
+        help="with --scheduling-policy priority: each this many seconds a request has waited count as one priority "
+        "level, so no request waits forever behind later ones (0: strict priority)",
     )
     flag(
         "shard-stall-timeout",

@@ -30,6 +30,7 @@ IGNORED = [
 
 
 SPECULATE_POLICIES = ("adaptive", "always")  # --speculate-policy
+SCHEDULING_POLICIES = ("fcfs", "priority")  # --scheduling-policy
 SPECULATE_HELP = (
     "speculative decoding: up to N tokens drafted per decode step from n-gram matches in the request's own prompt "
     "and output (prompt lookup), verified in the same forward; outputs are unchanged, and rows whose drafts are not "
@@ -73,6 +74,10 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
     speculate = args.speculate or 0  # TGI's default is None: no speculation
     if speculate < 0:
         raise SystemExit("error: --speculate must be >= 0")
+    if args.scheduling_policy not in SCHEDULING_POLICIES:  # argparse checks a flag's choices, not an env default
+        raise SystemExit(f"error: --scheduling-policy must be fcfs or priority, not {args.scheduling_policy!r}")
+    if args.priority_aging_seconds < 0:
+        raise SystemExit("error: --priority-aging-seconds must be >= 0 (0: no aging)")
     if args.speculate_policy not in SPECULATE_POLICIES:  # argparse checks a flag's choices, not an env default
         raise SystemExit(f"error: --speculate-policy must be adaptive or always, not {args.speculate_policy!r}")
     if total < max_total:
@@ -132,6 +137,8 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         max_batch_size=args.max_batch_size,
         speculate=speculate,
         speculate_policy=args.speculate_policy,
+        scheduling_policy=args.scheduling_policy,
+        priority_aging_s=args.priority_aging_seconds,
         shard_stall_timeout=args.shard_stall_timeout,
         replicas=args.replicas,
         num_shard=args.num_shard,

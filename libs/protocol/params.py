@@ -38,6 +38,9 @@ class Parameters(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False  # EOS is an ordinary token: the request runs to max_new_tokens
     min_tokens: int | None = None  # no EOS (nor stop_token_ids) before this many tokens
     stop_token_ids: list[int] = []  # any of them ends the request (finish: eos_token, OpenAI's `stop`)
+    # vLLM's (on the OpenAI routes; on TGI's /generate an extension): lower runs first under
+    # --scheduling-policy priority; anything but 0 is refused under fcfs, as vLLM does
+    priority: int = 0
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, array_like=True):
@@ -62,6 +65,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True):
     ignore_eos: bool = False  # the scheduler does not stop at EOS
     stop_token_ids: list[int] = []  # the scheduler stops at any of them
     min_tokens: int = 0  # the scheduler stops at EOS / stop_token_ids only from this many tokens on
+    priority: int = 0  # the scheduler's order under --scheduling-policy priority: lower first (docs/scheduling.md)
 
     def keeps_history(self) -> bool:
         """Whether the shard keeps the sequence's token ids (a penalty or the watermark reads them); the scheduler

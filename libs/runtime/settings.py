@@ -62,6 +62,11 @@ class Settings:
     # --speculate-policy: "adaptive" drafts only what its measured price says pays; "always" drafts every match
     # that fits (to measure what the adaptive rule saves, and for tests whose drafts must happen on any machine)
     speculate_policy: str = "adaptive"
+    # --scheduling-policy: "fcfs" (arrival order, as TGI) or "priority" (a request's `priority`, lower first; one that
+    # outranks the worst running request preempts it); --priority-aging-seconds: waiting this long is worth one
+    # priority level, which bounds starvation (0: no aging). services/scheduler/priority.py, docs/scheduling.md
+    scheduling_policy: str = "fcfs"
+    priority_aging_s: float = 30.0
     # seconds a step may take before the scheduler says its shards hang (not ready: /health 503) until it returns
     shard_stall_timeout: float = 60.0
     validation_workers: int = 1

@@ -63,6 +63,8 @@ class SchedulerService:
             eos_ids=set(model_store.model_info(settings.model_path)["eos_token_ids"]),
             speculate=settings.speculate,
             speculate_policy=settings.speculate_policy,
+            scheduling_policy=settings.scheduling_policy,
+            priority_aging_s=settings.priority_aging_s,
         )
         self.observer = StepObserver(self.batcher)  # metrics and the per-request spans
         self.gateway = GatewayGauges(  # the load under vLLM's names, for gateways that route on it

@@ -25,6 +25,7 @@ from services.scheduler.drafting import Drafter
 from services.scheduler.images import images_to_feed, plan_pixels
 from services.scheduler.prefill_pacing import PrefillPacing
 from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.priority import PriorityOrder
 from services.scheduler.sequence import Emitted, Sequence
 from services.scheduler.siblings import Siblings
 
@@ -46,6 +47,8 @@ class Batcher:
         prefill_saturation_tokens: int = 0,
         speculate: int = 0,
         speculate_policy: str = "adaptive",
+        scheduling_policy: str = "fcfs",
+        priority_aging_s: float = 0.0,
     ):
         self.allocator = BlockAllocator(num_blocks)
         self.max_batch_size = max_batch_size
@@ -72,6 +75,8 @@ class Batcher:
         self._trim: dict[int, int] = {}  # seq → blocks it keeps, for the next plan (rejected drafts' blocks freed)
         self.step_accepted: list[int] = []  # speculating: per sampled row of the last applied step, drafts accepted
         self._since_join = 0  # steps since waiting requests last joined a running batch
+        # --scheduling-policy priority: waiting and running ordered by rank, the worst gives way (priority.py)
+        self.priority = PriorityOrder(priority_aging_s) if scheduling_policy == "priority" else None
         self.step_constrained = 0  # constrained rows of the last planned step
         self.counters = {
             "steps": 0,
@@ -89,6 +94,7 @@ class Batcher:
             "constrained_rows": 0,  # sampled rows whose request has a grammar (the shard masks them)
             "draft_tokens": 0,  # speculative decoding: tokens drafted (and verified)
             "accepted_tokens": 0,  # of them, accepted
+            "priority_preemptions": 0,  # running sequences preempted for a waiting one that outranks them
         }
         self.prefix = PrefixIndex(self.allocator, block_size, prefix_caching, self.counters)
         self.siblings = Siblings(block_size, self.counters)  # the `n` choices of a request: one prompt prefill
@@ -97,6 +103,8 @@ class Batcher:
         if req.request_id in self.by_request:
             return  # a duplicate delivery: the request is already here
         s = Sequence(0, req)
+        if self.priority is not None:
+            self.priority.stamp(s)
         self.by_request[req.request_id] = s
         self.waiting.append(s)
 
@@ -121,6 +129,9 @@ class Batcher:
         """The next step: every running sequence's next token or chunk, plus the waiting prefills that fit."""
         rows: list[tuple[Sequence, int]] = []  # (sequence, tokens fed)
         running = list(self.running.values())
+        if self.priority is not None:  # best first: what has to give way is the worst
+            running.sort(key=self.priority.key)
+            self.priority.sort(self.waiting)
         decoding = sum(1 for s in running if s.total - s.computed == 1)
         budget = self.max_batch_prefill_tokens - decoding
         budget = min(budget, self.pacing.cap(decoding) or budget)  # None: no cap
@@ -137,6 +148,8 @@ class Batcher:
                 budget -= n
             rows.append((s, n))
         self._pixels = []  # the admitted sequences' images' pixels (services/scheduler/images.py)
+        if self.priority is not None and self.waiting:
+            budget += self._outrank(rows, budget)
         new, blocks = self._admit(rows, budget)
         if not rows:
             return None
@@ -213,7 +226,10 @@ class Batcher:
         """Give `s` the blocks for `tokens`, preempting newer sequences if needed; False if `s` itself went."""
         need = blocks_for(tokens, self.block_size) - len(s.blocks)
         while need > self.allocator.free:
-            victim = next(reversed(self.running.values()))
+            if self.priority is not None:  # the lowest-ranked (plan() runs them best first, so: not yet planned)
+                victim = self.priority.worst(self.running.values())
+            else:
+                victim = next(reversed(self.running.values()))
             self._preempt(victim)
             if victim is s:
                 return False
@@ -232,6 +248,33 @@ class Batcher:
         s.preempted += 1
         self.counters["preemptions"] += 1
         self.waiting.appendleft(s)
+
+    def _outrank(self, rows: list[tuple[Sequence, int]], budget: int) -> int:
+        """Priority mode: the best waiting sequences that find the batch full (its size, or the KV blocks) preempt
+        the worst running ones they outrank, whose rows leave this step; the prefill budget those rows gave back.
+        What fits is judged without prefix-cache hits, so a hit may make one preemption more than needed."""
+        order, given_back, preempted = self.priority, 0, False
+        running = sorted(self.running.values(), key=order.key, reverse=True)  # worst first
+        free = self.allocator.free - self.watermark
+        slots = self.max_batch_size - len(self.running)
+        for w in list(self.waiting):  # best first
+            need = blocks_for(min(w.total, max(budget + given_back, 1)), self.block_size)
+            while (slots < 1 or need > free) and running and order.outranks(w, running[0]):
+                victim, before = running.pop(0), self.allocator.free
+                given_back += sum(n for s, n in rows if s is victim and n > 1)
+                rows[:] = [(s, n) for s, n in rows if s is not victim]
+                self._preempt(victim)
+                self.counters["priority_preemptions"] += 1
+                preempted = True
+                free += self.allocator.free - before
+                slots += 1
+            if slots < 1 or need > free:
+                break
+            slots -= 1
+            free -= need
+        if preempted:
+            order.sort(self.waiting)  # the preempted back in their places, behind what outranked them
+        return given_back
 
     def _admit(self, rows: list[tuple[Sequence, int]], budget: int) -> tuple[list[NewSequence], dict]:
         """Move waiting sequences that fit into the running batch, with a row each; FIFO, all-or-none gating."""

@@ -30,6 +30,7 @@ class Sequence:
     planned_blocks: int = 0  # its blocks the shard has been told about
     preempted: int = 0  # times it gave its blocks back
     drafting: RowStats = field(default_factory=RowStats)  # speculative decoding: how well its drafts do
+    rank: tuple = ()  # --scheduling-policy priority: its place in line, lower first (priority.py)
 
     @property
     def prompt_len(self) -> int:

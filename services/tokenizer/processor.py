@@ -115,6 +115,7 @@ class Processor:
             stream=req.stream,
         )
         validation.check_openai_parameters(p, vocab_size=self.vocab_size)
+        validation.check_priority(p, s.scheduling_policy)
         adapter = validation.check_adapter(p.adapter_id, self.adapters.names(s.lora_names), s.model_id)
         ids = self._encode(text, special).ids if req.prompt_ids is None else self._prompt_ids(req.prompt_ids)
         resolved = validation.resolve(

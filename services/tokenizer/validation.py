@@ -137,6 +137,12 @@ def check_openai_parameters(p: Parameters, *, vocab_size: int) -> None:
             )
 
 
+def check_priority(p: Parameters, policy: str) -> None:
+    """A priority other than 0 only where the scheduler orders by it (--scheduling-policy priority); vLLM's text."""
+    if p.priority != 0 and policy != "priority":
+        raise ValidationError(f"Got priority {p.priority} but Priority scheduling is not enabled.")
+
+
 def check_adapter(adapter_id: str | None, loaded: list[str], model_id: str) -> str | None:
     """The LoRA adapter a request runs with (None: the base model, also when it names the base model itself).
 
@@ -254,6 +260,7 @@ def openai_sampling(p: Parameters, input_length: int, eos_ids: list[int]) -> dic
         ignore_eos=p.ignore_eos,
         stop_token_ids=list(p.stop_token_ids),
         min_tokens=min_tokens,
+        priority=p.priority,
         min_length=input_length + min_tokens if min_tokens and ends else 0,
         min_length_ids=sorted(ends) if min_tokens else [],
     )

@@ -128,6 +128,7 @@ class ChatRequest(msgspec.Struct):
     ignore_eos: bool = False
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    priority: int = 0  # vLLM's: lower runs first (--scheduling-policy priority)
 
     def __post_init__(self):
         check_u64(self, "seed")
@@ -202,6 +203,7 @@ class CompletionRequest(msgspec.Struct):
     ignore_eos: bool = False  # vLLM's: EOS is an ordinary token, generation runs to max_tokens
     min_tokens: int | None = None  # vLLM's: no EOS nor stop_token_ids before this many tokens
     stop_token_ids: list[int] | None = None  # vLLM's: any of them ends the answer (finish_reason `stop`)
+    priority: int = 0  # vLLM's: lower runs first (--scheduling-policy priority)
     logprobs: U32 | None = None  # OpenAI's legacy int: alternatives per token (see responses.completion_logprobs)
 
     def __post_init__(self):
@@ -275,6 +277,7 @@ def _extras(body: ChatRequest | CompletionRequest) -> dict[str, Any]:
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
         stop_token_ids=list(body.stop_token_ids or []),
+        priority=body.priority,
     )
 
 

@@ -85,6 +85,7 @@ class GenerateParameters(msgspec.Struct, kw_only=True):
     top_n_tokens: U32 | None = None
     grammar: GrammarType | GbnfText | None = None  # a bare string is a GBNF grammar (beyond TGI)
     adapter_id: str | None = None
+    priority: I32 = 0  # beyond TGI: vLLM's request priority, lower first (--scheduling-policy priority)
 
     def __post_init__(self):
         check_u64(self, "best_of", "truncate", "seed")
