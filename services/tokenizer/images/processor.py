@@ -53,6 +53,26 @@ class ImageProcessor:
         self.image_token: str = self.processor.image_token
         self.image_token_id: int = self.processor.image_token_id
 
+    @classmethod
+    def for_model(cls, settings) -> ImageProcessor | None:
+        """The processor of the served model when it takes images (its config names a vision tower), else None."""
+        from libs.runtime import model_store
+
+        try:
+            if not model_store.model_info(settings.model_path).get("takes_images"):
+                return None
+        except model_store.ModelNotAvailableError:
+            return None
+        domains = tuple(d for d in settings.allowed_media_domains.split(",") if d)
+        fetch = FetchLimits(
+            max_bytes=settings.max_image_bytes,
+            timeout_s=settings.image_fetch_timeout_s,
+            max_redirects=settings.image_fetch_max_redirects,
+            allowed_domains=domains,
+        )
+        limits = ImageLimits(fetch, max_pixels=settings.max_image_pixels, max_images=settings.max_images_per_request)
+        return cls(settings.model_path, limits)
+
     def placeholders(self, text: str) -> tuple[str, list[str]]:
         """`text` with each markdown image replaced by the model's image token, and the images' URLs."""
         urls = MARKDOWN_IMAGE.findall(text)
@@ -91,3 +111,14 @@ class ImageProcessor:
             out += tokens.tolist()
             prev = pos + 1
         return out + ids[prev:], placed
+
+
+def has_image_parts(messages: list[dict]) -> bool:
+    """Whether OpenAI chat messages hold an image part."""
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(part, dict) and (part.get("type") == "image_url" or "image_url" in part) for part in content
+        ):
+            return True
+    return False

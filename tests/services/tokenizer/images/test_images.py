@@ -1,0 +1,153 @@
+"""Images through the tokenizer's Processor for a tiny LLaVA (tests/vision_models.py): markdown images and OpenAI
+image parts become the processor's own placeholder tokens and pixels; bad images, too many of them, non-public
+URLs and slow servers get a 422 in TGI's shape; a text-only model refuses image parts."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from libs.protocol import codec
+from libs.protocol.messages import RequestError, TokenizedRequest
+from libs.runtime.settings import Settings
+from services.tokenizer.processor import Processor
+from tests.services.tokenizer.conftest import request
+from tests.vision_models import IMAGE_TOKENS, build_llava, image, processed
+
+PREFIX = "Input validation error: "
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return build_llava(tmp_path_factory.mktemp("llava"))
+
+
+def processor(llava, **settings) -> Processor:
+    return Processor.from_settings(
+        Settings(model_path=str(llava), max_input_tokens=200, max_total_tokens=300, **settings)
+    )
+
+
+@pytest.fixture(scope="module")
+def vlm(llava):
+    return processor(llava)
+
+
+def uri(data: bytes, mime="image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def error(result) -> str:
+    assert isinstance(result, RequestError) and result.error_type == "validation", result
+    return result.message.removeprefix(PREFIX)
+
+
+def test_markdown_images_become_the_processors_tokens_and_pixels(vlm, llava):
+    pics = [image(1), image(2, fmt="JPEG")]
+    out = vlm.process(request(f"Look ![]({uri(pics[0])}) and ![]({uri(pics[1], 'image/jpeg')}) now", max_new_tokens=4))
+    assert isinstance(out, TokenizedRequest)
+    ids, pixels = processed(llava, "Look <image> and <image> now", pics)
+    assert out.input_ids.tolist() == ids  # image tokens counted as prompt tokens
+    assert [im.tokens for im in out.images] == [IMAGE_TOKENS] * 2
+    assert all((out.input_ids[im.start : im.start + im.tokens] == vlm.images.image_token_id).all() for im in out.images)
+    assert np.array_equal(out.pixel_values, pixels.numpy().ravel())
+    assert out.images[0].digest != out.images[1].digest
+    back = codec.decode(codec.encode(out))  # pixels travel as a raw frame, shapes in the message
+    assert np.array_equal(back.pixel_values, out.pixel_values) and back.images == out.images
+
+
+def test_openai_image_parts_webp_and_gif(vlm, llava):
+    for fmt, mime in (("WEBP", "image/webp"), ("GIF", "image/gif")):
+        parts = [
+            {"type": "text", "text": "What is "},
+            {"type": "image_url", "image_url": {"url": uri(image(3, fmt=fmt), mime)}},
+        ]
+        out = vlm.process(request("", messages=[{"role": "user", "content": parts}], max_new_tokens=4))
+        assert isinstance(out, TokenizedRequest), out
+        assert len(out.images) == 1 and out.images[0].tokens == IMAGE_TOKENS
+
+
+def test_the_same_image_has_the_same_digest(vlm):
+    a, b = (vlm.process(request(f"![]({uri(image(5))})", max_new_tokens=2)) for _ in range(2))
+    assert a.images[0].digest == b.images[0].digest
+
+
+def test_bad_images_are_refused(llava, vlm):
+    png = image(1)
+    assert "not an image" in error(vlm.process(request(f"![]({uri(b'hello world')})", max_new_tokens=2)))
+    assert "decoded" in error(vlm.process(request(f"![]({uri(png[: len(png) // 2])})", max_new_tokens=2)))
+    assert "base64" in error(vlm.process(request("![](data:image/png;base64,@@@)", max_new_tokens=2)))
+    small = processor(llava, max_image_pixels=100, max_images_per_request=2, max_image_bytes=len(png) - 1)
+    assert "over the limit of 100 pixels" in error(
+        small.process(request(f"![]({uri(image(1, size=(20, 20)))})", max_new_tokens=2))
+    )
+    assert "over the limit" in error(small.process(request(f"![]({uri(png)})", max_new_tokens=2)))
+    three = "".join(f"![]({uri(image(1, size=(4, 4)))})" for _ in range(3))
+    assert "at most 2 images" in error(small.process(request(three, max_new_tokens=2)))
+    assert "scheme" in error(vlm.process(request("![](file:///etc/passwd)", max_new_tokens=2)))
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802
+        if self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", "/cat.png")
+            self.end_headers()
+            return
+        body = image(9)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_urls_to_private_addresses_need_allowing(llava, vlm, image_server):
+    msg = error(vlm.process(request(f"![]({image_server}/cat.png)", max_new_tokens=2)))
+    assert "non-public address" in msg and "--allowed-media-domains" in msg
+    allowed = processor(llava, allowed_media_domains="127.0.0.1")
+    for path in ("/cat.png", "/redirect"):
+        out = allowed.process(request(f"A ![]({image_server}{path})", max_new_tokens=2))
+        assert isinstance(out, TokenizedRequest), out
+        assert (
+            out.images[0].digest == vlm.process(request(f"A ![]({uri(image(9))})", max_new_tokens=2)).images[0].digest
+        )
+
+
+def test_a_url_that_times_out(llava):
+    silent = socket.socket()  # accepts connections, never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    try:
+        slow = processor(llava, allowed_media_domains="127.0.0.1", image_fetch_timeout_s=0.3)
+        msg = error(slow.process(request(f"![](http://127.0.0.1:{silent.getsockname()[1]}/x.png)", max_new_tokens=2)))
+        assert "longer than 0.3 s" in msg
+    finally:
+        silent.close()
+
+
+def test_a_text_only_model_refuses_image_parts(processor_text):
+    parts = [{"type": "image_url", "image_url": {"url": uri(image(1))}}]
+    assert "does not take images" in error(
+        processor_text.process(request("", messages=[{"role": "user", "content": parts}], max_new_tokens=2))
+    )
+
+
+@pytest.fixture(scope="module")
+def processor_text(settings):
+    return Processor.from_settings(settings.replace(max_input_tokens=200, max_total_tokens=300))
