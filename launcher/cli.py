@@ -208,6 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
     flag("max-loras", type=int, default=8, help="LoRA adapters resident at once")
     flag("max-lora-rank", type=int, default=64, help="the largest LoRA rank an adapter may have")
     flag("otlp-service-name", default="text-generation-inference.router")
+    flag("max-image-bytes", type=int, default=20 * 1024 * 1024, help="the largest image a request may send or name")
+    flag("max-images-per-request", type=int, default=8, help="images one request may hold (vision models)")
+    flag("image-fetch-timeout", type=float, default=10.0, help="seconds to fetch one image URL, redirects included")
+    flag(
+        "allowed-media-domains",
+        default="",
+        help="comma-separated hosts whose image URLs are fetched even at loopback, private or link-local addresses "
+        "(refused otherwise)",
+    )
 
     def switch(name: str, help: str):
         s.add_argument(f"--{name}", action="store_true", default=_env_bool(name), help=help)

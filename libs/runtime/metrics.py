@@ -145,6 +145,15 @@ class Metrics:
         self.constrained_rows = hist(
             "switchyard_constrained_rows", "Grammar-constrained rows per step", (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
         )
+        self.request_images = hist(
+            "switchyard_request_images", "Images per request to a vision model", (0, 1, 2, 3, 4, 6, 8, 16, 32)
+        )
+        self.image_preprocess_duration = hist(
+            "switchyard_image_preprocess_seconds", "Fetching, decoding and preprocessing a request's images (s)"
+        )
+        self.image_encode_duration = hist(
+            "switchyard_image_encode_seconds", "The vision tower and projector in a step that encoded images (s)"
+        )
         self._tokenized = counter("switchyard_tokenized_tokens", "Tokens produced by a tokenizer process", ["index"])
         self._detokenized = counter(
             "switchyard_detokenized_tokens", "Tokens turned into text by a detokenizer", ["index"]

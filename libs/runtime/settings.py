@@ -92,6 +92,15 @@ class Settings:
     grammar_max_bytes: int = 256 * 1024
     grammar_max_depth: int = 64
     grammar_compile_timeout_s: float = 5.0
+    # a vision model's images (services/tokenizer/images): bytes of one image (--max-image-bytes), pixels its header
+    # may claim (decompression bombs), images per request, a URL fetch's seconds and redirects, and the hosts fetched
+    # even at loopback/private/link-local addresses (--allowed-media-domains, comma-separated)
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 50_000_000
+    max_images_per_request: int = 8
+    image_fetch_timeout_s: float = 10.0
+    image_fetch_max_redirects: int = 3
+    allowed_media_domains: str = ""
     json_output: bool = False  # logs as one JSON object per line
     otlp_endpoint: str = ""  # OpenTelemetry collector (gRPC), "" = no tracing export
     otlp_service_name: str = "text-generation-inference.router"

@@ -24,6 +24,8 @@ from libs.runtime.settings import Settings
 from services.tokenizer import validation
 from services.tokenizer.chat_template import ChatTemplates, TemplateError
 from services.tokenizer.grammar import Checked, GrammarCompiler, GrammarLimits, ToolPlan, tool_grammar
+from services.tokenizer.images.decode import ImageError
+from services.tokenizer.images.processor import ImageProcessor, Images, has_image_parts
 
 Result = TokenizedRequest | TokenizeResult | RequestError
 
@@ -41,6 +43,7 @@ class Processor:
         )
         self.eos_ids = eos_ids(settings.model_path, tokenizer, templates)
         self.vocab_size = vocab_size(settings.model_path, tokenizer)  # logit_bias / stop_token_ids are checked by it
+        self.images = ImageProcessor.for_model(settings)  # None: a text-only model
         # the LLTokenizer is built on a thread (Gemma's vocabulary: seconds); the first grammar waits for it
         self.grammars = GrammarCompiler(
             os.path.join(settings.model_path, "tokenizer.json"),
@@ -117,7 +120,14 @@ class Processor:
         validation.check_openai_parameters(p, vocab_size=self.vocab_size)
         validation.check_priority(p, s.scheduling_policy)
         adapter = validation.check_adapter(p.adapter_id, self.adapters.names(s.lora_names), s.model_id)
+        text, images = self._image_placeholders(req, text)
         ids = self._encode(text, special).ids if req.prompt_ids is None else self._prompt_ids(req.prompt_ids)
+        placed = []
+        if images is not None:  # each image token becomes its image's placeholder tokens: they count as prompt tokens
+            try:
+                ids, placed = self.images.expand(ids, images)
+            except ImageError as e:
+                raise validation.ValidationError(str(e)) from None
         resolved = validation.resolve(
             p,
             ids,
@@ -140,7 +150,27 @@ class Processor:
             grammar_kind=checked.kind if checked else "",
             adapter=adapter,
             group=req.group,
+            **_image_fields(placed, images, len(ids) - len(resolved.input_ids)),
         )
+
+    def _image_placeholders(self, req: GenerateRequest, text: str) -> tuple[str, Images | None]:
+        """The prompt with its markdown images as the model's image token, and the images processed (None: none).
+        A text-only model answers a markdown image as text (TGI) but refuses an OpenAI image part."""
+        if self.images is None:
+            if req.messages is not None and has_image_parts(req.messages):
+                raise validation.ValidationError("this model does not take images (it is a text-only model)")
+            return text, None
+        try:
+            text, urls = self.images.placeholders(text)
+            images = self.images.process(urls) if urls else None
+        except ImageError as e:
+            raise validation.ValidationError(str(e)) from None
+        m = metrics.get()
+        if m is not None:
+            m.request_images.observe(len(urls))
+            if images is not None:
+                m.image_preprocess_duration.observe(images.seconds)
+        return text, images
 
     def _prompt_ids(self, ids: list[int]) -> list[int]:
         """A prompt given as token ids, used without re-tokenizing: each must be in the vocabulary."""
@@ -161,6 +191,18 @@ class Processor:
         if checked is not None and m is not None:
             m.grammar_compile_duration.labels(kind=checked.kind).observe(checked.compile_s)
         return checked
+
+
+def _image_fields(placed: list, images: Images | None, cut: int) -> dict:
+    """The TokenizedRequest's images and pixels, placed in the prompt after `cut` ids were truncated from its left
+    (a truncation that cuts into an image is refused)."""
+    if not placed:
+        return {}
+    if placed[0].start < cut:
+        raise validation.ValidationError("`truncate` would cut an image's tokens out of the prompt")
+    for im in placed:
+        im.start -= cut
+    return {"images": placed, "pixel_values": np.concatenate([p.ravel() for p in images.pixels])}
 
 
 def eos_ids(model_path: str, tokenizer: Tokenizer, templates: ChatTemplates) -> list[int]:
