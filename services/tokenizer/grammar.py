@@ -58,6 +58,7 @@ class ToolPlan(NamedTuple):
     tools: list[dict] | None  # for the template (None: no tools, plain generation)
     kind: str | None  # "tools" (a call is required) | "tools_auto" (a call or plain text) | None
     text: str | None  # llguidance grammar text
+    lark: str | None = None  # the model's own call format: its Lark rules (services.tokenizer.answer_grammar)
 
 
 class ToolError(ValidationError):

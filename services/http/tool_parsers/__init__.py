@@ -6,6 +6,9 @@ One parser per format, one file each: `hermes` (Hermes, Qwen2.5, Qwen3: `<tool_c
 (`[TOOL_CALLS][{…}]`), `pythonic` (`[f(a=1), g(b=2)]`). vLLM's flag names.
 
 Interface (services.http.tool_parsers.base):
+- `native_parser(template, uses_tools, flag, tool_prompt)` → the ToolParser a request is served with, or None:
+  TGI's way (its tool prompt and shape) for a template that renders no tools or when the request sends
+  `tool_prompt`; the tokenizer and http decide alike from the same template and settings;
 - `choose(template, flag)` → the ToolParser for a chat template's text, or the one `--tool-call-parser` names
   (`tgi`: none, TGI's own tool prompt and `{"function": {"_name": …}}` answer); None when the template renders no
   tools or its format is unknown (then TGI's way is used too);
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import re
 
-from services.http.tool_parsers.base import Call, ParsedCall, ToolCallStream, ToolDelta, ToolParser
+from services.http.tool_parsers.base import Call, ParsedCall, ToolCallStream, ToolDelta, ToolParser, call_id
 from services.http.tool_parsers.hermes import HermesParser
 from services.http.tool_parsers.llama3_json import Llama3JsonParser
 from services.http.tool_parsers.mistral import MistralParser
@@ -61,4 +64,24 @@ def choose(template: str, flag: str = "") -> ToolParser | None:
     return None
 
 
-__all__ = ["NAMES", "PARSERS", "Call", "ParsedCall", "ToolCallStream", "ToolDelta", "ToolParser", "choose"]
+def native_parser(template: str, uses_tools: bool, flag: str = "", tool_prompt: str | None = None) -> ToolParser | None:
+    """The format a request's tools are served in (the tokenizer and http decide alike): the model's own when its
+    template renders tools and its format is known (or the flag names one); None (TGI's way) when the template
+    knows no tools, the flag is `tgi`, or the request sends TGI's `tool_prompt`."""
+    if tool_prompt or flag == TGI or not (uses_tools or flag):
+        return None
+    return choose(template, flag)
+
+
+__all__ = [
+    "NAMES",
+    "PARSERS",
+    "Call",
+    "call_id",
+    "ParsedCall",
+    "ToolCallStream",
+    "ToolDelta",
+    "ToolParser",
+    "choose",
+    "native_parser",
+]

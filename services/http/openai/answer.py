@@ -1,0 +1,108 @@
+"""A chat answer read back: reasoning, content and tool calls in the model's own format (or TGI's tool shape).
+
+`ChatFormat` (one per http process) reads the served chat template once and chooses the tool-call parser
+(services.http.tool_parsers) and the reasoning parser (services.http.reasoning), as the tokenizer does from the
+same template and settings. `ChatFormat.reader(body)` gives a request's `AnswerReader`:
+- `read(text)` → Answer(reasoning, content, calls): the whole answer;
+- `stream()` → an object whose `push(piece, final)` gives deltas ("reasoning", text), ("content", text) or
+  ("call", ToolDelta), assembling to exactly `read` of the same text.
+`reader.native` is False where TGI's way serves the request (services.http.openai.tools reads it then).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from libs.runtime.settings import Settings
+from services.http import reasoning as reasoning_parsers
+from services.http import tool_parsers
+from services.http.tool_parsers import ParsedCall, ToolCallStream, ToolParser, call_id
+from services.tokenizer.chat_template import ChatTemplates
+
+
+class Answer(NamedTuple):
+    reasoning: str | None
+    content: str | None
+    calls: list[ParsedCall]
+
+
+def _choice(tool_choice: Any) -> str:
+    if isinstance(tool_choice, dict):
+        return "named"
+    return tool_choice or "auto"
+
+
+class AnswerReader:
+    def __init__(self, parser: ToolParser | None, reasoning, opened: bool, tools_on: bool, native: bool) -> None:
+        self.parser = parser if tools_on else None
+        self.reasoning, self.opened, self.native = reasoning, opened, native
+
+    def _split(self, text: str) -> tuple[str | None, str]:
+        if self.reasoning is None:
+            return None, text
+        split = self.reasoning.split(text, self.opened)
+        return split.reasoning, split.content
+
+    def read(self, text: str) -> Answer:
+        reasoning, content = self._split(text)
+        if self.parser is None:
+            return Answer(reasoning, content, [])
+        rest, calls = self.parser.parse(content)
+        return Answer(reasoning, rest, [ParsedCall(i, call_id(), c.name, c.arguments) for i, c in enumerate(calls)])
+
+    def stream(self) -> AnswerStream:
+        return AnswerStream(self)
+
+
+class AnswerStream:
+    def __init__(self, reader: AnswerReader) -> None:
+        self.reasoning = None
+        if reader.reasoning is not None:
+            self.reasoning = reasoning_parsers.ReasoningStream(reader.reasoning, reader.opened)
+        self.tools = None if reader.parser is None else ToolCallStream(reader.parser)
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and self.tools.called
+
+    def push(self, piece: str, final: bool = False) -> list[tuple]:
+        out: list[tuple] = []
+        content = piece
+        if self.reasoning is not None:
+            content = ""
+            for kind, text in self.reasoning.push(piece, final):
+                if kind == "reasoning":
+                    out.append(("reasoning", text))
+                else:
+                    content += text
+        if self.tools is None:
+            if content:
+                out.append(("content", content))
+            return out
+        for delta in self.tools.push(content, final):
+            out.append(("content", delta.content) if delta.call is None else ("call", delta))
+        return out
+
+
+class ChatFormat:
+    """The served template's formats (see the module docstring)."""
+
+    def __init__(self, settings: Settings) -> None:
+        try:
+            self.templates = ChatTemplates.load(settings.model_path, settings.chat_template)
+        except Exception:  # no readable folder (tests without a model): plain text, TGI's way
+            self.templates = ChatTemplates({})
+        self.tool_flag = settings.tool_call_parser
+        self.reasoning = reasoning_parsers.choose(self.templates.source(tools=False), settings.reasoning_parser)
+
+    def parser(self, tool_prompt: str | None) -> ToolParser | None:
+        t = self.templates
+        return tool_parsers.native_parser(t.source(), t.uses_tools(), self.tool_flag, tool_prompt)
+
+    def reader(
+        self, tools: list | None, tool_choice: Any, tool_prompt: str | None, kwargs: dict | None
+    ) -> AnswerReader:
+        parser = self.parser(tool_prompt)
+        opened = self.reasoning is not None and self.reasoning.opened_in(self.templates.probe(kwargs))
+        tools_on = bool(tools) and _choice(tool_choice) != "none"
+        return AnswerReader(parser, self.reasoning, opened, tools_on, parser is not None)

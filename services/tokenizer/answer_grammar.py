@@ -1,0 +1,65 @@
+"""The grammar of a chat answer in the model's own format: tool calls in its call syntax, reasoning first.
+
+Where the template has a known tool-call format (services.http.tool_parsers.native_parser), tools are not TGI's
+`{"function": {"_name": …}}` but the format's own calls: `tool_plan` resolves tool_choice (`none`: the template
+still sees the tools, nothing is constrained; `auto`: free text, and from the format's trigger on a valid call;
+`required` / a named function: only calls) into a Lark grammar whose JSON has fixed separators.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llguidance import LLMatcher
+
+from services.http.tool_parsers import ToolParser
+from services.tokenizer.grammar import GrammarLimits, ToolError, ToolPlan, _choice_name, _function, _schema
+
+
+def _functions(tools: list[dict]) -> list[dict[str, Any]]:
+    out = []
+    for tool in tools:
+        fn = _function(tool)
+        params = fn.get("parameters") if fn.get("parameters") is not None else fn.get("arguments")
+        if params is not None and not isinstance(params, dict):
+            raise ToolError(f"the parameters of function {fn['name']} must be a JSON schema object")
+        out.append({"name": fn["name"], "parameters": params})
+    return out
+
+
+def tool_plan(
+    parser: ToolParser,
+    tools: list[dict] | None,
+    tool_choice: Any,
+    *,
+    parallel: bool = True,
+    specials: dict[str, int] | None = None,
+    has_grammar: bool = False,
+    limits: GrammarLimits = GrammarLimits(),
+) -> ToolPlan:
+    """tools + tool_choice → what the template sees and the Lark grammar of the answer (ToolPlan.lark)."""
+    if tools is not None and has_grammar:
+        raise ToolError("Grammar and tools are mutually exclusive")
+    if not tools:
+        return ToolPlan(None, None, None)
+    choice = _choice_name(tool_choice)
+    if choice == "none":
+        return ToolPlan(list(tools), None, None)
+    if choice not in ("auto", "required"):
+        chosen = [t for t in tools if _function(t)["name"] == choice]
+        if not chosen:
+            raise ToolError(f"Tool with name {choice} not found")
+    else:
+        chosen = list(tools)
+    functions = _functions(chosen)
+    for f in functions:  # the size and depth limits hold for every schema
+        if f["parameters"] is not None:
+            _schema(f["parameters"], limits)
+    mode = "auto" if choice == "auto" else "required"
+    lark = parser.grammar(functions, mode, parallel and choice in ("auto", "required"), specials or {})
+    kind = "tools_auto" if mode == "auto" else "tools"
+    return ToolPlan(list(tools), kind, None, lark)
+
+
+def compiled(lark: str) -> str:
+    return LLMatcher.grammar_from_lark(lark)
