@@ -32,6 +32,8 @@ from launcher.serve_settings import (
 from libs.protocol import Addresses
 from libs.runtime import cpu, cpu_team, model_store
 from libs.runtime.settings import env_value
+from services.http import reasoning as reasoning_parsers
+from services.http import tool_parsers
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("router", "scheduler", "shard", "tokenizer", "detokenizer", "http")  # supervisord.conf's programs
@@ -199,6 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
     flag("watermark-gamma", type=float, default=0.5, help="share of the vocabulary in the watermark's green list")
     flag("watermark-delta", type=float, default=2.0, help="bias added to green-list logits")
     flag("chat-template", help="a Jinja chat template replacing the model's: the template itself or a file holding it")
+    flag(
+        "tool-call-parser",
+        choices=tool_parsers.NAMES,
+        help="the model's tool-call format (default: from the chat template; tgi: TGI's tool prompt and shape)",
+    )
+    flag(
+        "reasoning-parser",
+        choices=reasoning_parsers.NAMES,
+        help="how reasoning is split from the answer (default: from the chat template; none: no split)",
+    )
     flag("otlp-endpoint", help="OpenTelemetry collector (gRPC) to export traces to")
     flag(
         "lora-adapters",

@@ -154,6 +154,8 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         watermark_gamma=args.watermark_gamma,
         watermark_delta=args.watermark_delta,
         chat_template=_chat_template(args.chat_template),
+        tool_call_parser=args.tool_call_parser or "",
+        reasoning_parser=args.reasoning_parser or "",
         disable_grammar_support=args.disable_grammar_support,
         max_image_bytes=args.max_image_bytes,
         max_images_per_request=args.max_images_per_request,

@@ -86,6 +86,11 @@ class Settings:
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
     chat_template: str = ""  # overrides the model's chat template (a Jinja string)
+    # the tool-call format (services/http/tool_parsers: hermes, llama3_json, mistral, pythonic, or "tgi" for TGI's
+    # tool prompt and shape); "" = chosen from the chat template (--tool-call-parser, vLLM's name)
+    tool_call_parser: str = ""
+    # the reasoning format (services/http/reasoning: think, deepseek_r1, qwen3, or "none"); "" = from the template
+    reasoning_parser: str = ""
     disable_grammar_support: bool = False
     # structured output limits per request (services.tokenizer.grammar.GrammarLimits): schema/grammar text
     # bytes, schema nesting, and the wall clock of one compile

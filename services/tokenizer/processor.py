@@ -21,9 +21,11 @@ from libs.protocol.lora import KnownAdapters
 from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest, TokenizeResult
 from libs.runtime import metrics, model_store
 from libs.runtime.settings import Settings
+from services.http.tool_parsers import ToolParser, native_parser
 from services.tokenizer import validation
+from services.tokenizer.answer_grammar import compiled, tool_plan
 from services.tokenizer.chat_template import ChatTemplates, TemplateError
-from services.tokenizer.grammar import Checked, GrammarCompiler, GrammarLimits, ToolPlan, tool_grammar
+from services.tokenizer.grammar import Checked, GrammarCompiler, GrammarLimits, ToolError, ToolPlan, tool_grammar
 from services.tokenizer.images.decode import ImageError
 from services.tokenizer.images.processor import ImageProcessor, Images, has_image_parts
 
@@ -68,9 +70,33 @@ class Processor:
         except (validation.ValidationError, TemplateError) as e:
             return RequestError(request_id=req.request_id, message=e.full_message, error_type=e.error_type)
 
+    def _native(self, req: GenerateRequest) -> ToolParser | None:
+        """The model's own tool-call format for this request, or None: TGI's way (tool_parsers.native_parser)."""
+        t = self.templates
+        return native_parser(t.source(), t.uses_tools(), self.settings.tool_call_parser, req.tool_prompt)
+
     def _tools(self, req: GenerateRequest) -> ToolPlan:
-        """TGI's tool selection (raises its ToolErrors before anything is validated)."""
+        """Tool selection (raises its ToolErrors before anything is validated): in the model's own format
+        (services.tokenizer.answer_grammar) or TGI's."""
         has_grammar = req.parameters.grammar is not None
+        parser = self._native(req) if req.messages is not None else None
+        if parser is not None:
+            specials = {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+            plan = tool_plan(
+                parser,
+                req.tools,
+                req.tool_choice,
+                parallel=req.parallel_tool_calls,
+                specials=specials,
+                has_grammar=has_grammar,
+                limits=self.limits,
+            )
+            if plan.lark is None:
+                return plan._replace(kind="native")
+            try:
+                return plan._replace(text=compiled(plan.lark))
+            except Exception as e:  # a schema llguidance cannot read
+                raise ToolError(f"the tools' schemas are not valid: {e}") from None
         return tool_grammar(req.tools, req.tool_choice, has_grammar=has_grammar, limits=self.limits)
 
     def _prompt(self, req: GenerateRequest, plan: ToolPlan) -> tuple[str, bool]:
@@ -79,9 +105,13 @@ class Processor:
         if req.messages is None:
             return req.inputs, req.add_special_tokens
         messages = req.messages
+        if plan.lark is not None or plan.kind == "native":
+            return self.templates.render(
+                messages, plan.tools, req.chat_template_kwargs, req.documents, native=True
+            ), False
         if plan.tools is not None:
             messages = self.templates.with_tool_prompt(messages, plan.tools, req.tool_prompt)
-        return self.templates.render(messages, plan.tools, req.chat_template_kwargs), False
+        return self.templates.render(messages, plan.tools, req.chat_template_kwargs, req.documents), False
 
     def _encode(self, text: str, add_special_tokens: bool):
         try:
