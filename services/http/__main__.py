@@ -10,6 +10,7 @@ from aiohttp import web
 
 from libs.runtime import logs
 from libs.runtime.settings import Settings
+from services.http.anthropic.routes import AnthropicRoutes
 from services.http.generation import Permits
 from services.http.ingress import Ingress
 from services.http.middleware import middlewares
@@ -29,6 +30,7 @@ def build_app(settings: Settings, ingress) -> web.Application:
     Routes(settings, ingress, permits, openai).install(app)
     openai.install(app)
     ResponsesRoutes(settings, ingress, permits).install(app)
+    AnthropicRoutes(settings, ingress, permits).install(app)
     return app
 
 

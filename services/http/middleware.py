@@ -29,6 +29,11 @@ PROTECTED = {
     ("POST", "/generate_stream"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
     ("POST", "/vertex"),
     ("POST", "/invocations"),
     ("POST", "/tokenize"),
@@ -44,6 +49,8 @@ def middlewares(settings: Settings) -> list:
     """The middlewares of the app, outermost first."""
     origins = {o.strip() for o in settings.cors_allow_origin.split(",") if o.strip()}
     expected = ("bearer " + settings.api_key).lower().encode() if settings.api_key else None
+    # Anthropic's clients send the key bare in x-api-key; compared as the bearer form is
+    expected_key = settings.api_key.lower().encode() if settings.api_key else None
 
     def allow_origin(request: web.Request) -> str | None:
         if not origins:
@@ -76,9 +83,13 @@ def middlewares(settings: Settings) -> list:
 
     @web.middleware
     async def api_key(request: web.Request, handler):
-        if expected is not None and (request.method, request.path) in PROTECTED:
+        if expected is not None and _protected(request):
             given = request.headers.get("Authorization", "").lower().encode()
-            if not hmac.compare_digest(given, expected):
+            key = request.headers.get("x-api-key", "").lower().encode()
+            # both compared every time: which header was sent does not change the time taken
+            bearer_ok = hmac.compare_digest(given, expected)
+            key_ok = hmac.compare_digest(key, expected_key)
+            if not (bearer_ok or key_ok):
                 return web.Response(status=401)
         return await handler(request)
 
@@ -112,6 +123,12 @@ def middlewares(settings: Settings) -> list:
             return layer_error_response(500, "Internal server error", "internal")
 
     return [cors, api_key, payload_limit, errors]
+
+
+def _protected(request: web.Request) -> bool:
+    """Whether the route is behind --api-key: its method and path template are listed in PROTECTED."""
+    resource = request.match_info.route.resource
+    return (request.method, resource.canonical if resource is not None else request.path) in PROTECTED
 
 
 def _response_started(request: web.Request) -> bool:

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from libs.runtime.settings import Settings
 from services.http.chat_path import AnswerStream, chat_turn, read_answer
-from services.http.errors import Failure
+from services.http.errors import Failure, OpenAIFailure, openai_error_response
 from services.http.generation import Permits, collect
 from services.http.lora import check_model
 from services.http.responses import json_response, open_stream
@@ -34,18 +34,20 @@ from services.http.timing import Timing
 
 
 def error_response(e: Failure) -> web.Response:
-    """`e` in OpenAI's error shape: type invalid_request_error for a 4xx, server_error otherwise."""
+    """`e` in OpenAI's error shape: a TGI-shaped Failure (the tokenizer's 422s, 429, …) keeps its status, its
+    error_type as the code; type invalid_request_error for a 4xx, rate_limit_error, or server_error."""
+    if isinstance(e, OpenAIFailure):
+        return openai_error_response(e)
     kind = "invalid_request_error" if e.status < 500 else "server_error"
     if e.status == 429:
         kind = "rate_limit_error"
-    detail = OpenAIErrorDetail(e.message, kind, getattr(e, "param", None), e.error_type)
+    detail = OpenAIErrorDetail(e.message, kind, None, e.error_type)
     return web.Response(body=msgspec.json.encode(OpenAIError(detail)), status=e.status, content_type="application/json")
 
 
-def not_found(response_id: str, param: str | None = None) -> Failure:
-    failure = Failure(f"Response with id '{response_id}' not found.", "not_found", 404)
-    failure.param = param
-    return failure
+def not_found(response_id: str, param: str | None = None) -> OpenAIFailure:
+    message = f"Response with id '{response_id}' not found."
+    return OpenAIFailure(message, 404, kind="invalid_request_error", code="not_found", param=param)
 
 
 class ResponsesRoutes:

@@ -14,17 +14,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.http.errors import Failure
+from services.http.errors import OpenAIFailure
 from services.http.responses_api.schemas import FunctionCall, OutputItem, OutputMessage, ResponsesRequest
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
-def invalid(message: str, param: str | None = None) -> Failure:
-    """A request the Responses API refuses: 400, OpenAI's invalid_request_error (see routes.error_response)."""
-    failure = Failure(message, "invalid_request_error", 400)
-    failure.param = param
-    return failure
+def invalid(message: str, param: str | None = None) -> OpenAIFailure:
+    """A request the Responses API refuses: 400, OpenAI's invalid_request_error."""
+    return OpenAIFailure(message, 400, kind="invalid_request_error", code="invalid_request", param=param)
 
 
 def _content(content: Any, where: str) -> str | list[dict]:

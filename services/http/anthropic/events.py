@@ -1,0 +1,179 @@
+"""A Message's content, built whole or streamed as the Messages API's events, in their documented order:
+
+    message_start, ping,
+    per content block: content_block_start, content_block_delta… (text_delta | input_json_delta),
+        content_block_stop,
+    message_delta (stop_reason, stop_sequence, usage), message_stop.
+
+The prompt's token count is known once generation ends, so message_start says 0 input tokens and message_delta
+carries the count (the SDK's accumulator takes it from there). A tool_use block's input streams as the arguments
+text the model writes; its pieces add up to the JSON of the non-streamed block's input.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import msgspec
+import orjson
+
+from libs.protocol.messages import FinalInfo
+from services.http.anthropic.schemas import (
+    ContentBlock,
+    ErrorBody,
+    ErrorDetail,
+    Message,
+    TextBlock,
+    ToolUseBlock,
+    Usage,
+)
+from services.http.chat_path import Call
+from services.http.errors import Failure
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def stop_reason(final: FinalInfo, called: bool, stops: list[str]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished answer. The text keeps a stop sequence it ended on (as TGI's
+    generated_text); the one named is the last to occur in it."""
+    if called:
+        return "tool_use", None
+    if final.finish_reason == "length":
+        return "max_tokens", None
+    if final.finish_reason == "stop_sequence":
+        hits = [(final.generated_text.rfind(s), s) for s in stops if s in final.generated_text]
+        return "stop_sequence", max(hits)[1] if hits else None
+    return "end_turn", None
+
+
+def tool_input(call: Call) -> dict:
+    try:
+        value = orjson.loads(call.arguments)
+    except orjson.JSONDecodeError as e:
+        raise Failure(f"Tool error: Failed to parse generated arguments: {e}", "tool_error") from None
+    if not isinstance(value, dict):
+        raise Failure(f"Tool error: the arguments are not an object: {call.arguments!r}", "tool_error")
+    return value
+
+
+def whole_content(text: str, calls: list[Call]) -> list[ContentBlock]:
+    """A non-streamed answer's blocks: its text (when it has one, or nothing else), then its tool_use blocks."""
+    blocks: list[ContentBlock] = [TextBlock(text)] if text or not calls else []
+    return blocks + [ToolUseBlock(new_id("toolu"), c.name, tool_input(c)) for c in calls]
+
+
+# ---- stream events ----------------------------------------------------------------------------
+class TextDelta(msgspec.Struct, tag_field="type", tag="text_delta"):
+    text: str
+
+
+class InputJsonDelta(msgspec.Struct, tag_field="type", tag="input_json_delta"):
+    partial_json: str
+
+
+class MessageStart(msgspec.Struct, tag_field="type", tag="message_start"):
+    message: Message
+
+
+class Ping(msgspec.Struct, tag_field="type", tag="ping"):
+    pass
+
+
+class BlockStart(msgspec.Struct, tag_field="type", tag="content_block_start"):
+    index: int
+    content_block: ContentBlock
+
+
+class BlockDelta(msgspec.Struct, tag_field="type", tag="content_block_delta"):
+    index: int
+    delta: TextDelta | InputJsonDelta
+
+
+class BlockStop(msgspec.Struct, tag_field="type", tag="content_block_stop"):
+    index: int
+
+
+class StopDelta(msgspec.Struct):
+    stop_reason: str
+    stop_sequence: str | None
+
+
+class DeltaUsage(msgspec.Struct):
+    output_tokens: int
+    input_tokens: int
+
+
+class MessageDelta(msgspec.Struct, tag_field="type", tag="message_delta"):
+    delta: StopDelta
+    usage: DeltaUsage
+
+
+class MessageStop(msgspec.Struct, tag_field="type", tag="message_stop"):
+    pass
+
+
+def event(name: str, body) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode(body) + b"\n\n"
+
+
+class EventStream:
+    """The events of one streamed message: deltas from chat_path.AnswerStream in, SSE bytes out."""
+
+    def __init__(self, message: Message, stops: list[str]) -> None:
+        self.message = message  # content empty, stop_reason None
+        self.stops = stops
+        self.index = -1  # the open block's index
+        self.open: str | None = None  # "text" | "tool_use" | None
+        self.called = False
+
+    def start(self) -> list[bytes]:
+        return [event("message_start", MessageStart(self.message)), event("ping", Ping())]
+
+    def push(self, delta: tuple) -> list[bytes]:
+        out: list[bytes] = []
+        if delta[0] == "text":
+            if self.open != "text":
+                out += self._close()
+                out += self._open("text", TextBlock(""))
+            out.append(event("content_block_delta", BlockDelta(self.index, TextDelta(delta[1]))))
+            return out
+        _, name, piece = delta
+        if name is not None:
+            out += self._close()
+            out += self._open("tool_use", ToolUseBlock(new_id("toolu"), name, {}))
+            self.called = True
+        if piece:
+            out.append(event("content_block_delta", BlockDelta(self.index, InputJsonDelta(piece))))
+        return out
+
+    def _open(self, kind: str, block: ContentBlock) -> list[bytes]:
+        self.index += 1
+        self.open = kind
+        return [event("content_block_start", BlockStart(self.index, block))]
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [event("content_block_stop", BlockStop(self.index))]
+
+    def end(self, final: FinalInfo) -> list[bytes]:
+        out = []
+        if self.index < 0:  # nothing was generated: one empty text block, as the non-streamed message has
+            out += self._open("text", TextBlock(""))
+        out += self._close()
+        reason, sequence = stop_reason(final, self.called, self.stops)
+        usage = DeltaUsage(final.generated_tokens, final.input_length)
+        out.append(event("message_delta", MessageDelta(StopDelta(reason, sequence), usage)))
+        out.append(event("message_stop", MessageStop()))
+        return out
+
+
+def new_message(model: str) -> Message:
+    return Message(id=new_id("msg"), model=model, content=[], stop_reason=None, usage=Usage(0, 0))
+
+
+def error_event(kind: str, message: str) -> bytes:
+    return event("error", ErrorBody(ErrorDetail(kind, message)))
