@@ -108,7 +108,7 @@ class ChatRequest(msgspec.Struct):
     top_logprobs: U32 | None = None
     max_tokens: U32 | None = None
     max_completion_tokens: U32 | None = None  # OpenAI's newer name for max_tokens
-    n: U32 | None = None  # ignored, as TGI
+    n: U32 | None = None  # choices, 1 … 128 (services/http/openai/choices.py; TGI ignores it)
     presence_penalty: float | None = None  # repetition_penalty = presence_penalty + 2 (TGI)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -205,6 +205,7 @@ class CompletionRequest(msgspec.Struct):
     stop_token_ids: list[int] | None = None  # vLLM's: any of them ends the answer (finish_reason `stop`)
     priority: int = 0  # vLLM's: lower runs first (--scheduling-policy priority)
     logprobs: U32 | None = None  # OpenAI's legacy int: alternatives per token (see responses.completion_logprobs)
+    n: U32 | None = None  # choices per prompt, as chat's
 
     def __post_init__(self):
         check_u64(self, "seed")

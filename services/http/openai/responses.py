@@ -191,6 +191,12 @@ def usage(final: FinalInfo) -> Usage:
     return Usage(final.input_length, final.generated_tokens, final.input_length + final.generated_tokens)
 
 
+def usage_of_choices(finals: list[FinalInfo]) -> Usage:
+    """The `n` choices of one prompt: the prompt counted once, every choice's tokens."""
+    prompt, completion = finals[0].input_length, sum(f.generated_tokens for f in finals)
+    return Usage(prompt, completion, prompt + completion)
+
+
 def token_logprob(row: TextRow) -> ChatCompletionLogprob:
     tops = [ChatCompletionTopLogprob(t.text, clean_logprob(t.logprob)) for t in row.top_tokens]
     return ChatCompletionLogprob(row.text, clean_logprob(row.logprob), tops)
@@ -239,21 +245,28 @@ class Envelope:
         return {"id": "", "created": int(time.time()), "model": self.model, "system_fingerprint": self.fingerprint}
 
     def chat_completion(self, rows: list[TextRow], logprobs: bool, tool_calls: list[ToolCall] | None = None):
-        final = rows[-1].final
-        if tool_calls is not None:
-            message = OutputMessage(role="assistant", tool_calls=tool_calls)
-        else:
-            message = OutputMessage(role="assistant", content=final.generated_text)
-        choice = ChatCompletionChoice(
-            index=0,
-            message=message,
-            logprobs=ChatCompletionLogprobs([token_logprob(r) for r in token_rows(rows)]) if logprobs else None,
-            finish_reason=openai_finish(final.finish_reason),
-        )
-        return ChatCompletion(**self.head(), choices=[choice], usage=usage(final))
+        return self.chat_completions([(rows, tool_calls)], logprobs)
 
-    def chat_chunk(self, row: TextRow, logprobs: bool, content: str | None = None) -> ChatCompletionChunk:
-        """One token as TGI streams it: a special token's content is "" (`content`: the text to send instead)."""
+    def chat_completions(self, answers: list[tuple[list[TextRow], list[ToolCall] | None]], logprobs: bool):
+        """One choice per answer (`n`), each its rows and its tool calls (None: none); usage sums them."""
+        choices = []
+        for index, (rows, tool_calls) in enumerate(answers):
+            final = rows[-1].final
+            if tool_calls is not None:
+                message = OutputMessage(role="assistant", tool_calls=tool_calls)
+            else:
+                message = OutputMessage(role="assistant", content=final.generated_text)
+            lp = ChatCompletionLogprobs([token_logprob(r) for r in token_rows(rows)]) if logprobs else None
+            finish = openai_finish(final.finish_reason)
+            choices.append(ChatCompletionChoice(index=index, message=message, logprobs=lp, finish_reason=finish))
+        total = usage_of_choices([rows[-1].final for rows, _ in answers])
+        return ChatCompletion(**self.head(), choices=choices, usage=total)
+
+    def chat_chunk(
+        self, row: TextRow, logprobs: bool, content: str | None = None, index: int = 0
+    ) -> ChatCompletionChunk:
+        """One token of choice `index` as TGI streams it: a special token's content is "" (`content`: the text to
+        send instead)."""
         if content is None:
             content = "" if row.special else row.text
         delta = ChatCompletionDelta(role="assistant", content=content)
@@ -261,21 +274,23 @@ class Envelope:
         if logprobs and row.token_id >= 0:
             lp = ChatCompletionLogprobs([token_logprob(row)])
         finish = openai_finish(row.final.finish_reason) if row.final is not None else None
-        choice = ChatCompletionChunkChoice(index=0, delta=delta, logprobs=lp, finish_reason=finish)
+        choice = ChatCompletionChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)
         return ChatCompletionChunk(**self.head(), choices=[choice], usage=None)
 
-    def tool_chunk(self, row: TextRow, call_id: str, name: str | None, arguments: str) -> ChatCompletionChunk:
+    def tool_chunk(
+        self, row: TextRow, call_id: str, name: str | None, arguments: str, index: int = 0
+    ) -> ChatCompletionChunk:
         """A tool call's piece (TGI's tool delta); the stream's last one carries the finish reason."""
         call = DeltaToolCall(
             index=0, id=call_id, type="function", function=DeltaFunction(name=name, arguments=arguments)
         )
         delta = ChatCompletionToolDelta(role="assistant", tool_calls=[call])
         finish = openai_finish(row.final.finish_reason) if row.final is not None else None
-        choice = ChatCompletionChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish)
+        choice = ChatCompletionChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=finish)
         return ChatCompletionChunk(**self.head(), choices=[choice], usage=None)
 
-    def usage_chunk(self, final: FinalInfo) -> ChatCompletionChunk:
-        return ChatCompletionChunk(**self.head(), choices=[], usage=usage(final))
+    def usage_chunk(self, finals: list[FinalInfo]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**self.head(), choices=[], usage=usage_of_choices(finals))
 
     def completion(
         self,
@@ -283,9 +298,11 @@ class Envelope:
         echo: bool,
         logprobs: int | None = None,
         prompt_only: bool = False,
+        n: int = 1,
     ) -> Completion:
-        """One choice per prompt (a text, or token ids whose echo is their prefill texts). `prompt_only`
-        (max_tokens 0): the one generated token is left out of the text, the logprobs and the usage."""
+        """One choice per prompt and `n` (a text, or token ids whose echo is their prefill texts), the n choices of
+        each prompt in a row; usage counts each prompt once. `prompt_only` (max_tokens 0): the one generated token
+        is left out of the text, the logprobs and the usage."""
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for index, (prompt, rows) in enumerate(results):
             final = rows[-1].final
@@ -299,7 +316,7 @@ class Envelope:
                 lp = completion_logprobs(*prompt, len(prompt_text) if echo else 0, generated)
             finish = "length" if prompt_only else openai_finish(final.finish_reason)
             choices.append(CompletionComplete(index=index, text=text, logprobs=lp, finish_reason=finish))
-            prompt_tokens += final.input_length
+            prompt_tokens += 0 if index % n else final.input_length
             completion_tokens += 0 if prompt_only else final.generated_tokens
         total = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
         return Completion(**self.head(), choices=choices, usage=total)

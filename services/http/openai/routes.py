@@ -18,11 +18,11 @@ from aiohttp import web
 from libs.protocol.messages import GenerateRequest
 from libs.runtime.settings import Settings
 from services.http.errors import Failure, OpenAIFailure, error_response, openai_error_response, openai_stream_error
-from services.http.generation import Permits, bus_request, collect
+from services.http.generation import Permits, bus_request
 from services.http.lora import check_model
+from services.http.openai import choices, tools
 from services.http.openai import requests as oa
 from services.http.openai import responses as oar
-from services.http.openai import tools
 from services.http.responses import DONE, json_response, open_stream, sse
 from services.http.sse_writer import StepWriter
 from services.http.tgi.schemas import VERSION, parse_body, simple_tokens
@@ -39,15 +39,17 @@ def _error(e: Failure) -> web.Response:
     return error_response(e, charset=None)  # these routes' JSON errors have always gone without a charset
 
 
-def _tool_chunks(env: oar.Envelope, reader: tools.ToolStream, row, logprobs: bool, call_id: str) -> list:
-    """A token of a chat with tools → its chunks: content, or TGI's tool-call deltas (none while the answer's start
-    is held); the finish reason goes on the last chunk of the last token only."""
+def _tool_chunks(
+    env: oar.Envelope, reader: tools.ToolStream, row, logprobs: bool, call_id: str, index: int = 0
+) -> list:
+    """A token of a chat with tools (choice `index`) → its chunks: content, or TGI's tool-call deltas (none while
+    the answer's start is held); the finish reason goes on the last chunk of the last token only."""
     chunks = []
     for delta in reader.push("" if row.special else row.text, row.final is not None):
         if delta[0] == "content":
-            chunks.append(env.chat_chunk(row, logprobs, delta[1]))
+            chunks.append(env.chat_chunk(row, logprobs, delta[1], index))
         else:
-            chunks.append(env.tool_chunk(row, call_id, delta[1], delta[2]))
+            chunks.append(env.tool_chunk(row, call_id, delta[1], delta[2], index))
     for chunk in chunks[:-1]:
         chunk.choices[0].finish_reason = None
     return chunks
@@ -93,44 +95,53 @@ class OpenAIRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
             body, wire, tool_mode = await self._chat_request(request)
+            n = choices.check_n(body.n, self.settings.max_concurrent_requests)
         except Failure as e:
             return _error(e)
         model = body.model if body.model not in (None, "tgi") else self.settings.model_id
         env = oar.Envelope(model, FINGERPRINT)
         logprobs = bool(body.logprobs)
+        wires = choices.siblings(wire, n)
         if body.stream:
-            return await self._chat_stream(request, body, wire, env, logprobs, tool_mode)
+            return await self._chat_stream(request, body, wires, env, logprobs, tool_mode)
         timing = Timing(start=time.monotonic())
         try:
-            with self.permits.hold():
-                rows = await collect(self.ingress, wire, timing)
-            final = rows[-1].final
-            tool_calls = None
-            if tool_mode == "call" or (tool_mode == "auto" and tools.is_call(final.generated_text)):
-                call_id = tools.next_call_id(body.messages)
-                tool_calls = tools.parse_tool_call(final.generated_text, call_id)
+            with self.permits.hold(n):  # a permit per choice, as best_of's sequences
+                choices.quiet(self.ingress, wires, n)
+                results = await choices.collect_all(self.ingress, wires, [timing] + [None] * (n - 1))
+            answers, call_id = [], tools.next_call_id(body.messages)
+            for rows in results:
+                text, tool_calls = rows[-1].final.generated_text, None
+                if tool_mode == "call" or (tool_mode == "auto" and tools.is_call(text)):
+                    tool_calls = tools.parse_tool_call(text, call_id)
+                answers.append((rows, tool_calls))
         except Failure as e:
             return _error(e)
-        headers = timing_headers(timing, body.characters, final)
-        return json_response(env.chat_completion(rows, logprobs, tool_calls), headers)
+        headers = timing_headers(timing, body.characters, results[0][-1].final)
+        return json_response(env.chat_completions(answers, logprobs), headers)
 
-    async def _chat_stream(self, request, body: oa.ChatRequest, wire, env: oar.Envelope, logprobs: bool, tool_mode):
-        response = None
-        reader = None if tool_mode is None else tools.ToolStream(auto=tool_mode == "auto")
+    async def _chat_stream(self, request, body: oa.ChatRequest, wires, env: oar.Envelope, logprobs: bool, tool_mode):
+        """The choices' chunks interleaved as their tokens come, each with its index; with include_usage, one usage
+        chunk once every choice has ended."""
+        response, finals = None, []
+        readers = [None if tool_mode is None else tools.ToolStream(auto=tool_mode == "auto") for _ in wires]
         call_id = tools.next_call_id(body.messages)
         try:
-            with self.permits.hold():
-                async with contextlib.aclosing(self.ingress.generate(wire)) as rows:
-                    async for row in rows:
+            with self.permits.hold(len(wires)):
+                choices.quiet(self.ingress, wires, len(wires))
+                async with contextlib.aclosing(choices.merged(self.ingress, wires)) as rows:
+                    async for index, row in rows:
                         if response is None:  # the template rendered and validation passed
                             response = await open_stream(request, body.characters)
-                        if reader is None:
-                            await response.write(sse(env.chat_chunk(row, logprobs)))
+                        if readers[index] is None:
+                            await response.write(sse(env.chat_chunk(row, logprobs, index=index)))
                         else:
-                            for chunk in _tool_chunks(env, reader, row, logprobs, call_id):
+                            for chunk in _tool_chunks(env, readers[index], row, logprobs, call_id, index):
                                 await response.write(sse(chunk))
-                        if row.final is not None and body.include_usage:
-                            await response.write(sse(env.usage_chunk(row.final)))
+                        if row.final is not None:
+                            finals.append(row.final)
+                            if body.include_usage and len(finals) == len(wires):
+                                await response.write(sse(env.usage_chunk(finals)))
         except Failure as e:
             if response is None:
                 if e.error_type in PRE_STREAM_ERRORS:
@@ -149,6 +160,7 @@ class OpenAIRoutes:
         try:
             body = parse_body(await request.read(), oa.CompletionRequest)
             check_model(body.model, self.settings)
+            n = choices.check_n(body.n, self.settings.max_concurrent_requests)
             if body.suffix is not None:
                 message = "Suffix is not supported and can be achieved by preprocessing the prompt."
                 raise Failure(message, "suffix not supported", 422)
@@ -160,22 +172,28 @@ class OpenAIRoutes:
             return _error(e)
         params = oa.completion_parameters(body, self.settings.model_id)
         # add_special_tokens stays True, as TGI's completions
-        wires = [self._completion_wire(request, params, p, body.stream) for p in body.prompts]
+        # each prompt's n choices in a row: choice index = prompt index * n + its own
+        wires = [
+            w for p in body.prompts for w in choices.siblings(self._completion_wire(request, params, p, body.stream), n)
+        ]
         env = oar.Envelope(self.settings.model_id, FINGERPRINT)
         if body.stream:
             return await self._completion_stream(request, body, wires, env)
         timings = [Timing(start=time.monotonic()) for _ in wires]
         try:
-            with self.permits.hold(len(wires)):  # TGI takes one permit per prompt
-                results = await asyncio.gather(*(collect(self.ingress, w, t) for w, t in zip(wires, timings)))
+            with self.permits.hold(len(wires)):  # TGI takes one permit per prompt (here: per choice)
+                choices.quiet(self.ingress, wires, n)
+                results = await choices.collect_all(self.ingress, wires, timings)
         except Failure as e:
             return _error(e)
+        results = choices.share_prompt_details(results, n)
         end = time.monotonic()
         headers = sum_headers(
             [timing_headers(t, w.inputs, r[-1].final, end) for t, w, r in zip(timings, wires, results)]
         )
+        prompts = [p for p in body.prompts for _ in range(n)]
         completion = env.completion(
-            list(zip(body.prompts, results)), bool(body.echo), body.logprobs, oa.prompt_only(body)
+            list(zip(prompts, results)), bool(body.echo), body.logprobs, oa.prompt_only(body), n
         )
         return json_response(completion, headers)
 
