@@ -14,7 +14,7 @@ import orjson
 from aiohttp import web
 
 from libs.protocol.messages import GenerateRequest
-from libs.runtime import metrics
+from libs.runtime import metrics, model_store
 from libs.runtime.settings import Settings
 from services.http import lora, openapi
 from services.http.errors import DEPTH, Failure, error_body, error_response
@@ -207,7 +207,7 @@ class Routes:
         return tgi.Info(
             model_id=s.model_id,
             model_sha=s.model_sha or None,
-            model_pipeline_tag="text-generation",
+            model_pipeline_tag="image-text-to-text" if self._takes_images() else "text-generation",
             max_concurrent_requests=s.max_concurrent_requests,
             max_best_of=s.max_best_of,
             max_stop_sequences=s.max_stop_sequences,
@@ -222,14 +222,25 @@ class Routes:
             model_dtype=s.dtype,
             lora_adapters=lora.names(s),
             quantization=s.quantize or None,
+            input_modalities=self._modalities(),
         )
+
+    def _takes_images(self) -> bool:
+        """Whether the served model is a vision-language model (its config names a vision tower)."""
+        try:
+            return bool(model_store.model_info(self.settings.model_path).get("takes_images"))
+        except model_store.ModelNotAvailableError:
+            return False
+
+    def _modalities(self) -> list[str] | None:
+        return ["text", "image"] if self._takes_images() else None
 
     async def info(self, request: web.Request) -> web.Response:
         return json_response(self.info_struct())
 
     async def models(self, request: web.Request) -> web.Response:
         base = self.settings.model_id
-        model = tgi.ModelInfo(id=base, object="model", created=0, owned_by=base)
+        model = tgi.ModelInfo(id=base, object="model", created=0, owned_by=base, input_modalities=self._modalities())
         loras = [
             tgi.ModelInfo(id=n, object="model", created=0, owned_by=base, parent=base)
             for n in lora.names(self.settings)

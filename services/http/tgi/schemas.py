@@ -191,6 +191,7 @@ class Info(msgspec.Struct, kw_only=True, omit_defaults=True):
     model_dtype: str | None = None  # beyond TGI today (its older /info had it): what the weights are served in
     lora_adapters: list[str] = []  # beyond TGI: the LoRA adapters loaded (left out when there are none)
     quantization: str | None = None  # the --quantize method the weights are served with (left out when none)
+    input_modalities: list[str] | None = None  # beyond TGI: ["text", "image"] for a vision model (else left out)
 
 
 class ModelInfo(msgspec.Struct, omit_defaults=True):
@@ -199,6 +200,7 @@ class ModelInfo(msgspec.Struct, omit_defaults=True):
     created: int
     owned_by: str
     parent: str | None = None  # a LoRA adapter's base model (vLLM's shape); left out for the base model itself
+    input_modalities: list[str] | None = None  # beyond TGI: ["text", "image"] for a vision model (else left out)
 
 
 class ModelsInfo(msgspec.Struct):
