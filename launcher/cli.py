@@ -173,17 +173,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--bus-curve-secret-key",
-        default=env_value("curve_secret_key"),
+        default=bus_flags.env_default("--bus-curve-secret-key", "curve_secret_key"),
         metavar="KEY|FILE",
         help=f"encrypt the tcp bus with CURVE: the deployment's secret key, or a file holding it (switchyard "
-        f"keygen); needed where the router or a scheduler runs. Prefer env {bus_flags.SECRET_VAR} or a file: "
-        "a command line is visible to other users",
+        f"keygen); needed where the router or a scheduler runs. Prefer env BUS_CURVE_SECRET_KEY or "
+        f"{bus_flags.SECRET_VAR}, or a file: a command line is visible to other users",
     )
     s.add_argument(
         "--bus-curve-public-key",
-        default=env_value("curve_public_key"),
+        default=bus_flags.env_default("--bus-curve-public-key", "curve_public_key"),
         metavar="KEY|FILE",
-        help=f"the public half (or a file holding it; env {bus_flags.PUBLIC_VAR}), for hosts that only connect",
+        help=f"the public half (or a file holding it; env BUS_CURVE_PUBLIC_KEY or {bus_flags.PUBLIC_VAR}), for "
+        "hosts that only connect",
+    )
+    s.add_argument(
+        "--bus-curve-client-key",
+        default=bus_flags.env_default("--bus-curve-client-key", "curve_client_secret_key"),
+        metavar="KEY|FILE",
+        help=f"this host's client secret key, or a file holding it (switchyard keygen --client; env "
+        f"BUS_CURVE_CLIENT_KEY or {bus_flags.CLIENT_SECRET_VAR}): what its processes present to a bus that "
+        "lists its allowed clients (default: the deployment's pair where the secret is held, else none)",
+    )
+    s.add_argument(
+        "--bus-curve-allowed-keys",
+        default=bus_flags.env_default("--bus-curve-allowed-keys", "curve_allowed_keys"),
+        metavar="FILE",
+        help="client public keys the router and schedulers let in, one a line (`# ` comments; keygen --client's "
+        "public lines work), re-read when it changes; any other key is refused (env BUS_CURVE_ALLOWED_KEYS)",
+    )
+    s.add_argument(
+        "--bus-insecure",
+        action="store_true",
+        default=_env_bool("bus-insecure") or env_value("bus_insecure") in ("1", "true"),
+        help="run a tcp bus without CURVE on purpose (refused otherwise): plaintext and unauthenticated",
     )
     flag("only", help=f"comma-separated programs to run here (default: all of {','.join(ROLES)})")
     flag("max-client-batch-size", type=int, default=4)

@@ -167,6 +167,9 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         bus=bus_flags.bus_address(args.bus_address),  # "" until serve() names the run directory
         curve_secret_key=curve_secret,
         curve_public_key=curve_public,
+        curve_client_secret_key=bus_flags.client_key(args.bus_curve_client_key),
+        curve_allowed_keys=bus_flags.allowed_keys(args.bus_curve_allowed_keys),
+        bus_insecure=args.bus_insecure,
         lora_adapters=lora_adapters,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

@@ -28,7 +28,6 @@ from launcher import bus_flags, rundir
 from libs.protocol import Addresses, ProtocolError, codec
 from libs.protocol.messages import FINISH_NAMES, FINISH_NONE, Heartbeat, Hello, TextBatch, TokenBatch
 from libs.runtime import bus
-from libs.runtime.settings import env_value
 
 DEFAULT_TOPICS = ("tok.", "out.")
 TAP_TOPIC = b"tap."  # nothing in the server subscribes to it: our hello disturbs no one
@@ -38,9 +37,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bus", help="ipc:///run/dir or tcp://host:port (default: the one live local server's)")
     p.add_argument(
         "--curve-public-key",
-        default=env_value("curve_public_key"),
+        default=bus_flags.env_default("--curve-public-key", "curve_public_key"),
         metavar="KEY|FILE",
-        help=f"the bus's CURVE public key, or a file holding it (env {bus_flags.PUBLIC_VAR}), for an encrypted bus",
+        help=f"the bus's CURVE public key, or a file holding it (env CURVE_PUBLIC_KEY or {bus_flags.PUBLIC_VAR}), "
+        "for an encrypted bus",
+    )
+    p.add_argument(
+        "--curve-client-key",
+        default=bus_flags.env_default("--curve-client-key", "curve_client_secret_key"),
+        metavar="KEY|FILE",
+        help=f"the tap's client secret key, or a file holding it (switchyard keygen --client; env CURVE_CLIENT_KEY "
+        f"or {bus_flags.CLIENT_SECRET_VAR}), for a bus that lets in only listed clients",
     )
     p.add_argument("--request", help="only this request id")
     p.add_argument(
@@ -128,16 +135,19 @@ def render(row: dict) -> str:
     return f"{head} {ev} {json.dumps(rest, ensure_ascii=False, default=str)}"
 
 
-def curve_from(public_arg: str | None) -> bus.Curve | None:
+def curve_from(public_arg: str | None, client_arg: str | None = None) -> bus.Curve | None:
     """The key to join an encrypted bus with: --curve-public-key, else the public half of the secret in
-    the environment, else None (plaintext)."""
+    the environment, else None (plaintext); and the client key to present (--curve-client-key, else fresh)."""
     public = bus_flags.read_key(public_arg, bus_flags.PUBLIC_VAR, "--curve-public-key")
-    secret = "" if public else env_value("curve_secret_key") or ""
+    secret = "" if public else bus_flags.env_default("--bus-curve-secret-key", "curve_secret_key") or ""
+    client = bus_flags.read_key(client_arg, bus_flags.CLIENT_SECRET_VAR, "--curve-client-key")
     try:
-        curve = bus.Curve.from_keys(secret, public)
+        curve = bus.Curve.from_keys(secret, public, client_secret=client)
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"error: {e}") from None
-    return None if curve is None else bus.Curve(server_public=curve.server_public)  # a client needs no secret
+    if curve is None:
+        return None
+    return bus.Curve(server_public=curve.server_public, client_secret=client)  # a client needs no server secret
 
 
 def attach(
@@ -162,7 +172,9 @@ def attach(
             # events before our hello are dropped: only what follows "attached" is promised
     sub.close()
     pub.close()
-    hint = "" if curve or not bus_spec.startswith("tcp://") else " (or is its bus encrypted? give --curve-public-key)"
+    hint = "" if not bus_spec.startswith("tcp://") else " (or is its bus encrypted? give --curve-public-key)"
+    if curve is not None:
+        hint = " (or does its bus let in only listed clients? give --curve-client-key, a listed one)"
     raise SystemExit(
         f"error: no answer from the event bus at {bus_spec} within {timeout:g}s: is the server running?{hint}"
     )
@@ -172,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     bus_spec = bus_flags.bus_address(args.bus, "--bus") if args.bus and not args.bus.startswith("ipc://") else args.bus
     bus_spec = bus_spec or find_bus()
     prefixes = [p.encode() for p in (args.topic or DEFAULT_TOPICS)]
-    sub, pub = attach(bus_spec, prefixes, args.timeout, curve_from(args.curve_public_key))
+    sub, pub = attach(bus_spec, prefixes, args.timeout, curve_from(args.curve_public_key, args.curve_client_key))
     out = sys.stdout
     # Ctrl-C and a kill detach cleanly, also when our parent started us with SIGINT ignored or blocked (both are
     # inherited across exec, and Python then installs no handler: seen when started from a long test session)

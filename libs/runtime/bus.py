@@ -24,7 +24,7 @@ import zmq
 from libs.protocol import Addresses, ProtocolError, codec, topics
 from libs.protocol.message_base import Message
 from libs.protocol.messages import Heartbeat, Hello
-from libs.runtime import metrics
+from libs.runtime import bus_auth, metrics
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import HEARTBEAT_S
 
@@ -50,23 +50,39 @@ def is_key(text: str) -> bool:
 @dataclass(frozen=True)
 class Curve:
     """ZeroMQ CURVE on the bus's tcp links. One keypair per deployment: every binding process (router,
-    schedulers) serves with its secret half; a connecting process needs only the public half and makes a
-    fresh keypair of its own per socket. This encrypts every link and authenticates the server (a client
-    talks only to a holder of the secret); clients are not authenticated (no ZAP handler), so anyone who
-    knows the public key can connect. ipc needs none: the run directory is 0700."""
+    schedulers) serves with its secret half; a connecting process needs only the public half. This encrypts
+    every link and authenticates the server (a client talks only to a holder of the secret). Clients are
+    authenticated when the binders have a list of allowed client keys (`allowed_keys`, libs/runtime/bus_auth.py):
+    a connecting process then presents its client keypair (`client_secret`; a holder of the server secret
+    presents the deployment's own pair), else a fresh keypair per socket. ipc needs none: the run directory is
+    0700."""
 
     server_public: str  # Z85, 40 characters
     server_secret: str = ""  # Z85; only on processes that bind
+    client_secret: str = ""  # Z85; this process's client identity ("": the server pair, if held, else fresh)
+    allowed_keys: str = ""  # a file of the client public keys the binders accept ("": any)
 
     def __repr__(self) -> str:  # never the secret, should a Curve reach a log line
-        return f"Curve(server_public={self.server_public!r}, server_secret={'<set>' if self.server_secret else ''!r})"
+        hidden = {name: "<set>" if getattr(self, name) else "" for name in ("server_secret", "client_secret")}
+        return (
+            f"Curve(server_public={self.server_public!r}, server_secret={hidden['server_secret']!r}, "
+            f"client_secret={hidden['client_secret']!r}, allowed_keys={self.allowed_keys!r})"
+        )
 
     @classmethod
-    def from_keys(cls, secret: str = "", public: str = "") -> Curve | None:
-        """None when neither key is given; the public half is derived from the secret when only that is
+    def from_keys(
+        cls, secret: str = "", public: str = "", client_secret: str = "", allowed_keys: str = ""
+    ) -> Curve | None:
+        """None when neither server key is given; the public half is derived from the secret when only that is
         given, and must match it when both are (one keypair per deployment). Errors never echo a key."""
         if not secret and not public:
+            if client_secret or allowed_keys:
+                raise ValueError(
+                    "a CURVE client key or allowed-keys list needs the bus's key (the public one at least)"
+                )
             return None
+        if client_secret and not is_key(client_secret):
+            raise ValueError("the CURVE client secret key is not a 40-character Z85 key")
         if secret and not is_key(secret):
             raise ValueError("the CURVE secret key is not a 40-character Z85 key")
         if public and not is_key(public):
@@ -78,12 +94,24 @@ class Curve:
             public = derived
         if not zmq.has("curve"):
             raise RuntimeError("this libzmq was built without CURVE support")
-        return cls(server_public=public, server_secret=secret)
+        return cls(server_public=public, server_secret=secret, client_secret=client_secret, allowed_keys=allowed_keys)
 
     @classmethod
     def from_settings(cls, settings) -> Curve | None:
-        """From Settings.curve_secret_key / curve_public_key (SWITCHYARD_CURVE_*); None when neither is set."""
-        return cls.from_keys(settings.curve_secret_key, settings.curve_public_key)
+        """From Settings.curve_* (SWITCHYARD_CURVE_*); None when neither server key is set."""
+        return cls.from_keys(
+            settings.curve_secret_key,
+            settings.curve_public_key,
+            settings.curve_client_secret_key,
+            settings.curve_allowed_keys,
+        )
+
+    def client_pair(self) -> tuple[bytes, bytes]:
+        """(public, secret) this process presents as a CURVE client."""
+        secret = self.client_secret or self.server_secret
+        if secret:
+            return zmq.curve_public(secret.encode()), secret.encode()
+        return zmq.curve_keypair()
 
 
 def curve_keypair() -> tuple[str, str]:
@@ -100,10 +128,12 @@ def secure(sock: zmq.Socket, curve: Curve, *, server: bool) -> None:
                 "a CURVE server socket needs the secret key (SWITCHYARD_CURVE_SECRET_KEY); this process has only "
                 "the public one"
             )
+        if curve.allowed_keys:  # the ZAP handler of this socket's context, before it binds
+            bus_auth.require_listed_clients(sock.context, curve.allowed_keys, curve.server_public)
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, curve.server_secret.encode())
         return
-    public, secret = zmq.curve_keypair()
+    public, secret = curve.client_pair()
     sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public.encode())
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
@@ -111,22 +141,26 @@ def secure(sock: zmq.Socket, curve: Curve, *, server: bool) -> None:
 
 _UNSET = object()
 _curve: Curve | None | object = _UNSET  # this process's bus key: configure(), else the environment on first use
+_plaintext_ok = False  # Settings.bus_insecure: a tcp socket without a key is allowed
 
 
 def configure(settings) -> Curve | None:
     """Set this process's bus key from its Settings (service.run does, once); every tcp socket made by
     socket() afterwards uses it. Returns it (None: plaintext)."""
-    global _curve
-    _curve = Curve.from_settings(settings)
+    global _curve, _plaintext_ok
+    _curve, _plaintext_ok = Curve.from_settings(settings), settings.bus_insecure
     return _curve
 
 
 def configured() -> Curve | None:
     """This process's bus key; a process that never called configure() (http) takes it from Settings.from_env()."""
-    global _curve
     if _curve is _UNSET:
-        _curve = Curve.from_settings(Settings.from_env())
+        configure(Settings.from_env())
     return _curve  # type: ignore[return-value]
+
+
+class PlaintextRefused(RuntimeError):
+    """A tcp bus socket without a key, in a process not told that a plaintext bus is meant (bus_insecure)."""
 
 
 def socket(
@@ -142,7 +176,14 @@ def socket(
     CURVE: by default the process's key (configure()) on a tcp:// address and nothing on ipc://; a
     binder is the CURVE server, a connector its client. `curve=` overrides that (None: plaintext)."""
     if curve is _UNSET:
-        curve = configured() if (bind or connect or "").startswith("tcp://") else None
+        tcp = (bind or connect or "").startswith("tcp://")
+        curve = configured() if tcp else None
+        if tcp and curve is None and not _plaintext_ok:
+            raise PlaintextRefused(
+                "the bus is tcp without a key: anyone who reaches its ports could read and inject. Give it one "
+                "(switchyard keygen; SWITCHYARD_CURVE_SECRET_KEY) or run it in the clear on purpose "
+                "(--bus-insecure, SWITCHYARD_BUS_INSECURE=1)"
+            )
     sock = (ctx or context()).socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, HWM)

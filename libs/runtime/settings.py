@@ -115,6 +115,13 @@ class Settings:
     # the secret when only that is given). Never logged (--bus-curve-secret-key, `switchyard keygen`)
     curve_secret_key: str = dataclasses.field(default="", repr=False)
     curve_public_key: str = ""
+    # client authentication on the CURVE bus (libs/runtime/bus_auth.py): the binders accept only the client public
+    # keys listed in this file (besides the deployment's own), re-read when it changes ("" = any client with the
+    # server's public key); a connecting process presents curve_client_secret_key's keypair (never logged)
+    curve_allowed_keys: str = ""
+    curve_client_secret_key: str = dataclasses.field(default="", repr=False)
+    # a tcp bus without CURVE is refused unless this is set (--bus-insecure): a plaintext bus is a choice
+    bus_insecure: bool = False
     # tensor parallel (num_shard > 1): replica r's ranks rendezvous on 127.0.0.1:tp_port + r (the launcher
     # picks free ports; the ranks of a replica share a host)
     tp_port: int = 0

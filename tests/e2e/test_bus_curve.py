@@ -1,8 +1,11 @@
-"""The whole bus on tcp with CURVE: one real server whose --bus-address names no host (so it binds loopback)
-and whose secret comes from SWITCHYARD_CURVE_SECRET_KEY. Every process joins the encrypted bus (the server
+"""The whole bus on tcp with CURVE and client authentication: one real server whose --bus-address names no host
+(so it binds loopback), whose secret comes from BUS_CURVE_SECRET_KEY (the flag's own variable) and whose binders
+let in only the clients listed in --bus-curve-allowed-keys. Every process joins the encrypted bus (the server
 becomes healthy and serves greedy /generate exactly as transformers' generate()), every bus port listens on
 127.0.0.1 only, a plaintext subscriber on the event proxy hears nothing while `switchyard tap` with the public
-key sees the client's tokens, a tap without the key cannot attach, and the secret reaches no log or command
+key and a listed client key sees the client's tokens; a tap without the key, or with an unlisted client key,
+cannot attach; a request pushed with an unlisted key is never placed (one with a listed key is), a subscriber
+with one hears nothing, the refusal is logged once by the key's fingerprint; the secret reaches no log or command
 line."""
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,13 +25,17 @@ import requests
 import zmq
 from tokenizers import Tokenizer
 
-from libs.runtime import bus
+from libs.protocol.messages import GenerateRequest
+from libs.protocol.params import Parameters
+from libs.runtime import bus, bus_auth
 from tests.e2e.server import ROOT, Server, free_port_range, session_processes
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e
 
 PUBLIC, SECRET = bus.curve_keypair()
+LISTED_PUBLIC, LISTED_SECRET = bus.curve_keypair()  # a client key in the allowed list
+STRANGER_PUBLIC, STRANGER_SECRET = bus.curve_keypair()  # one that is not
 
 
 def _listeners(ports: set[int]) -> set[str]:
@@ -46,8 +54,11 @@ def _listeners(ports: set[int]) -> set[str]:
 def curve_server(tiny_model_dir, tmp_path_factory):
     router, replica = free_port_range(5), free_port_range(3)
     log = tmp_path_factory.mktemp("logs") / "curve-server.log"
+    allowed = tmp_path_factory.mktemp("keys") / "allowed-keys"
+    allowed.write_text(f"# the tap\n{LISTED_PUBLIC}\n")
     flags = ("--max-total-tokens", "512", "--bus-address", f"tcp://:{router}?replicas=:{replica}")
-    server = Server(tiny_model_dir, log, *flags, env={"SWITCHYARD_CURVE_SECRET_KEY": SECRET})
+    flags += ("--bus-curve-allowed-keys", str(allowed))
+    server = Server(tiny_model_dir, log, *flags, env={"BUS_CURVE_SECRET_KEY": SECRET})
     server.bus_ports = (router, replica)
     try:
         server.wait_healthy()
@@ -80,7 +91,9 @@ def test_encrypted_bus_serves_and_only_the_key_holder_listens(curve_server, tiny
     # the tap with the public key only (as a host that merely connects would have it), and one without a key
     events_bus = f"tcp://:{router}"  # host-less: the tap too takes it as loopback
     keyless = _tap(events_bus, "--timeout", "2", env={})
-    tap = _tap(events_bus, env={"SWITCHYARD_CURVE_PUBLIC_KEY": PUBLIC})
+    stranger_env = {"SWITCHYARD_CURVE_PUBLIC_KEY": PUBLIC, "SWITCHYARD_CURVE_CLIENT_SECRET_KEY": STRANGER_SECRET}
+    stranger = _tap(events_bus, "--timeout", "2", env=stranger_env)
+    tap = _tap(events_bus, env={"SWITCHYARD_CURVE_PUBLIC_KEY": PUBLIC, "CURVE_CLIENT_KEY": LISTED_SECRET})
     rows: queue.Queue = queue.Queue()
     try:
         attached = tap.stderr.readline()
@@ -104,9 +117,12 @@ def test_encrypted_bus_serves_and_only_the_key_holder_listens(curve_server, tiny
 
         assert keyless.wait(timeout=30) != 0
         assert "--curve-public-key" in keyless.stderr.read()
+        assert stranger.wait(timeout=30) != 0
+        assert "--curve-client-key" in stranger.stderr.read()
+        _requests_and_subscribers_need_a_listed_key(router, rows)
     finally:
         eavesdropper.close()
-        for proc in (tap, keyless):
+        for proc in (tap, keyless, stranger):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
                 try:
@@ -115,6 +131,46 @@ def test_encrypted_bus_serves_and_only_the_key_holder_listens(curve_server, tiny
                     proc.kill()
     assert tap.returncode == 0
     assert requests.get(curve_server.url + "/health", timeout=5).status_code == 200
+
+
+def _client(kind: int, address: str, client_secret: str) -> zmq.Socket:
+    curve = bus.Curve(server_public=PUBLIC, client_secret=client_secret)
+    return bus.socket(kind, connect=address, ctx=zmq.Context.instance(), curve=curve)
+
+
+def _requests_and_subscribers_need_a_listed_key(router: int, rows: queue.Queue) -> None:
+    """A stranger's request is never placed and its subscriber hears nothing; a listed client's request runs."""
+    intake, events_out = f"tcp://127.0.0.1:{router}", f"tcp://127.0.0.1:{router + 4}"
+    listener = _client(zmq.SUB, events_out, STRANGER_SECRET)
+    listener.setsockopt(zmq.SUBSCRIBE, b"")
+    sockets = [listener]
+    try:
+        ids = {}
+        for who, secret in (("stranger", STRANGER_SECRET), ("listed", LISTED_SECRET)):
+            push = _client(zmq.PUSH, intake, secret)
+            sockets.append(push)
+            ids[who] = uuid.uuid4().hex
+            params = Parameters(max_new_tokens=4)
+            bus.send(push, GenerateRequest(request_id=ids[who], ingress=0, inputs=f"from the {who}", parameters=params))
+        # the tap (subscribed to every out./tok. topic) sees the listed request to its end, and nothing of the other
+        heard = []
+        while not any(r["request_id"] == ids["listed"] and "final" in r for r in heard):
+            heard.append(rows.get(timeout=30))
+        assert ids["stranger"] not in {r["request_id"] for r in heard}
+        assert not listener.poll(500), "a subscriber with an unlisted key heard the bus"
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_a_refused_client_is_logged_once_by_fingerprint(curve_server):
+    logs = Path(curve_server.log_path).read_text(errors="replace")
+    fingerprint = bus_auth.fingerprint(STRANGER_PUBLIC)
+    refusals = [line for line in logs.splitlines() if "refused a bus client" in line]
+    assert refusals and all(fingerprint in line for line in refusals)
+    assert len({line.split("]")[0] for line in refusals}) == len(refusals)  # once per process
+    for key in (STRANGER_PUBLIC, STRANGER_SECRET, LISTED_SECRET):
+        assert key not in logs
 
 
 def test_the_curve_secret_is_never_logged(curve_server):

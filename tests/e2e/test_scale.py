@@ -246,7 +246,7 @@ def test_a_detokenizer_started_by_hand_takes_work_and_leaves_cleanly(scale_serve
 
 def test_two_launchers_over_tcp_loopback(tiny_model_dir, tokenizer, tmp_path):
     bus = f"tcp://127.0.0.1:{free_port_range(5)}?replicas=127.0.0.1:{free_port_range(3)}"
-    common = (*LIMITS, "--bus-address", bus)
+    common = (*LIMITS, "--bus-address", bus, "--bus-insecure")  # plaintext on loopback, on purpose
     front = Server(tiny_model_dir, tmp_path / "front.log", *common, "--only", "router,http,tokenizer,detokenizer")
     back = Server(tiny_model_dir, tmp_path / "back.log", *common, "--only", "scheduler,shard")
     try:

@@ -1,5 +1,6 @@
-"""The bus's flags: a host-less --bus-address binds loopback, an exposed plaintext bus is warned about, CURVE keys
-from a flag, the environment or a keygen file (checked, never echoed), and `switchyard keygen` itself."""
+"""The bus's flags: a host-less --bus-address binds loopback, a plaintext tcp bus is refused unless --bus-insecure
+(and then warned about if exposed), CURVE keys from a flag, either of their environment variables or a keygen file
+(checked, never echoed), client keys and the allowed-keys list, and `switchyard keygen` itself."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import zmq
 
 from launcher import bus_flags, keygen, tap
 from launcher.cli import build_parser, main, programs, settings_from
-from libs.runtime import bus
+from libs.runtime import bus, bus_auth
 
 SECRET_VAR, PUBLIC_VAR = bus_flags.SECRET_VAR, bus_flags.PUBLIC_VAR
+# the variables the launcher's rule gives the key flags (--bus-curve-secret-key ← BUS_CURVE_SECRET_KEY, …)
+RULE_VARS = ("BUS_CURVE_SECRET_KEY", "BUS_CURVE_PUBLIC_KEY", "BUS_CURVE_CLIENT_KEY", "BUS_CURVE_ALLOWED_KEYS")
 
 
 @pytest.fixture
@@ -25,7 +28,9 @@ def model_dir(tmp_path):
 
 @pytest.fixture(autouse=True)
 def no_keys_in_env(monkeypatch):
-    for var in (SECRET_VAR, PUBLIC_VAR, "BUS_ADDRESS"):
+    for var in (SECRET_VAR, PUBLIC_VAR, "BUS_ADDRESS", *RULE_VARS, bus_flags.CLIENT_SECRET_VAR, "BUS_INSECURE"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("SWITCHYARD_CURVE_ALLOWED_KEYS", "SWITCHYARD_BUS_INSECURE"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -83,12 +88,26 @@ def _check(model_dir, caplog, *argv, only=None):
     return settings, [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_a_plaintext_tcp_bus_is_refused_unless_asked_for(model_dir, caplog, monkeypatch):
+    for address in ("5550", "tcp://0.0.0.0:5550"):  # loopback too: any local user could reach it
+        with pytest.raises(SystemExit, match="in the clear.*--bus-insecure"):
+            _check(model_dir, caplog, "--bus-address", address)
+    assert _check(model_dir, caplog)[1] == []  # ipc: the private run directory, no key needed
+    settings, warnings = _check(model_dir, caplog, "--bus-address", "5550", "--bus-insecure")
+    assert settings.bus_insecure and warnings == [] and "in the clear on loopback" in caplog.text
+    monkeypatch.setenv("BUS_INSECURE", "1")  # the flag's variable, by the launcher's rule
+    assert _check(model_dir, caplog, "--bus-address", "5550")[0].bus_insecure
+    monkeypatch.delenv("BUS_INSECURE")
+    monkeypatch.setenv("SWITCHYARD_BUS_INSECURE", "1")  # and the services' own
+    assert _check(model_dir, caplog, "--bus-address", "5550")[0].bus_insecure
+
+
 def test_exposed_plaintext_bus_warns(model_dir, caplog, monkeypatch):
-    _, warnings = _check(model_dir, caplog, "--bus-address", "tcp://0.0.0.0:5550")
+    _, warnings = _check(model_dir, caplog, "--bus-insecure", "--bus-address", "tcp://0.0.0.0:5550")
     assert len(warnings) == 1 and "plaintext" in warnings[0].getMessage() and "0.0.0.0" in warnings[0].getMessage()
-    _, warnings = _check(model_dir, caplog, "--bus-address", "tcp://:5550?replicas=gpu-box:5560")
+    _, warnings = _check(model_dir, caplog, "--bus-insecure", "--bus-address", "tcp://:5550?replicas=gpu-box:5560")
     assert len(warnings) == 1 and "gpu-box" in warnings[0].getMessage()
-    assert _check(model_dir, caplog, "--bus-address", "5550")[1] == []  # loopback: nothing to warn about
+    assert _check(model_dir, caplog, "--bus-insecure", "--bus-address", "5550")[1] == []  # loopback: no warning
     assert _check(model_dir, caplog)[1] == []  # ipc
     public, secret = bus.curve_keypair()
     monkeypatch.setenv(SECRET_VAR, secret)  # with CURVE the exposed bus is fine
@@ -161,3 +180,54 @@ def test_tap_key(monkeypatch, tmp_path):
     assert tap.curve_from(None) == bus.Curve(server_public=public)  # a client: the secret is not kept
     (tmp_path / "k").write_text(public + "\n")
     assert tap.curve_from(str(tmp_path / "k")) == bus.Curve(server_public=public)
+
+
+@pytest.mark.parametrize(
+    "rule_var,field_var", [("BUS_CURVE_SECRET_KEY", SECRET_VAR), ("BUS_CURVE_PUBLIC_KEY", PUBLIC_VAR)]
+)
+def test_each_key_is_read_under_both_its_names(model_dir, caplog, monkeypatch, rule_var, field_var):
+    public, secret = bus.curve_keypair()
+    key = secret if "SECRET" in rule_var else public
+    only = None if "SECRET" in rule_var else "shard,tokenizer,detokenizer,http"
+    for var in (rule_var, field_var):
+        monkeypatch.setenv(var, key)
+        settings, _ = _check(model_dir, caplog, "--bus-address", "5550", only=only)
+        assert settings.curve_public_key == public and settings.curve_secret_key == (key if key == secret else "")
+        assert not settings.bus_insecure  # a key, not --bus-insecure, is what let the tcp bus start
+        monkeypatch.delenv(var)
+    monkeypatch.setenv(rule_var, key)
+    monkeypatch.setenv(field_var, bus.curve_keypair()[0 if key == public else 1])
+    with pytest.raises(SystemExit, match=f"{rule_var} and {field_var} are both set and differ") as err:
+        parse()
+    assert key not in str(err.value)
+
+
+def test_client_key_and_allowed_keys(model_dir, tmp_path, caplog, monkeypatch, capsys):
+    public, secret = bus.curve_keypair()
+    client = tmp_path / "client.key"
+    assert keygen.main(["keygen", "--client", "--out", str(client)][1:]) == 0
+    lines = client.read_text().splitlines()
+    assert lines[0].startswith("# bus client key, fingerprint ")
+    values = dict(line.split("=", 1) for line in lines[1:])
+    client_public = values[bus_flags.CLIENT_PUBLIC_VAR].strip("'")
+    client_secret = values[bus_flags.CLIENT_SECRET_VAR].strip("'")
+    assert zmq.curve_public(client_secret.encode()).decode() == client_public
+    assert lines[0].endswith(bus_auth.fingerprint(client_public))
+    allowed = tmp_path / "allowed"
+    allowed.write_text(f"# the tap host\n{lines[1]}\n{bus.curve_keypair()[0]}  old key, rotating out\n")
+    monkeypatch.setenv(SECRET_VAR, secret)
+    argv = ("--bus-address", "5550", "--bus-curve-client-key", str(client), "--bus-curve-allowed-keys", str(allowed))
+    settings, warnings = _check(model_dir, caplog, *argv)
+    assert settings.curve_client_secret_key == client_secret and settings.curve_allowed_keys == str(allowed)
+    assert warnings == [] and "only the keys in" in caplog.text and client_secret not in caplog.text
+    assert client_public in bus_auth.read_keys(str(allowed))
+    monkeypatch.setenv("BUS_CURVE_ALLOWED_KEYS", str(allowed))  # the flag's variable
+    assert _check(model_dir, caplog, "--bus-address", "5550")[0].curve_allowed_keys == str(allowed)
+    # a list holding a secret line, or a line that is no key, stops the launcher without echoing the line
+    for bad in (client.read_text(), "not-a-key\n"):
+        allowed.write_text(bad)
+        with pytest.raises(SystemExit, match=r"line \d") as err:
+            _check(model_dir, caplog, *argv)
+        assert client_secret not in str(err.value)
+    with pytest.raises(SystemExit, match="--bus-curve-allowed-keys"):
+        _check(model_dir, caplog, "--bus-address", "5550", "--bus-curve-allowed-keys", str(tmp_path / "none"))
