@@ -121,6 +121,8 @@ class ChatRequest(msgspec.Struct):
     response_format: GrammarObject | None = None
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # for templates that take them (RAG)
+    parallel_tool_calls: bool | None = None  # false: at most one call (the model's own format)
     # not TGI's (ignored, as TGI does); only the `text-generation` client sends this key, see `sends_done`
     repetition_penalty: float | None | msgspec.UnsetType = msgspec.UNSET
     # vLLM's sampling extras (not TGI's); as on CompletionRequest

@@ -39,7 +39,7 @@ class ChatCompletionLogprobs(msgspec.Struct):
 
 
 class ToolCallFunction(msgspec.Struct):
-    description: str | None
+    description: str | None | msgspec.UnsetType  # TGI writes null; the model's own format leaves it out
     name: str
     arguments: str  # a JSON text, as TGI
 
@@ -54,7 +54,10 @@ class OutputMessage(msgspec.Struct, kw_only=True):
     """The answer: its content, or (a tool was called) its tool calls and no content key, as TGI."""
 
     role: str
-    content: str | msgspec.UnsetType = msgspec.UNSET
+    content: str | None | msgspec.UnsetType = msgspec.UNSET
+    # reasoning apart (services.http.reasoning): vLLM's name, and the newer one clients read
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | msgspec.UnsetType = msgspec.UNSET
     tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -81,8 +84,8 @@ class DeltaFunction(msgspec.Struct, kw_only=True):
 
 class DeltaToolCall(msgspec.Struct, kw_only=True):
     index: int
-    id: str
-    type: str
+    id: str | msgspec.UnsetType  # TGI repeats it on every delta; the model's own format on the first only
+    type: str | msgspec.UnsetType
     function: DeltaFunction
 
 
@@ -92,6 +95,8 @@ class ChatCompletionDelta(msgspec.Struct, kw_only=True):
     # (the `text-generation` client requires tool_calls; TGI itself streams tool calls as tool_calls deltas)
     role: str
     content: str | None = None
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET  # a reasoning piece (then content is null)
+    reasoning: str | msgspec.UnsetType = msgspec.UNSET
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -185,6 +190,21 @@ class ChatTokenizeResponse(msgspec.Struct):
 def openai_finish(reason: str) -> str:
     """TGI's FinishReason::format(true): only eos_token becomes "stop"."""
     return "stop" if reason == "eos_token" else reason
+
+
+def apply_answer(choice: ChatCompletionChoice, answer) -> None:
+    """A choice's message from an answer read in the model's own format (services.http.openai.answer.Answer):
+    content (null when only calls), reasoning, calls; finish_reason `tool_calls` when the turn ends in calls."""
+    message = choice.message
+    message.content = answer.content if answer.content or not answer.calls else None
+    if answer.reasoning is not None:
+        message.reasoning_content = message.reasoning = answer.reasoning
+    if answer.calls:
+        message.tool_calls = [
+            ToolCall(c.id, "function", ToolCallFunction(msgspec.UNSET, c.name, c.arguments)) for c in answer.calls
+        ]
+        if choice.finish_reason == "stop":
+            choice.finish_reason = "tool_calls"
 
 
 def usage(final: FinalInfo) -> Usage:

@@ -23,6 +23,7 @@ from services.http.lora import check_model
 from services.http.openai import choices, tools
 from services.http.openai import requests as oa
 from services.http.openai import responses as oar
+from services.http.openai.answer import AnswerReader, AnswerStream, ChatFormat
 from services.http.responses import DONE, json_response, open_stream, sse
 from services.http.sse_writer import StepWriter
 from services.http.tgi.schemas import VERSION, parse_body, simple_tokens
@@ -55,9 +56,47 @@ def _tool_chunks(
     return chunks
 
 
+def _answer_chunks(env: oar.Envelope, stream: AnswerStream, row, logprobs: bool, index: int = 0) -> list:
+    """A token of a chat read in the model's own format → its chunks: reasoning, content and tool-call deltas;
+    the last chunk of the last token carries the finish reason (`tool_calls` when the turn ended in calls)."""
+    final = row.final is not None
+    chunks = []
+    for delta in stream.push("" if row.special else row.text, final):
+        if delta[0] == "call":
+            d = delta[1]
+            chunk = env.tool_chunk(row, d.id or "", d.name, d.arguments, index)
+            chunk.choices[0].delta.tool_calls[0].index = d.call
+            if d.id is None:  # OpenAI names id and type on a call's first delta only
+                chunk.choices[0].delta.tool_calls[0].id = msgspec.UNSET
+                chunk.choices[0].delta.tool_calls[0].type = msgspec.UNSET
+        else:
+            chunk = env.chat_chunk(row, logprobs, delta[1] if delta[0] == "content" else None, index)
+            if delta[0] == "reasoning":
+                chunk.choices[0].delta.content = None
+                chunk.choices[0].delta.reasoning_content = chunk.choices[0].delta.reasoning = delta[1]
+        chunks.append(chunk)
+    if final and not chunks:
+        chunks.append(env.chat_chunk(row, logprobs, "", index))
+    for chunk in chunks[:-1]:
+        chunk.choices[0].finish_reason = None
+    if final and stream.called and chunks[-1].choices[0].finish_reason == "stop":
+        chunks[-1].choices[0].finish_reason = "tool_calls"
+    return chunks
+
+
+def _chat_error(e: Failure, tool_mode) -> web.Response:
+    """A chat served in the model's own format answers its refusals in OpenAI's error shape (its SDK reads the
+    message there); TGI's way keeps TGI's body."""
+    if isinstance(tool_mode, AnswerReader) and tool_mode.native and not isinstance(e, OpenAIFailure):
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        return openai_error_response(OpenAIFailure(e.message, e.status, kind=kind, code=e.error_type))
+    return _error(e)
+
+
 class OpenAIRoutes:
     def __init__(self, settings: Settings, ingress, permits: Permits):
         self.settings = settings
+        self.format = ChatFormat(settings)  # the template's tool-call and reasoning formats
         self.ingress = ingress
         self.permits = permits
 
@@ -88,8 +127,15 @@ class OpenAIRoutes:
             tool_choice=tool_choice,
             tool_prompt=body.tool_prompt,
             chat_template_kwargs=body.chat_template_kwargs,
+            documents=body.documents,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
         )
-        return body, wire, tools.tool_mode(body.tools, tool_choice)
+        # how the answer is read: the model's own format (an AnswerReader), else TGI's tool mode (None: text)
+        reader = self.format.reader(body.tools, tool_choice, body.tool_prompt, body.chat_template_kwargs)
+        tgi = tools.tool_mode(body.tools, tool_choice)
+        if not reader.native and tgi is not None:
+            return body, wire, tgi
+        return body, wire, reader if reader.native or reader.reasoning is not None else None
 
     # ---- /v1/chat/completions --------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -116,15 +162,22 @@ class OpenAIRoutes:
                     tool_calls = tools.parse_tool_call(text, call_id)
                 answers.append((rows, tool_calls))
         except Failure as e:
-            return _error(e)
+            return _chat_error(e, tool_mode)
         headers = timing_headers(timing, body.characters, results[0][-1].final)
-        return json_response(env.chat_completions(answers, logprobs), headers)
+        completion = env.chat_completions(answers, logprobs)
+        if isinstance(tool_mode, AnswerReader):
+            for choice, rows in zip(completion.choices, results):
+                oar.apply_answer(choice, tool_mode.read(rows[-1].final.generated_text))
+        return json_response(completion, headers)
 
     async def _chat_stream(self, request, body: oa.ChatRequest, wires, env: oar.Envelope, logprobs: bool, tool_mode):
         """The choices' chunks interleaved as their tokens come, each with its index; with include_usage, one usage
         chunk once every choice has ended."""
         response, finals = None, []
-        readers = [None if tool_mode is None else tools.ToolStream(auto=tool_mode == "auto") for _ in wires]
+        if isinstance(tool_mode, AnswerReader):
+            readers = [tool_mode.stream() for _ in wires]
+        else:
+            readers = [None if tool_mode is None else tools.ToolStream(auto=tool_mode == "auto") for _ in wires]
         call_id = tools.next_call_id(body.messages)
         try:
             with self.permits.hold(len(wires)):
@@ -135,6 +188,9 @@ class OpenAIRoutes:
                             response = await open_stream(request, body.characters)
                         if readers[index] is None:
                             await response.write(sse(env.chat_chunk(row, logprobs, index=index)))
+                        elif isinstance(readers[index], AnswerStream):
+                            for chunk in _answer_chunks(env, readers[index], row, logprobs, index):
+                                await response.write(sse(chunk))
                         else:
                             for chunk in _tool_chunks(env, readers[index], row, logprobs, call_id, index):
                                 await response.write(sse(chunk))
@@ -144,8 +200,8 @@ class OpenAIRoutes:
                                 await response.write(sse(env.usage_chunk(finals)))
         except Failure as e:
             if response is None:
-                if e.error_type in PRE_STREAM_ERRORS:
-                    return _error(e)
+                if e.error_type in PRE_STREAM_ERRORS or isinstance(tool_mode, AnswerReader) and tool_mode.native:
+                    return _chat_error(e, tool_mode)
                 response = await open_stream(request, body.characters)
             await response.write(sse(openai_stream_error(e)))
         except ConnectionResetError:  # the client went away; closing the rows above aborted the request
