@@ -1,10 +1,12 @@
 """The one chat path that the translation layers (the Responses API, Anthropic's Messages API) feed: an OpenAI
 chat body (messages, tools, tool_choice, response_format, sampling) becomes the very GenerateRequest that
 /v1/chat/completions sends (the tokenizer renders it through the model's chat template), and the generated text
-is read back as content and tool calls, whole or as stream deltas.
+is read back as reasoning, content and tool calls, whole or as stream deltas.
 
-Each layer translates its request into the chat body and the answer out of these deltas into its own shapes;
-how a call is read out of the text (the format the grammar forces) lives in services.http.openai.tools alone.
+Each layer translates its request into the chat body and the answer out of these deltas into its own shapes.
+How the text is read is chosen as /v1/chat/completions chooses it: the model's own format where the template's
+is known (services.http.openai.answer: its tool-call and reasoning parsers), else TGI's tool shape
+(services.http.openai.tools).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from services.http.errors import Failure
 from services.http.generation import bus_request
 from services.http.openai import requests as oa
 from services.http.openai import tools
+from services.http.openai.answer import AnswerReader, ChatFormat
 
 
 class ChatTurn(msgspec.Struct):
@@ -26,14 +29,19 @@ class ChatTurn(msgspec.Struct):
 
     body: oa.ChatRequest
     wire: GenerateRequest
-    tool_mode: str | None  # None: plain text | "auto": text or a call | "call": a call (tools.tool_mode)
+    reader: AnswerReader | None  # the model's own format (or its reasoning alone); None: TGI's tool_mode
+    tool_mode: str | None  # TGI's: None plain text | "auto" text or a call | "call" a call (tools.tool_mode)
 
 
-def chat_turn(request: web.Request, ingress: int, chat: dict[str, Any], model_id: str, mode: str = "generate"):
+def chat_turn(
+    request: web.Request, ingress: int, chat: dict[str, Any], model_id: str, fmt: ChatFormat, mode: str = "generate"
+):
     """`chat` (an OpenAI chat body as a dict) → its ChatTurn, as /v1/chat/completions builds it; raises Failure.
 
-    `top_k`, which OpenAI's chat lacks, is taken from the dict and set on the parameters."""
+    `top_k` and `parallel_tool_calls` are taken from the dict: the first onto the parameters, the second onto
+    the request."""
     top_k = chat.pop("top_k", None)
+    parallel = chat.pop("parallel_tool_calls", None)
     try:
         body = msgspec.convert(chat, oa.ChatRequest)
     except msgspec.ValidationError as e:
@@ -54,8 +62,13 @@ def chat_turn(request: web.Request, ingress: int, chat: dict[str, Any], model_id
         tool_choice=tool_choice,
         tool_prompt=body.tool_prompt,
         chat_template_kwargs=body.chat_template_kwargs,
+        parallel_tool_calls=parallel is not False,
     )
-    return ChatTurn(body, wire, tools.tool_mode(body.tools, tool_choice))
+    reader = fmt.reader(body.tools, tool_choice, body.tool_prompt, body.chat_template_kwargs)
+    tgi = tools.tool_mode(body.tools, tool_choice)
+    if not reader.native and tgi is not None:
+        return ChatTurn(body, wire, None, tgi)
+    return ChatTurn(body, wire, reader if reader.native or reader.reasoning is not None else None, None)
 
 
 class Call(msgspec.Struct):
@@ -65,26 +78,45 @@ class Call(msgspec.Struct):
     arguments: str
 
 
-def read_answer(text: str, tool_mode: str | None) -> tuple[str, list[Call]]:
-    """A whole answer → (its text, its calls); raises Failure (tool_error) for a call that does not parse."""
-    if tool_mode == "call" or (tool_mode == "auto" and tools.is_call(text)):
+class Answer(msgspec.Struct):
+    reasoning: str  # "" when the model gave none (or has no reasoning format)
+    text: str
+    calls: list[Call]
+
+
+def read_answer(text: str, turn: ChatTurn) -> Answer:
+    """A whole answer → its reasoning, text and calls; raises Failure (tool_error) for a call that does not parse."""
+    if turn.reader is not None:
+        answer = turn.reader.read(text)
+        return Answer(answer.reasoning or "", answer.content or "", [Call(c.name, c.arguments) for c in answer.calls])
+    mode = turn.tool_mode
+    if mode == "call" or (mode == "auto" and tools.is_call(text)):
         calls = tools.parse_tool_call(text)
-        return "", [Call(c.function.name, c.function.arguments) for c in calls]
-    return text, []
+        return Answer("", "", [Call(c.function.name, c.function.arguments) for c in calls])
+    return Answer("", text, [])
 
 
 class AnswerStream:
-    """A streamed answer's token texts → deltas: ("text", piece) or ("call", name, arguments piece); a call's
-    first delta carries its name, the next ones None. The pieces add up to exactly `read_answer`'s."""
+    """A streamed answer's token texts → deltas: ("reasoning", piece), ("text", piece) or ("call", name, arguments
+    piece); a call's first delta carries its name, the next ones None. The pieces add up to exactly
+    `read_answer`'s."""
 
-    def __init__(self, tool_mode: str | None) -> None:
-        self.reader = None if tool_mode is None else tools.ToolStream(auto=tool_mode == "auto")
+    def __init__(self, turn: ChatTurn) -> None:
+        self.native = None if turn.reader is None else turn.reader.stream()
+        self.tgi = None if turn.tool_mode is None else tools.ToolStream(auto=turn.tool_mode == "auto")
 
     def push(self, piece: str, final: bool) -> list[tuple]:
-        if self.reader is None:
-            return [("text", piece)] if piece else []
         out = []
-        for delta in self.reader.push(piece, final):
+        if self.native is not None:
+            for delta in self.native.push(piece, final):
+                if delta[0] == "call":
+                    out.append(("call", delta[1].name, delta[1].arguments))
+                elif delta[1]:
+                    out.append(("reasoning" if delta[0] == "reasoning" else "text", delta[1]))
+            return out
+        if self.tgi is None:
+            return [("text", piece)] if piece else []
+        for delta in self.tgi.push(piece, final):
             if delta[0] == "content":
                 if delta[1]:
                     out.append(("text", delta[1]))

@@ -24,10 +24,11 @@ from services.http.anthropic.schemas import (
     ErrorDetail,
     Message,
     TextBlock,
+    ThinkingBlock,
     ToolUseBlock,
     Usage,
 )
-from services.http.chat_path import Call
+from services.http.chat_path import Answer, Call
 from services.http.errors import Failure
 
 
@@ -58,15 +59,22 @@ def tool_input(call: Call) -> dict:
     return value
 
 
-def whole_content(text: str, calls: list[Call]) -> list[ContentBlock]:
-    """A non-streamed answer's blocks: its text (when it has one, or nothing else), then its tool_use blocks."""
-    blocks: list[ContentBlock] = [TextBlock(text)] if text or not calls else []
-    return blocks + [ToolUseBlock(new_id("toolu"), c.name, tool_input(c)) for c in calls]
+def whole_content(answer: Answer) -> list[ContentBlock]:
+    """A non-streamed answer's blocks: its thinking (when any), its text (when it has one, or no call), then its
+    tool_use blocks."""
+    blocks: list[ContentBlock] = [ThinkingBlock(answer.reasoning)] if answer.reasoning else []
+    if answer.text or not answer.calls:
+        blocks.append(TextBlock(answer.text))
+    return blocks + [ToolUseBlock(new_id("toolu"), c.name, tool_input(c)) for c in answer.calls]
 
 
 # ---- stream events ----------------------------------------------------------------------------
 class TextDelta(msgspec.Struct, tag_field="type", tag="text_delta"):
     text: str
+
+
+class ThinkingDelta(msgspec.Struct, tag_field="type", tag="thinking_delta"):
+    thinking: str
 
 
 class InputJsonDelta(msgspec.Struct, tag_field="type", tag="input_json_delta"):
@@ -88,7 +96,7 @@ class BlockStart(msgspec.Struct, tag_field="type", tag="content_block_start"):
 
 class BlockDelta(msgspec.Struct, tag_field="type", tag="content_block_delta"):
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | ThinkingDelta | InputJsonDelta
 
 
 class BlockStop(msgspec.Struct, tag_field="type", tag="content_block_stop"):
@@ -125,7 +133,8 @@ class EventStream:
         self.message = message  # content empty, stop_reason None
         self.stops = stops
         self.index = -1  # the open block's index
-        self.open: str | None = None  # "text" | "tool_use" | None
+        self.open: str | None = None  # "thinking" | "text" | "tool_use" | None
+        self.texts = False  # whether a text or tool_use block was sent
         self.called = False
 
     def start(self) -> list[bytes]:
@@ -133,6 +142,13 @@ class EventStream:
 
     def push(self, delta: tuple) -> list[bytes]:
         out: list[bytes] = []
+        if delta[0] == "reasoning":
+            if self.open != "thinking":
+                out += self._close()
+                out += self._open("thinking", ThinkingBlock(""))
+            out.append(event("content_block_delta", BlockDelta(self.index, ThinkingDelta(delta[1]))))
+            return out
+        self.texts = True
         if delta[0] == "text":
             if self.open != "text":
                 out += self._close()
@@ -161,7 +177,8 @@ class EventStream:
 
     def end(self, final: FinalInfo) -> list[bytes]:
         out = []
-        if self.index < 0:  # nothing was generated: one empty text block, as the non-streamed message has
+        if not self.texts:  # no answer: one empty text block, as the non-streamed message has
+            out += self._close()
             out += self._open("text", TextBlock(""))
         out += self._close()
         reason, sequence = stop_reason(final, self.called, self.stops)

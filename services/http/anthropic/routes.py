@@ -29,6 +29,7 @@ from services.http.chat_path import AnswerStream, chat_turn, read_answer
 from services.http.errors import Failure
 from services.http.generation import Permits, collect
 from services.http.lora import check_model
+from services.http.openai.answer import ChatFormat
 from services.http.responses import json_response, open_stream
 from services.http.tgi.schemas import parse_body
 from services.http.timing import Timing
@@ -58,6 +59,7 @@ class AnthropicRoutes:
         self.settings = settings
         self.ingress = ingress
         self.permits = permits
+        self.format = ChatFormat(settings)  # the template's tool-call and reasoning formats
 
     def install(self, app: web.Application) -> None:
         app.router.add_post("/v1/messages", self.messages)
@@ -65,7 +67,8 @@ class AnthropicRoutes:
 
     def _turn(self, request: web.Request, body: CountTokensRequest, mode: str = "generate"):
         check_model(body.model, self.settings)
-        return chat_turn(request, self.ingress.index, translate.chat_body(body), self.settings.model_id, mode)
+        chat = translate.chat_body(body)
+        return chat_turn(request, self.ingress.index, chat, self.settings.model_id, self.format, mode)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -81,11 +84,11 @@ class AnthropicRoutes:
             with self.permits.hold():
                 rows = await collect(self.ingress, turn.wire, Timing(start=time.monotonic()))
             final = rows[-1].final
-            text, calls = read_answer(final.generated_text, turn.tool_mode)
-            message.content = whole_content(text, calls)
+            answer = read_answer(final.generated_text, turn)
+            message.content = whole_content(answer)
         except Failure as e:
             return error_response(e)
-        message.stop_reason, message.stop_sequence = stop_reason(final, bool(calls), stops)
+        message.stop_reason, message.stop_sequence = stop_reason(final, bool(answer.calls), stops)
         message.usage = Usage(final.input_length, final.generated_tokens)
         return json_response(message)
 
@@ -93,7 +96,7 @@ class AnthropicRoutes:
         """The events as the tokens come; the stream opens with the first token, so errors found before it
         (template, tools, permits) are still an HTTP status."""
         http = None
-        answer = AnswerStream(turn.tool_mode)
+        answer = AnswerStream(turn)
         try:
             with self.permits.hold():
                 async with contextlib.aclosing(self.ingress.generate(turn.wire)) as rows:

@@ -43,7 +43,12 @@ class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use"):
     input: dict[str, Any]
 
 
-ContentBlock = TextBlock | ToolUseBlock
+class ThinkingBlock(msgspec.Struct, tag_field="type", tag="thinking"):
+    thinking: str
+    signature: str = ""  # no signature: the reasoning is the served model's own, sent back as it is
+
+
+ContentBlock = TextBlock | ToolUseBlock | ThinkingBlock
 
 
 class Usage(msgspec.Struct):

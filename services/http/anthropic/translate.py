@@ -167,6 +167,8 @@ def chat_body(body: CountTokensRequest) -> dict[str, Any]:
         "tool_prompt": body.tool_prompt,
         "chat_template_kwargs": _thinking(body.thinking),
     }
+    if body.tool_choice is not None and body.tool_choice.get("disable_parallel_tool_use"):
+        chat["parallel_tool_calls"] = False
     if isinstance(body, MessagesRequest):
         chat.update(
             max_tokens=body.max_tokens,

@@ -19,13 +19,15 @@ from typing import Any
 import msgspec
 
 from libs.protocol.messages import FinalInfo
-from services.http.chat_path import Call
+from services.http.chat_path import Answer
 from services.http.responses_api.schemas import (
     FunctionCall,
     IncompleteDetails,
     OutputItem,
     OutputMessage,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     Response,
     ResponseUsage,
 )
@@ -77,6 +79,24 @@ class TextDoneEvent(msgspec.Struct):
     sequence_number: int = 0
 
 
+class ReasoningDeltaEvent(msgspec.Struct):
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    type: str = "response.reasoning_text.delta"
+    sequence_number: int = 0
+
+
+class ReasoningDoneEvent(msgspec.Struct):
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    type: str = "response.reasoning_text.done"
+    sequence_number: int = 0
+
+
 class ArgumentsDeltaEvent(msgspec.Struct):
     item_id: str
     output_index: int
@@ -116,12 +136,15 @@ def finish(response: Response, final: FinalInfo) -> None:
         response.status = "completed"
 
 
-def whole_output(text: str, calls: list[Call]) -> list[OutputItem]:
-    """A non-streamed answer's items: its message (when it has text, or nothing else), then its calls."""
+def whole_output(answer: Answer) -> list[OutputItem]:
+    """A non-streamed answer's items: its reasoning (when any), its message (when it has text, or nothing else
+    but reasoning), then its calls."""
     items: list[OutputItem] = []
-    if text or not calls:
-        items.append(OutputMessage(new_id("msg"), [OutputText(text)]))
-    items += [FunctionCall(new_id("fc"), new_id("call"), c.name, c.arguments) for c in calls]
+    if answer.reasoning:
+        items.append(ReasoningItem(new_id("rs"), content=[ReasoningText(answer.reasoning)]))
+    if answer.text or not answer.calls:
+        items.append(OutputMessage(new_id("msg"), [OutputText(answer.text)]))
+    items += [FunctionCall(new_id("fc"), new_id("call"), c.name, c.arguments) for c in answer.calls]
     return items
 
 
@@ -131,7 +154,7 @@ class EventStream:
     def __init__(self, response: Response) -> None:
         self.response = response  # the snapshot: status in_progress, output filled as items complete
         self.seq = 0
-        self.open: OutputMessage | FunctionCall | None = None  # the item being streamed
+        self.open: OutputMessage | FunctionCall | ReasoningItem | None = None  # the item being streamed
 
     def _event(self, event) -> bytes:
         event.sequence_number = self.seq
@@ -150,6 +173,15 @@ class EventStream:
 
     def push(self, delta: tuple) -> list[bytes]:
         out: list[bytes] = []
+        if delta[0] == "reasoning":
+            if not isinstance(self.open, ReasoningItem):
+                out += self.close()
+                self.open = ReasoningItem(new_id("rs"), status="in_progress")
+                out.append(self._event(OutputItemEvent("response.output_item.added", self._index, self.open)))
+                self.open.content.append(ReasoningText(""))
+            self.open.content[0].text += delta[1]
+            out.append(self._event(ReasoningDeltaEvent(self.open.id, self._index, 0, delta[1])))
+            return out
         if delta[0] == "text":
             if not isinstance(self.open, OutputMessage):
                 out += self.close()
@@ -186,6 +218,8 @@ class EventStream:
             text = item.content[0].text
             out.append(self._event(TextDoneEvent(item.id, index, 0, text)))
             out.append(self._event(ContentPartEvent("response.content_part.done", item.id, index, 0, item.content[0])))
+        elif isinstance(item, ReasoningItem):
+            out.append(self._event(ReasoningDoneEvent(item.id, index, 0, item.content[0].text)))
         else:
             out.append(self._event(ArgumentsDoneEvent(item.id, index, item.name, item.arguments)))
         out.append(self._event(OutputItemEvent("response.output_item.done", index, item)))
@@ -196,7 +230,8 @@ class EventStream:
     def end(self, final: FinalInfo) -> list[bytes]:
         """The closing events: the open item's (an empty message when nothing was output), then the response's."""
         out = []
-        if self.open is None and not self.response.output:
+        if not any(isinstance(i, OutputMessage | FunctionCall) for i in [*self.response.output, self.open]):
+            out += self.close()
             out += self._open_message()
         out += self.close()
         finish(self.response, final)

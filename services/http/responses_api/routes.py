@@ -18,6 +18,7 @@ from services.http.chat_path import AnswerStream, chat_turn, read_answer
 from services.http.errors import Failure, OpenAIFailure, openai_error_response
 from services.http.generation import Permits, collect
 from services.http.lora import check_model
+from services.http.openai.answer import ChatFormat
 from services.http.responses import json_response, open_stream
 from services.http.responses_api import translate
 from services.http.responses_api.events import EventStream, finish, new_id, whole_output
@@ -56,6 +57,7 @@ class ResponsesRoutes:
         self.ingress = ingress
         self.permits = permits
         self.store = store or ResponseStore()
+        self.format = ChatFormat(settings)  # the template's tool-call and reasoning formats
 
     def install(self, app: web.Application) -> None:
         app.router.add_post("/v1/responses", self.create)
@@ -73,7 +75,7 @@ class ResponsesRoutes:
                     raise not_found(body.previous_response_id, "previous_response_id")
                 history = stored.conversation
             chat = translate.chat_body(body, history)
-            turn = chat_turn(request, self.ingress.index, chat, self.settings.model_id)
+            turn = chat_turn(request, self.ingress.index, chat, self.settings.model_id, self.format)
             conversation = history + translate.input_messages(body.input)
         except Failure as e:
             return error_response(e)
@@ -84,10 +86,10 @@ class ResponsesRoutes:
             with self.permits.hold():
                 rows = await collect(self.ingress, turn.wire, Timing(start=time.monotonic()))
             final = rows[-1].final
-            text, calls = read_answer(final.generated_text, turn.tool_mode)
+            answer = read_answer(final.generated_text, turn)
         except Failure as e:
             return error_response(e)
-        response.output = whole_output(text, calls)
+        response.output = whole_output(answer)
         finish(response, final)
         self._keep(body, response, conversation)
         return json_response(response)
@@ -124,7 +126,7 @@ class ResponsesRoutes:
         (template, tools, permits) are still an HTTP status."""
         http = None
         events = EventStream(response)
-        answer = AnswerStream(turn.tool_mode)
+        answer = AnswerStream(turn)
         try:
             with self.permits.hold():
                 async with contextlib.aclosing(self.ingress.generate(turn.wire)) as rows:

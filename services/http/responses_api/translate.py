@@ -165,5 +165,6 @@ def chat_body(body: ResponsesRequest, history: list[dict]) -> dict[str, Any]:
         "tool_choice": chat_tool_choice(body.tool_choice),
         "tool_prompt": body.tool_prompt,
         "response_format": response_format(body),
+        "parallel_tool_calls": body.parallel_tool_calls,
     }
     return {k: v for k, v in chat.items() if v is not None}
