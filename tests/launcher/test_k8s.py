@@ -40,7 +40,8 @@ def env_of(docs, container: dict) -> dict[str, object]:
     """The container's environment: its ConfigMaps, then its own env (which wins, as in Kubernetes)."""
     env = {}
     for src in container.get("envFrom", []):
-        env.update(find(docs, "ConfigMap", src["configMapRef"]["name"])["data"])
+        if "configMapRef" in src:  # a Secret is made out of band (deploy/k8s/kustomization.yaml)
+            env.update(find(docs, "ConfigMap", src["configMapRef"]["name"])["data"])
     for e in container.get("env", []):
         env[e["name"]] = e.get("value", e.get("valueFrom"))
     return env
@@ -107,3 +108,21 @@ def test_the_bus_addresses_agree(docs):
             assert buses["scheduler"].replica(r, name) == f"tcp://0.0.0.0:{port}"
             assert buses["shard"].replica(r, name) == f"tcp://127.0.0.1:{port}"
             assert int(port) in declared
+
+
+def test_the_bus_is_curve_with_the_allowed_client_keys_mounted_from_a_secret(docs):
+    """Every service refuses a plaintext tcp bus: each container takes the deployment's key from the Secret
+    `switchyard-bus`; the binders (router, scheduler) read the client keys they let in from the Secret
+    `switchyard-bus-clients`, mounted where SWITCHYARD_CURVE_ALLOWED_KEYS points."""
+    for role, (c, workload) in containers(docs).items():
+        assert {"secretRef": {"name": "switchyard-bus"}} in c["envFrom"], role
+        env = env_of(docs, c)
+        assert "SWITCHYARD_BUS_INSECURE" not in env
+        if role in ("router", "scheduler"):
+            path = env["SWITCHYARD_CURVE_ALLOWED_KEYS"]
+            [mount] = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+            assert mount["readOnly"]
+            [volume] = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+            assert volume["secret"]["secretName"] == "switchyard-bus-clients"
+        else:
+            assert "SWITCHYARD_CURVE_ALLOWED_KEYS" not in env
