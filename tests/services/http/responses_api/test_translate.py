@@ -1,0 +1,97 @@
+"""Responses requests → the chat body: an agent's items become the chat messages a template reads."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from services.http.errors import OpenAIFailure
+from services.http.responses_api import translate
+from services.http.responses_api.schemas import FunctionCall, OutputMessage, OutputText, ResponsesRequest
+
+
+def body(**fields) -> ResponsesRequest:
+    return msgspec.convert(fields, ResponsesRequest)
+
+
+def test_agent_items_become_chat_messages():
+    items = [
+        {"role": "developer", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [{"type": "input_text", "text": "weather in "}, {"type": "input_text", "text": "Oslo"}],
+        },
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "noon"}]},
+    ]
+    tools = [{"type": "function", "name": "get_weather", "description": "d", "parameters": {"type": "object"}}]
+    chat = translate.chat_body(
+        body(input=items, instructions="sys", tools=tools, tool_choice={"type": "function", "name": "get_weather"},
+             max_output_tokens=5, text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}}),
+        [],
+    )  # fmt: skip
+    assert chat["messages"] == [
+        {"role": "system", "content": "sys"},
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "weather in Oslo"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
+                {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny", "name": "get_weather"},
+        {"role": "tool", "tool_call_id": "c2", "content": "noon", "name": "get_time"},
+    ]
+    assert chat["tools"] == [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}, "description": "d"}}
+    ]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["max_tokens"] == 5
+    assert chat["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "w", "schema": {"type": "object"}, "strict": None},
+    }
+
+
+def test_output_continues_the_conversation():
+    output = [
+        OutputMessage("msg_1", [OutputText("let me check")]),
+        FunctionCall("fc_1", "call_1", "get_weather", '{"city":"Oslo"}'),
+    ]
+    assert translate.output_messages(output) == [
+        {"role": "assistant", "content": "let me check"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'},
+                }
+            ],
+        },
+    ]
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+        ({"input": "x", "tools": [{"type": "file_search"}]}, "tools[0].type"),
+        ({"input": "x", "tool_choice": {"type": "mcp"}}, "tool_choice"),
+        ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type"),
+        ({"input": []}, "input"),
+    ],
+)
+def test_refusals_name_the_param(fields, param):
+    with pytest.raises(OpenAIFailure) as e:
+        translate.chat_body(body(**fields), [])
+    assert e.value.status == 400 and e.value.param == param and e.value.kind == "invalid_request_error"
