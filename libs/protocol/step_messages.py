@@ -118,6 +118,7 @@ class StepResult(Message, tag="result", kw_only=True):
     prompt_logprobs: Any = None
     prompt_greedy_ids: Any = None
     prompt_greedy_logprobs: Any = None
+    encode_s: float = 0.0  # of forward_s: seconds in the vision encoder (a step that encoded images)
 
     def check(self) -> None:
         counts = () if self.token_counts is None else self.token_counts

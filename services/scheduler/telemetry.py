@@ -107,6 +107,8 @@ class StepObserver:
             m.batch_inference_failure.labels(method=method).inc()
         else:
             m.batch_forward_duration.labels(method=method).observe(result.forward_s)
+            if result.encode_s:
+                m.image_encode_duration.observe(result.encode_s)
 
     def applied(self, step: int) -> None:
         """The sampled tokens are taken in (stops, bookkeeping): the scheduler's side of sampling; the step

@@ -81,3 +81,5 @@ def test_bad_images_get_4xx_and_the_server_keeps_serving(server):
     metrics = requests.get(server.url + "/metrics", timeout=10).text
     assert "switchyard_image_preprocess_seconds_count" in metrics
     assert "switchyard_request_images_bucket" in metrics
+    encoded = [line for line in metrics.splitlines() if line.startswith("switchyard_image_encode_seconds_count")]
+    assert encoded and float(encoded[0].split()[-1]) >= 1  # the shard's encoder time, observed by the scheduler
