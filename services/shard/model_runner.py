@@ -200,8 +200,11 @@ class ModelRunner:
             self._seq(seq).blocks.extend(int(b) for b in blocks)
 
         result = StepResult(step=plan.step, **_empty_rows())
+        encoded = self.vision.encoder.seconds if self.vision is not None else 0.0
         if fed:
             self._step(plan, result)
+        if self.vision is not None:
+            result.encode_s = self.vision.encoder.seconds - encoded
         for seq in plan.finished:
             if seq in fed:
                 self._drop(seq)
