@@ -17,6 +17,7 @@ from services.http.openai import requests as oa
 from services.http.openai import responses as oar
 from services.http.openai.requests import REF
 from services.http.tgi import schemas as tgi
+from services.http.tgi import vertex
 
 TYPES = (
     tgi.GenerateRequest,
@@ -37,6 +38,11 @@ TYPES = (
     oar.Completion,
     oar.CompletionChunk,
     oar.ChatTokenizeResponse,
+    vertex.VertexRequest,
+    vertex.VertexInstance,  # of VertexRequest.instances, beside ChatRequest
+    vertex.VertexResponse,
+    vertex.DetokenizeRequest,
+    vertex.DetokenizeResponse,
     errors.ErrorResponse,
     errors.OpenAIStreamError,
 )
@@ -166,6 +172,24 @@ def _paths() -> dict:
                 _json("Tokens", {"type": "array", "items": _ref("SimpleToken")}),
                 "GenerateRequest",
                 {**BODY_ERRORS, "503": ERRORS["503"]},
+            )
+        },
+        "/detokenize": {
+            "post": _op(
+                "detokenize",
+                "vLLM's: the text of token ids",
+                _json("The text", _ref("DetokenizeResponse")),
+                "DetokenizeRequest",
+                {**BODY_ERRORS, "503": ERRORS["503"]},
+            )
+        },
+        "/vertex": {
+            "post": _op(
+                "vertex_compatibility",
+                "Vertex AI: every instance generated at once (only max_new_tokens and seed of `parameters` are read)",
+                _json("One generated text per instance", _ref("VertexResponse")),
+                "VertexRequest",
+                ERRORS,
             )
         },
         "/chat_tokenize": {

@@ -66,6 +66,8 @@ class Processor:
         try:
             if req.mode == "tokenize":
                 return self._tokenize(req)
+            if req.mode == "detokenize":
+                return self._detokenize(req)
             return self._generate(req)
         except (validation.ValidationError, TemplateError) as e:
             return RequestError(request_id=req.request_id, message=e.full_message, error_type=e.error_type)
@@ -130,6 +132,15 @@ class Processor:
             ids=np.asarray(encoding.ids, dtype=np.int32),
             starts=np.ascontiguousarray(offsets[:, 0]),
             stops=np.ascontiguousarray(offsets[:, 1]),
+        )
+
+    def _detokenize(self, req: GenerateRequest) -> TokenizeResult:
+        """vLLM's /detokenize: the text of `prompt_ids` (special tokens included, as vLLM decodes them)."""
+        ids = self._prompt_ids(req.prompt_ids) if req.prompt_ids else []
+        none = np.zeros(len(ids), dtype=np.uint32)  # no offsets: the text is the tokens'
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return TokenizeResult(
+            request_id=req.request_id, text=text, ids=np.asarray(ids, dtype=np.int32), starts=none, stops=none
         )
 
     def _generate(self, req: GenerateRequest) -> TokenizedRequest:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
 import uuid
@@ -24,6 +25,7 @@ from services.http.openai.routes import OpenAIRoutes
 from services.http.responses import json_response, open_stream, sse
 from services.http.sse_writer import StepWriter
 from services.http.tgi import schemas as tgi
+from services.http.tgi import vertex
 from services.http.timing import Timing, timing_headers
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -68,6 +70,8 @@ class Routes:
         app.router.add_post("/", self.compat)
         app.router.add_post("/invocations", self.invocations)
         app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", functools.partial(vertex.detokenize, self))  # vLLM's
+        app.router.add_post("/vertex", functools.partial(vertex.vertex, self))
         app.router.add_get("/health", self.health)
         app.router.add_get("/", self.health)
         app.router.add_get("/ping", self.health)
