@@ -44,6 +44,7 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     documents: list[dict[str, Any]] | None = None  # for templates that take documents (RAG), as sent
     parallel_tool_calls: bool = True  # in the model's own format: several calls in one turn, or one
+    thinking_budget: int | None = None  # the most tokens of reasoning before its end marker is forced
     traceparent: str | None = None  # W3C trace context of the http span, continued by each hop
     prompt_ids: list[int] | None = None  # a prompt given as token ids (OpenAI completions): used as is, not `inputs`
     # the `n` choices of one OpenAI request share this id: one replica prefills their prompt once ("": alone)

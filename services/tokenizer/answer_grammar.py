@@ -3,11 +3,14 @@
 Where the template has a known tool-call format (services.http.tool_parsers.native_parser), tools are not TGI's
 `{"function": {"_name": …}}` but the format's own calls: `tool_plan` resolves tool_choice (`none`: the template
 still sees the tools, nothing is constrained; `auto`: free text, and from the format's trigger on a valid call;
-`required` / a named function: only calls) into a Lark grammar whose JSON has fixed separators.
+`required` / a named function: only calls) into a Lark grammar whose JSON has fixed separators. `budget_lark`
+bounds the reasoning a prompt leaves open (a thinking budget) in front of the answer's grammar.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from llguidance import LLMatcher
@@ -59,6 +62,26 @@ def tool_plan(
     lark = parser.grammar(functions, mode, parallel and choice in ("auto", "required"), specials or {})
     kind = "tools_auto" if mode == "auto" else "tools"
     return ToolPlan(list(tools), kind, None, lark)
+
+
+_START = re.compile(r"^start(\[[^\]]*\])?:", re.MULTILINE)
+
+
+def budget_lark(end: str, budget: int, answer: str | None = None) -> str:
+    """A thinking budget, for a prompt that leaves reasoning open: at most `budget` tokens of reasoning (text
+    without `end`), then `end` (at the budget the grammar allows nothing else, so the server writes it), then the
+    answer: free text, or `answer`'s Lark rules (a tool grammar) whose `start` becomes the answer's."""
+    if answer is None:
+        rules = ["sy_answer: /(?s:.*)/"]
+    else:
+        rules = [_START.sub(r"sy_answer\1:", answer)]
+    escaped = re.escape(end).replace("/", "\\/")
+    rules += [
+        f"start: sy_think {json.dumps(end)} sy_answer",
+        f"sy_think[max_tokens={int(budget)}]: SY_THINK",
+        f"SY_THINK: /(?s:.*)/ & ~/(?s:.*){escaped}(?s:.*)/",
+    ]
+    return "\n".join(rules) + "\n"
 
 
 def compiled(lark: str) -> str:

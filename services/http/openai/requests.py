@@ -123,6 +123,8 @@ class ChatRequest(msgspec.Struct):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # for templates that take them (RAG)
     parallel_tool_calls: bool | None = None  # false: at most one call (the model's own format)
+    thinking_token_budget: int | None = None  # vLLM's: the most tokens of reasoning (see `thinking_budget`)
+    reasoning_effort: str | None = None  # OpenAI's: low / medium / high, mapped to budgets (REASONING_EFFORT)
     # not TGI's (ignored, as TGI does); only the `text-generation` client sends this key, see `sends_done`
     repetition_penalty: float | None | msgspec.UnsetType = msgspec.UNSET
     # vLLM's sampling extras (not TGI's); as on CompletionRequest
@@ -341,3 +343,20 @@ def completion_details(body: CompletionRequest) -> bool:
     if not body.echo or body.stream:
         return False
     return body.logprobs is not None or any(not isinstance(p, str) for p in body.prompts)
+
+
+# OpenAI's reasoning_effort as thinking budgets (tokens of reasoning before the server writes its end marker)
+REASONING_EFFORT = {"minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
+
+
+def thinking_budget(body: ChatRequest) -> int | None:
+    """The request's thinking budget: `thinking_token_budget`, else `reasoning_effort`'s; ValueError when bad."""
+    if body.thinking_token_budget is not None:
+        if body.thinking_token_budget < 1:
+            raise ValueError("`thinking_token_budget` must be at least 1")
+        return body.thinking_token_budget
+    if body.reasoning_effort is None:
+        return None
+    if body.reasoning_effort not in REASONING_EFFORT:
+        raise ValueError(f"`reasoning_effort` must be one of {', '.join(REASONING_EFFORT)}")
+    return REASONING_EFFORT[body.reasoning_effort]

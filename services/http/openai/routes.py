@@ -84,6 +84,13 @@ def _answer_chunks(env: oar.Envelope, stream: AnswerStream, row, logprobs: bool,
     return chunks
 
 
+def _budget(body: oa.ChatRequest) -> int | None:
+    try:
+        return oa.thinking_budget(body)
+    except ValueError as e:
+        raise OpenAIFailure(str(e), 422, kind="invalid_request_error", code="invalid_value") from None
+
+
 def _chat_error(e: Failure, tool_mode) -> web.Response:
     """A chat served in the model's own format answers its refusals in OpenAI's error shape (its SDK reads the
     message there); TGI's way keeps TGI's body."""
@@ -129,6 +136,7 @@ class OpenAIRoutes:
             chat_template_kwargs=body.chat_template_kwargs,
             documents=body.documents,
             parallel_tool_calls=body.parallel_tool_calls is not False,
+            thinking_budget=_budget(body),
         )
         # how the answer is read: the model's own format (an AnswerReader), else TGI's tool mode (None: text)
         reader = self.format.reader(body.tools, tool_choice, body.tool_prompt, body.chat_template_kwargs)

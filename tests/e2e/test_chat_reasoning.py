@@ -1,0 +1,56 @@
+"""Reasoning apart, end to end with the openai SDK: a tiny model served with a DeepSeek-R1-style template (its
+generation prompt opens `<think>`): the answer comes back as reasoning_content / reasoning, streamed alike, and a
+thinking budget makes the server write `</think>` itself so that an answer follows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.e2e.server import Server
+
+pytestmark = pytest.mark.e2e
+
+TEMPLATE = Path(__file__).parents[1] / "data" / "chat_templates" / "deepseek_r1.jinja"
+ASK = [{"role": "user", "content": "Why is the sky blue?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "reasoning.log"
+    s = Server(tiny_model_dir, log, "--max-total-tokens", "512", "--chat-template", str(TEMPLATE))
+    try:
+        s.wait_healthy()
+        yield OpenAI(base_url=s.url + "/v1", api_key="-")
+    finally:
+        s.stop()
+
+
+def _streamed(client, **kw) -> tuple[str, str]:
+    reasoning = content = ""
+    for chunk in client.chat.completions.create(model="tgi", messages=ASK, stream=True, **kw):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            content += delta.content or ""
+    return reasoning, content
+
+
+def test_reasoning_apart_and_a_thinking_budget(client):
+    # no budget: a random model never closes its reasoning, so all of it is reasoning
+    free = client.chat.completions.create(model="tgi", messages=ASK, max_tokens=12, temperature=0).choices[0]
+    assert free.message.reasoning_content and free.message.content == ""
+    assert free.message.model_extra["reasoning"] == free.message.reasoning_content
+    assert _streamed(client, max_tokens=12, temperature=0) == (free.message.reasoning_content, "")
+    # a budget of 3 tokens: the server writes `</think>` and the answer follows
+    kw = dict(max_tokens=24, temperature=0, extra_body={"thinking_token_budget": 3})
+    budgeted = client.chat.completions.create(model="tgi", messages=ASK, **kw).choices[0]
+    assert budgeted.message.reasoning_content is not None
+    assert budgeted.message.content, "no answer after the reasoning: the end marker was not forced"
+    assert len(budgeted.message.reasoning_content) < len(free.message.reasoning_content)
+    assert _streamed(client, **kw) == (budgeted.message.reasoning_content, budgeted.message.content)
+    with pytest.raises(openai.UnprocessableEntityError, match="reasoning_effort"):
+        client.chat.completions.create(model="tgi", messages=ASK, max_tokens=4, reasoning_effort="enormous")
