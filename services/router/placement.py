@@ -37,7 +37,12 @@ class Placement:
             self._since_hb[hb.index] = 0
 
     def choose_replica(
-        self, input_ids: np.ndarray, schedulers: list[Heartbeat], adapter: str | None = None, group: str = ""
+        self,
+        input_ids: np.ndarray,
+        schedulers: list[Heartbeat],
+        adapter: str | None = None,
+        group: str = "",
+        images=(),
     ) -> int:
         """The replica for a prompt, among the ready schedulers; the siblings of a `group` all go where the first
         went while it is alive (their scheduler shares the prompt's KV blocks among them).
@@ -55,7 +60,8 @@ class Placement:
         if group and self.groups.get(group) in load:
             self._since_hb[self.groups[group]] += 1
             return self.groups[group]
-        hashes = prefix_hashes(input_ids, BLOCK_SIZE, adapter)  # a LoRA adapter's KV is its own
+        # a LoRA adapter's KV is its own; an image's placeholder blocks are keyed by the image (prefix_hash.py)
+        hashes = prefix_hashes(input_ids, BLOCK_SIZE, adapter, images)
         chosen = least
         for h in reversed(hashes):  # the longest prefix some live replica holds
             r = self.owner.get(h)

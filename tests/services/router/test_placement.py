@@ -61,3 +61,16 @@ def test_siblings_of_a_group_follow_the_first_whatever_the_load():
     assert [p.choose_replica(short, busy, group="g") for _ in range(3)] == [1, 1, 1]
     assert p.choose_replica(short, busy) == 0  # the same prompt alone goes by load
     assert p.choose_replica(short, [sched(0)], group="g") == 0  # its replica gone: placed anew
+
+
+def test_image_blocks_have_affinity_by_the_image():
+    from libs.protocol.messages import ImageInput
+
+    p = Placement(2, slack=4)
+    ids = prompt(4, 64)  # the same ids: the placeholders of two different images
+    cat = [ImageInput(digest="11" * 16, start=0, tokens=64, shape=[3, 2, 2])]
+    dog = [ImageInput(digest="22" * 16, start=0, tokens=64, shape=[3, 2, 2])]
+    assert p.choose_replica(ids, [sched(0, queue=1), sched(1)], images=cat) == 1
+    # the same image: its blocks live on replica 1; another image behind the same ids: no affinity, load wins
+    assert p.choose_replica(ids, [sched(0), sched(1, queue=3)], images=cat) == 1
+    assert p.choose_replica(ids, [sched(0), sched(1, queue=3)], images=dog) == 0
