@@ -122,7 +122,7 @@ class Router:
             detokenizer = self.placement.choose_detokenizer(detokenizers)
             if detokenizer is None:
                 return self._fail(req, "No detokenizer is available")
-            replica = self.placement.choose_replica(req.input_ids, schedulers, req.adapter, req.group)
+            replica = self.placement.choose_replica(req.input_ids, schedulers, req.adapter, req.group, req.images)
             self._placed_ids[req.request_id] = (replica, detokenizer)
             if len(self._placed_ids) > 100_000:
                 self._placed_ids.popitem(last=False)
