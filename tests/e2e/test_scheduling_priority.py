@@ -15,14 +15,15 @@ from tests.e2e.server import Server
 
 pytestmark = pytest.mark.e2e
 
-LONG = 400  # tokens per low-priority answer: long enough for a queue to be seen between heartbeats
+LONG = 1000  # tokens per low-priority answer: long enough for a queue to be seen between heartbeats, and for
+# a short request to end well before the one it preempted
 PREEMPTIONS = "switchyard_scheduler_priority_preemptions_total"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "priority-server.log"
-    flags = ["--max-total-tokens", "512", "--max-input-tokens", "64", "--max-batch-size", "1"]
+    flags = ["--max-total-tokens", "2048", "--max-input-tokens", "64", "--max-batch-size", "1"]
     server = Server(tiny_model_dir, log, *flags, "--scheduling-policy", "priority")
     try:
         server.wait_healthy()
@@ -85,7 +86,7 @@ def test_gateway_metrics_move_with_load(server):
     assert idle["vllm:num_requests_waiting"] == 0 and idle["vllm:kv_cache_usage_perc"] == 0
     bg = Background(server.url)
     for i in range(3):
-        bg.send(f"r{i}", f"load {i}", LONG)
+        bg.send(f"r{i}", f"load {i}", LONG // 2)
     busy = poll(server.url, lambda m: m["vllm:num_requests_running"] == 1 and m["vllm:num_requests_waiting"] >= 1)
     assert 0 < busy["vllm:kv_cache_usage_perc"] <= 1  # the running request holds KV blocks
     bg.join()
