@@ -4,7 +4,9 @@ Pure bookkeeping, no sockets (the loop in `__main__` does IO), so it is tested o
 chunking path plus what TGI lacks: FIFO admission once a request's next chunk fits in the free KV blocks; chunked
 prefill in the same forward as the running decodes, capped while any sequence decodes (prefill_pacing.py) and
 closed to further prompts at `prefill_saturation_tokens`; prefix caching of full blocks by chain hashes;
-preemption by recompute of the newest running sequence, with nothing streamed twice. docs/scheduling.md tells why.
+preemption by recompute of the newest running sequence (under --scheduling-policy priority the lowest-ranked, and a
+waiting request that outranks a full batch preempts it: priority.py), with nothing streamed twice.
+docs/scheduling.md tells why.
 """
 
 from __future__ import annotations
