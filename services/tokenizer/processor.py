@@ -21,9 +21,10 @@ from libs.protocol.lora import KnownAdapters
 from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest, TokenizeResult
 from libs.runtime import metrics, model_store
 from libs.runtime.settings import Settings
+from services.http import reasoning
 from services.http.tool_parsers import ToolParser, native_parser
 from services.tokenizer import validation
-from services.tokenizer.answer_grammar import compiled, tool_plan
+from services.tokenizer.answer_grammar import budget_lark, compiled, tool_plan
 from services.tokenizer.chat_template import ChatTemplates, TemplateError
 from services.tokenizer.grammar import Checked, GrammarCompiler, GrammarLimits, ToolError, ToolPlan, tool_grammar
 from services.tokenizer.images.decode import ImageError
@@ -38,6 +39,7 @@ class Processor:
         self.adapters = KnownAdapters()  # the schedulers' announcements replace the start-up list of LoRA adapters
         self.tokenizer = tokenizer
         self.templates = templates
+        self.reasoning = reasoning.choose(templates.source(tools=False), settings.reasoning_parser)
         self.limits = GrammarLimits(
             max_bytes=settings.grammar_max_bytes,
             max_depth=settings.grammar_max_depth,
@@ -176,7 +178,8 @@ class Processor:
             max_total_tokens=s.max_total_tokens,
             eos_ids=self.eos_ids,
         )
-        checked = self._grammar(p.grammar, plan)  # TGI checks the grammar last
+        # TGI checks the grammar last; a thinking budget's grammar holds the answer's (tools) behind the reasoning
+        checked = self._budget(req, text, plan) or self._grammar(p.grammar, plan)
         return TokenizedRequest(
             request_id=req.request_id,
             ingress=req.ingress,
@@ -224,6 +227,17 @@ class Processor:
                 f"token id {bad[0]} in `prompt` is out of the vocabulary (ids must be >= 0 and < {vocab})"
             )
         return list(ids)
+
+    def _budget(self, req: GenerateRequest, text: str, plan: ToolPlan) -> Checked | None:
+        """A thinking budget's grammar, where the rendered prompt leaves reasoning open (not with a
+        response_format: that constrains the whole answer)."""
+        if req.thinking_budget is None or req.messages is None or req.parameters.grammar is not None:
+            return None
+        if self.reasoning is None or not self.reasoning.opened_in(text):
+            return None
+        return self.grammars.compile(
+            "reasoning", compiled(budget_lark(self.reasoning.end, req.thinking_budget, plan.lark))
+        )
 
     def _grammar(self, grammar, plan: ToolPlan) -> Checked | None:
         """The request's grammar, checked and compiled (ValidationError / ToolError with TGI's messages)."""
