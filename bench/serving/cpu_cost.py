@@ -4,6 +4,10 @@ processes (shard, http, scheduler, …) and a peer's alike."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+
 from bench.serving.pipeline import cpu_and_switches, process_tree
 
 
@@ -38,3 +42,16 @@ def per_1k_tokens(cpu_s: dict[str, float], tokens: int) -> dict[str, float]:
 
 def describe(per_1k: dict[str, float]) -> str:
     return ", ".join(f"{role} {v:.2f}" for role, v in per_1k.items())
+
+
+@contextlib.contextmanager
+def busy(n: int):
+    """`n` processes spinning for the duration (`switchyard bench --busy N`): another program on the same cores,
+    as a benchmark client is."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()

@@ -59,6 +59,13 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="auto", help="auto (what `switchyard serve` picks on this CPU), float32, "
                    "bfloat16: the same for Switchyard, its limit and the peers")  # fmt: skip
     p.add_argument("--out", help="output folder (default .bench/<time>)")
+    p.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="processes spinning beside the server while it is measured, "
+        "as a benchmark client on the same cores (bench/serving/cpu_cost.py's contention)",
+    )
     p.add_argument("--serve-flag", action="append", default=[], help="an extra `switchyard serve` flag (repeat)")
     p.add_argument("--workload", default="chat", choices=["chat", *WORKLOADS],
                    help="chat: fixed + mixed requests, with the limit and the peers; the others measure one feature "
@@ -224,10 +231,11 @@ def run(args) -> int:
             _say(f"  limit          batch {c:<4} {r['tok_s']:8.1f} tok/s  decode step {r['decode_step_ms']:.1f} ms")
             results["limit"].append(r)
             report.write(results, out)  # after every phase: a run cut short keeps what it measured
-    if args.url:
-        results["runs"] += _engine_runs(args.url, loadgen.Dialect("tgi"), "switchyard", levels, mixed, warm)
-    else:
-        results["runs"] += _switchyard(view, out, levels, mixed, warm, ["--dtype", args.dtype, *args.serve_flag])
+    with cpu_cost.busy(args.busy):
+        if args.url:
+            results["runs"] += _engine_runs(args.url, loadgen.Dialect("tgi"), "switchyard", levels, mixed, warm)
+        else:
+            results["runs"] += _switchyard(view, out, levels, mixed, warm, ["--dtype", args.dtype, *args.serve_flag])
     report.write(results, out)
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     if "vllm" in peers:
@@ -238,7 +246,8 @@ def run(args) -> int:
         else:
             results["machine"]["vllm_torch"] = servers.vllm_version()
             try:
-                results["runs"] += _vllm(view, out, levels, mixed, warm, args)
+                with cpu_cost.busy(args.busy):
+                    results["runs"] += _vllm(view, out, levels, mixed, warm, args)
             except (RuntimeError, TimeoutError) as e:
                 log = (out / "vllm.log").read_text(errors="replace").splitlines()
                 cause = next((ln.split("] ", 1)[-1] for ln in reversed(log) if "RuntimeError:" in ln), "")
