@@ -12,10 +12,13 @@ import msgspec
 
 from libs.runtime.settings import Settings
 from services.http import errors
+from services.http.anthropic import schemas as anthropic
 from services.http.middleware import PROTECTED
 from services.http.openai import requests as oa
 from services.http.openai import responses as oar
 from services.http.openai.requests import REF
+from services.http.responses_api import events as responses_events
+from services.http.responses_api import schemas as responses
 from services.http.tgi import schemas as tgi
 from services.http.tgi import vertex
 
@@ -45,6 +48,25 @@ TYPES = (
     vertex.DetokenizeResponse,
     errors.ErrorResponse,
     errors.OpenAIStreamError,
+    responses.ResponsesRequest,
+    responses.Response,
+    responses.DeletedResponse,
+    responses.OpenAIError,
+    responses_events.ResponseEvent,  # the stream's events
+    responses_events.OutputItemEvent,
+    responses_events.ContentPartEvent,
+    responses_events.TextDeltaEvent,
+    responses_events.TextDoneEvent,
+    responses_events.ReasoningDeltaEvent,
+    responses_events.ReasoningDoneEvent,
+    responses_events.ArgumentsDeltaEvent,
+    responses_events.ArgumentsDoneEvent,
+    responses_events.ErrorEvent,
+    anthropic.MessagesRequest,
+    anthropic.CountTokensRequest,
+    anthropic.Message,
+    anthropic.TokensCount,
+    anthropic.ErrorBody,
 )
 
 
@@ -219,6 +241,8 @@ def _paths() -> dict:
                 ERRORS,
             )
         },
+        **_responses_paths(),
+        **_anthropic_paths(),
         "/health": health,
         "/ping": {"get": {**health["get"], "operationId": "ping"}},
         "/info": {"get": _op("get_model_info", "Model and server limits", _json("Info", _ref("Info")))},
@@ -242,6 +266,79 @@ def _paths() -> dict:
             "get": _op("openapi", "This document", _json("OpenAPI 3.1", {"type": "object"})),
         },
     }
+
+
+def _responses_paths() -> dict:
+    """OpenAI's Responses API (services.http.responses_api): errors in OpenAI's shape."""
+    error = {"application/json": {"schema": _ref("OpenAIError")}}
+    errors = {
+        s: {"description": d, "content": error}
+        for s, d in (
+            ("400", "Invalid request"),
+            ("404", "Unknown model or response id"),
+            ("422", "Input validation error"),
+            ("429", "Model is overloaded"),
+            ("503", "No tokenizer is available"),
+        )
+    }
+    events = {
+        "anyOf": [
+            _ref(n)
+            for n in (
+                "ResponseEvent",
+                "OutputItemEvent",
+                "ContentPartEvent",
+                "TextDeltaEvent",
+                "TextDoneEvent",
+                "ReasoningDeltaEvent",
+                "ReasoningDoneEvent",
+                "ArgumentsDeltaEvent",
+                "ArgumentsDoneEvent",
+                "ErrorEvent",
+            )
+        ]
+    }
+    path = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    found = {"404": errors["404"]}
+    return {
+        "/v1/responses": {"post": _op("create_response", "OpenAI's Responses API",
+                                      _both("A response, or its events", _ref("Response"), events),
+                                      "ResponsesRequest", errors)},
+        "/v1/responses/{response_id}": {
+            "get": {**_op("get_response", "A stored response", _json("The response", _ref("Response")),
+                          errors=found), "parameters": path},
+            "delete": {**_op("delete_response", "Forget a stored response",
+                             _json("Deleted", _ref("DeletedResponse")), errors=found), "parameters": path},
+        },
+    }  # fmt: skip
+
+
+def _anthropic_paths() -> dict:
+    """Anthropic's Messages API (services.http.anthropic): errors in Anthropic's shape."""
+    error = {"application/json": {"schema": _ref("ErrorBody")}}
+    errors = {
+        s: {"description": d, "content": error}
+        for s, d in (
+            ("400", "Invalid request"),
+            ("404", "Unknown model"),
+            ("422", "Input validation error"),
+            ("429", "Model is overloaded"),
+            ("503", "No tokenizer is available"),
+        )
+    }
+    events = {
+        "type": "object",
+        "description": "message_start, ping, content_block_start / _delta / _stop, "
+        "message_delta, message_stop, error (Anthropic's stream events)",
+    }
+    return {
+        "/v1/messages": {"post": _op("create_message", "Anthropic's Messages API",
+                                     _both("A message, or its events", _ref("Message"), events),
+                                     "MessagesRequest", errors)},
+        "/v1/messages/count_tokens": {"post": _op("count_message_tokens", "The prompt's token count",
+                                                  _json("The count", _ref("TokensCount")), "CountTokensRequest",
+                                                  errors)},
+    }  # fmt: skip
 
 
 def _lora_paths() -> dict:

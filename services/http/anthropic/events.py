@@ -23,10 +23,10 @@ from services.http.anthropic.schemas import (
     ErrorBody,
     ErrorDetail,
     Message,
+    MessageUsage,
     TextBlock,
     ThinkingBlock,
     ToolUseBlock,
-    Usage,
 )
 from services.http.chat_path import Answer, Call
 from services.http.errors import Failure
@@ -189,7 +189,7 @@ class EventStream:
 
 
 def new_message(model: str) -> Message:
-    return Message(id=new_id("msg"), model=model, content=[], stop_reason=None, usage=Usage(0, 0))
+    return Message(id=new_id("msg"), model=model, content=[], stop_reason=None, usage=MessageUsage(0, 0))
 
 
 def error_event(kind: str, message: str) -> bytes:

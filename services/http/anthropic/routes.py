@@ -22,8 +22,8 @@ from services.http.anthropic.schemas import (
     ErrorBody,
     ErrorDetail,
     MessagesRequest,
+    MessageUsage,
     TokensCount,
-    Usage,
 )
 from services.http.chat_path import AnswerStream, chat_turn, read_answer
 from services.http.errors import Failure
@@ -89,7 +89,7 @@ class AnthropicRoutes:
         except Failure as e:
             return error_response(e)
         message.stop_reason, message.stop_sequence = stop_reason(final, bool(answer.calls), stops)
-        message.usage = Usage(final.input_length, final.generated_tokens)
+        message.usage = MessageUsage(final.input_length, final.generated_tokens)
         return json_response(message)
 
     async def _stream(self, request, turn, events: EventStream) -> web.StreamResponse:

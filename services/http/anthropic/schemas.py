@@ -51,7 +51,7 @@ class ThinkingBlock(msgspec.Struct, tag_field="type", tag="thinking"):
 ContentBlock = TextBlock | ToolUseBlock | ThinkingBlock
 
 
-class Usage(msgspec.Struct):
+class MessageUsage(msgspec.Struct):
     input_tokens: int
     output_tokens: int
     cache_creation_input_tokens: int = 0
@@ -66,7 +66,7 @@ class Message(msgspec.Struct, kw_only=True):
     content: list[ContentBlock]
     stop_reason: str | None  # end_turn | max_tokens | stop_sequence | tool_use (None until the end of a stream)
     stop_sequence: str | None = None
-    usage: Usage
+    usage: MessageUsage
 
 
 class TokensCount(msgspec.Struct):

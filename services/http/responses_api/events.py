@@ -24,11 +24,11 @@ from services.http.responses_api.schemas import (
     FunctionCall,
     IncompleteDetails,
     OutputItem,
-    OutputMessage,
     OutputText,
     ReasoningItem,
     ReasoningText,
     Response,
+    ResponseOutputMessage,
     ResponseUsage,
 )
 
@@ -143,7 +143,7 @@ def whole_output(answer: Answer) -> list[OutputItem]:
     if answer.reasoning:
         items.append(ReasoningItem(new_id("rs"), content=[ReasoningText(answer.reasoning)]))
     if answer.text or not answer.calls:
-        items.append(OutputMessage(new_id("msg"), [OutputText(answer.text)]))
+        items.append(ResponseOutputMessage(new_id("msg"), [OutputText(answer.text)]))
     items += [FunctionCall(new_id("fc"), new_id("call"), c.name, c.arguments) for c in answer.calls]
     return items
 
@@ -154,7 +154,7 @@ class EventStream:
     def __init__(self, response: Response) -> None:
         self.response = response  # the snapshot: status in_progress, output filled as items complete
         self.seq = 0
-        self.open: OutputMessage | FunctionCall | ReasoningItem | None = None  # the item being streamed
+        self.open: ResponseOutputMessage | FunctionCall | ReasoningItem | None = None  # the item being streamed
 
     def _event(self, event) -> bytes:
         event.sequence_number = self.seq
@@ -183,7 +183,7 @@ class EventStream:
             out.append(self._event(ReasoningDeltaEvent(self.open.id, self._index, 0, delta[1])))
             return out
         if delta[0] == "text":
-            if not isinstance(self.open, OutputMessage):
+            if not isinstance(self.open, ResponseOutputMessage):
                 out += self.close()
                 out += self._open_message()
             self.open.content[0].text += delta[1]
@@ -200,7 +200,7 @@ class EventStream:
         return out
 
     def _open_message(self) -> list[bytes]:
-        self.open = OutputMessage(new_id("msg"), [], status="in_progress")
+        self.open = ResponseOutputMessage(new_id("msg"), [], status="in_progress")
         added = self._event(OutputItemEvent("response.output_item.added", self._index, self.open))
         self.open.content.append(OutputText(""))
         part = self._event(
@@ -214,7 +214,7 @@ class EventStream:
         if item is None:
             return out
         item.status = "completed"
-        if isinstance(item, OutputMessage):
+        if isinstance(item, ResponseOutputMessage):
             text = item.content[0].text
             out.append(self._event(TextDoneEvent(item.id, index, 0, text)))
             out.append(self._event(ContentPartEvent("response.content_part.done", item.id, index, 0, item.content[0])))
@@ -230,7 +230,7 @@ class EventStream:
     def end(self, final: FinalInfo) -> list[bytes]:
         """The closing events: the open item's (an empty message when nothing was output), then the response's."""
         out = []
-        if not any(isinstance(i, OutputMessage | FunctionCall) for i in [*self.response.output, self.open]):
+        if not any(isinstance(i, ResponseOutputMessage | FunctionCall) for i in [*self.response.output, self.open]):
             out += self.close()
             out += self._open_message()
         out += self.close()

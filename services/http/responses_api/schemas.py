@@ -56,7 +56,7 @@ class ReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text"):
     text: str
 
 
-class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
+class ResponseOutputMessage(msgspec.Struct, tag_field="type", tag="message"):
     id: str
     content: list[OutputText]
     role: str = "assistant"
@@ -78,7 +78,7 @@ class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning"):
     status: str = "completed"
 
 
-OutputItem = OutputMessage | FunctionCall | ReasoningItem
+OutputItem = ResponseOutputMessage | FunctionCall | ReasoningItem
 
 
 class InputTokensDetails(msgspec.Struct):
@@ -131,7 +131,7 @@ class Response(msgspec.Struct, kw_only=True):
 
     @property
     def output_text(self) -> str:
-        return "".join(p.text for item in self.output if isinstance(item, OutputMessage) for p in item.content)
+        return "".join(p.text for item in self.output if isinstance(item, ResponseOutputMessage) for p in item.content)
 
 
 class DeletedResponse(msgspec.Struct):

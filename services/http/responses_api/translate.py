@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from services.http.errors import OpenAIFailure
-from services.http.responses_api.schemas import FunctionCall, OutputItem, OutputMessage, ResponsesRequest
+from services.http.responses_api.schemas import FunctionCall, OutputItem, ResponseOutputMessage, ResponsesRequest
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
@@ -94,7 +94,7 @@ def output_messages(output: list[OutputItem]) -> list[dict]:
     """A response's output → the assistant turn that the next request's prompt holds."""
     items: list[dict] = []
     for item in output:
-        if isinstance(item, OutputMessage):
+        if isinstance(item, ResponseOutputMessage):
             text = "".join(p.text for p in item.content)
             items.append({"type": "message", "role": "assistant", "content": text})
         elif isinstance(item, FunctionCall):

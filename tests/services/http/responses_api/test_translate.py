@@ -7,7 +7,7 @@ import pytest
 
 from services.http.errors import OpenAIFailure
 from services.http.responses_api import translate
-from services.http.responses_api.schemas import FunctionCall, OutputMessage, OutputText, ResponsesRequest
+from services.http.responses_api.schemas import FunctionCall, OutputText, ResponseOutputMessage, ResponsesRequest
 
 
 def body(**fields) -> ResponsesRequest:
@@ -61,7 +61,7 @@ def test_agent_items_become_chat_messages():
 
 def test_output_continues_the_conversation():
     output = [
-        OutputMessage("msg_1", [OutputText("let me check")]),
+        ResponseOutputMessage("msg_1", [OutputText("let me check")]),
         FunctionCall("fc_1", "call_1", "get_weather", '{"city":"Oslo"}'),
     ]
     assert translate.output_messages(output) == [
