@@ -1,0 +1,37 @@
+"""A reasoning model's answer through /v1/messages: thinking block, then text, whole and streamed alike (the bus
+faked; the parsers and events real)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.services.http.fakes import FakeIngress, client, run
+from tests.services.http.responses_api.test_reasoning_output import TEMPLATE, answer
+
+BODY = {"model": "tgi", "max_tokens": 20, "messages": [{"role": "user", "content": "capital?"}]}
+
+
+def test_thinking_block_then_text():
+    async def scenario():
+        async with client(FakeIngress(answer), chat_template=TEMPLATE) as c:
+            whole = await (await c.post("/v1/messages", json=BODY)).json()
+            streamed = await (await c.post("/v1/messages", json={**BODY, "stream": True})).read()
+            return whole, streamed.decode()
+
+    whole, streamed = run(scenario())
+    assert whole["content"] == [
+        {"type": "thinking", "thinking": "weigh it", "signature": ""},
+        {"type": "text", "text": "Paris."},
+    ]
+    assert whole["stop_reason"] == "end_turn" and whole["usage"]["output_tokens"] == 5
+    names = [line[7:] for line in streamed.splitlines() if line.startswith("event: ")]
+    data = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: ")]
+    assert names[:3] == ["message_start", "ping", "content_block_start"] and names[-2:] == [
+        "message_delta",
+        "message_stop",
+    ]
+    assert data[2]["content_block"]["type"] == "thinking"
+    deltas = [d["delta"] for d in data if d["type"] == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == "weigh it"
+    assert "".join(d.get("text", "") for d in deltas) == "Paris."
+    assert data[-2]["delta"]["stop_reason"] == "end_turn"
