@@ -68,18 +68,22 @@ _START = re.compile(r"^start(\[[^\]]*\])?:", re.MULTILINE)
 
 
 def budget_lark(end: str, budget: int, answer: str | None = None) -> str:
-    """A thinking budget, for a prompt that leaves reasoning open: at most `budget` tokens of reasoning (text
-    without `end`), then `end` (at the budget the grammar allows nothing else, so the server writes it), then the
-    answer: free text, or `answer`'s Lark rules (a tool grammar) whose `start` becomes the answer's."""
+    """A thinking budget, for a prompt that leaves reasoning open: at most `budget` tokens of reasoning, then `end`
+    (at the budget the grammar allows nothing else, so the server writes it), then the answer: free text, or
+    `answer`'s Lark rules (a tool grammar) whose `start` becomes the answer's.
+
+    The reasoning may not hold the marker's first character: llguidance's lexer is greedy (a lexeme ends only where
+    the next byte cannot extend it), so a reasoning lexeme that could go on with `<` would never hand over to the
+    marker the model writes itself."""
     if answer is None:
         rules = ["sy_answer: /(?s:.*)/"]
     else:
         rules = [_START.sub(r"sy_answer\1:", answer)]
-    escaped = re.escape(end).replace("/", "\\/")
+    first = re.escape(end[0]).replace("/", "\\/")
     rules += [
         f"start: sy_think {json.dumps(end)} sy_answer",
         f"sy_think[max_tokens={int(budget)}]: SY_THINK",
-        f"SY_THINK: /(?s:.*)/ & ~/(?s:.*){escaped}(?s:.*)/",
+        f"SY_THINK: /[^{first}]*/",
     ]
     return "\n".join(rules) + "\n"
 

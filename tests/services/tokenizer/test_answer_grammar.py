@@ -1,0 +1,85 @@
+"""The grammar of an answer in the model's own format (llguidance against the tiny tokenizer): forced calls in the
+format's syntax with no free whitespace, `auto` free until the trigger and valid after it, a thinking budget."""
+
+from __future__ import annotations
+
+import pytest
+from llguidance import LLMatcher, LLTokenizer
+from tokenizers import Tokenizer
+
+from services.http.tool_parsers import PARSERS
+from services.tokenizer.answer_grammar import budget_lark, compiled, tool_plan
+from services.tokenizer.grammar import ToolError
+from tests.tiny_models import EOS, build_tokenizer
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+    {"type": "function", "function": {"name": "now"}},
+]
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.fixture(scope="module")
+def vocab(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    build_tokenizer(out)
+    path = str(out / "tokenizer.json")
+    return Tokenizer.from_file(path), LLTokenizer(path, eos_token=[EOS])
+
+
+def _accepts(vocab, grammar: str, text: str) -> bool:
+    tok, lltok = vocab
+    matcher = LLMatcher(lltok, compiled(grammar), log_level=0)
+    ok = all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids)
+    return ok and matcher.is_accepting()
+
+
+def test_required_and_named_calls(vocab):
+    hermes = PARSERS["hermes"]()
+    required = tool_plan(hermes, TOOLS, "required", parallel=False).lark
+    assert _accepts(vocab, required, f"<tool_call>\n{CALL}\n</tool_call>")
+    assert not _accepts(
+        vocab, required, '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    )
+    assert not _accepts(vocab, required, "Sure.")  # a call is required
+    assert not _accepts(vocab, required, f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL}\n</tool_call>")
+    named = tool_plan(hermes, TOOLS, {"type": "function", "function": {"name": "now"}}).lark
+    assert _accepts(vocab, named, '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    assert not _accepts(vocab, named, f"<tool_call>\n{CALL}\n</tool_call>")
+    llama = tool_plan(PARSERS["llama3_json"](), TOOLS, "required").lark
+    assert _accepts(vocab, llama, '{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+
+
+def test_auto_is_free_until_the_trigger(vocab):
+    auto = tool_plan(PARSERS["hermes"](), TOOLS, "auto").lark
+    assert _accepts(vocab, auto, "Just an answer.")
+    assert _accepts(vocab, auto, f"Let me look.\n<tool_call>\n{CALL}\n</tool_call>")
+    assert not _accepts(vocab, auto, '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
+    assert tool_plan(PARSERS["hermes"](), TOOLS, "none").lark is None  # the template sees the tools; free text
+
+
+def test_bad_tool_choice_and_schema():
+    with pytest.raises(ToolError, match="Tool with name nope not found"):
+        tool_plan(PARSERS["hermes"](), TOOLS, {"type": "function", "function": {"name": "nope"}})
+    bad = [{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]
+    with pytest.raises(ToolError, match="must be a JSON schema object"):
+        tool_plan(PARSERS["hermes"](), bad, "required")
+
+
+def test_thinking_budget_forces_the_end_marker(vocab):
+    tok, lltok = vocab
+    tools = tool_plan(PARSERS["hermes"](), TOOLS, "required").lark
+    # the model's own `</think>` within the budget (its tokens count while they may still be reasoning)
+    assert _accepts(vocab, budget_lark("</think>", 12, tools), f"a b</think><tool_call>\n{CALL}\n</tool_call>")
+    assert not _accepts(vocab, budget_lark("</think>", 12, tools), "a b</think>free text")  # the answer: a call
+    grammar = budget_lark("</think>", 3, tools)
+    matcher = LLMatcher(lltok, compiled(grammar), log_level=0)
+    ids = tok.encode("a b c d e", add_special_tokens=False).ids
+    assert all(matcher.consume_token(t) for t in ids[:3])
+    assert not matcher.consume_token(ids[3])  # at the budget only `</think>` may follow
