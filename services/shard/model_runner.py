@@ -23,6 +23,7 @@ from services.shard import graphs as graphs_module
 from services.shard.attention.paged import ATTN_IMPLEMENTATION, PagedBatch, allocate_pages, attention_backend
 from services.shard.grammar.runner import ShardGrammars
 from services.shard.lora.registry import LoraRegistry
+from services.shard.model import compiled as compiled_module
 from services.shard.model import decoder_walk as walk_module
 from services.shard.model.onednn import use_onednn
 from services.shard.prompt_logprobs import chunk_greedy, chunk_logprobs
@@ -30,10 +31,10 @@ from services.shard.quant.loader import from_pretrained as quantized_from_pretra
 from services.shard.sampling.counter import DrawKeys
 from services.shard.sampling.sampler import Choice, choose
 from services.shard.step_batch import Batch, History, SequenceState
+from services.shard.verify import PickGenerators, accept, expand_picks, kept_positions, select
 from services.shard.vision import loader as vision_loader
 from services.shard.vision.cache import EncoderCache, merge
 from services.shard.vision.encoder import VisionEncoder
-from services.shard.verify import PickGenerators, accept, expand_picks, kept_positions, select
 
 
 class ModelRunner:
@@ -61,6 +62,8 @@ class ModelRunner:
         kv_prefault: bool = False,  # the KV cache touched at start, resident from the start (Settings.kv_prefault)
         attention: str = "auto",  # "torch", "triton" or "auto": triton on CUDA where it imports (attention_backend)
         model: torch.nn.Module | None = None,  # built in memory (from_config); model_dir: its tokenizer, or None
+        compile: bool = False,  # the walk's body compiled by inductor at start where it serves (model/compiled.py)
+        compile_buckets: tuple[int, ...] = compiled_module.DEFAULT_BUCKETS,  # row counts compiled at start
     ) -> None:
         self.device = torch.device(device)
         self.block_size = block_size
@@ -100,6 +103,10 @@ class ModelRunner:
             self.text_model = vision_loader.text_model(self.model, ATTN_IMPLEMENTATION)
         # the direct decoder walk, or None (transformers' forward) and why
         self.walk, self.walk_reason = walk_module.build(self.text_model, tp, decoder_walk)
+        # the walk's body compiled (bf16 on oneDNN), or None and why (float32 stays eager: model/compiled.py)
+        self.compiled, self.compiled_reason = compiled_module.build(
+            self.walk, dtype, compile and self.device.type == "cpu"
+        )
         cfg = self.model.config.get_text_config()
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -136,6 +143,23 @@ class ModelRunner:
         eos_ids = model_store.model_info(model_dir)["eos_token_ids"] if model is None else config_eos_ids(cfg)
         # grammar needs the tokenizer's folder: an in-memory model without one serves no structured output
         self.grammars = ShardGrammars(model_dir or "", eos_ids, grammar and bool(model_dir), fill=grammar_fill)
+        if self.compiled is not None:  # at start, before the shard answers the scheduler's probe
+            self.compiled.warm(self._warm_steps(compile_buckets))
+
+    @torch.inference_mode()  # inference tensors, as a step's: the compiled graphs guard on it
+    def _warm_steps(self, rows: tuple[int, ...]) -> dict[int, tuple]:
+        """Decode steps of each row count for the compile at start: token 0 at position 0, every row's K/V in the
+        first slot (nothing lives in the cache yet; a sequence writes its slots before it reads them)."""
+        dev, steps = self.device, {}
+        for n in rows:
+            zeros = np.zeros(n, np.int64)
+            paged = PagedBatch.from_host(
+                self.kv_cache, zeros, np.arange(n + 1), zeros, np.zeros((n, 1), np.int64), self.block_size, dev,
+                kv_flat=self.kv_flat, backend=self.attention,
+            )  # fmt: skip
+            ids = torch.zeros(n, dtype=torch.long, device=dev)
+            steps[n] = (ids, ids.clone(), paged)
+        return steps
 
     @classmethod
     def from_config(
@@ -339,6 +363,10 @@ class ModelRunner:
             logits = self.graphs.step(batch)
             if logits is not None:
                 return logits
+        if self.compiled is not None:
+            if not any(st.adapter for st in batch.states):
+                return self.compiled.forward(batch.input_ids, batch.position_ids, batch.keep, batch.paged)
+            self.compiled.counts["eager: LoRA rows"] += 1  # the compiled body calls the base products only
         return self.forward_packed(batch.input_ids, batch.position_ids, batch.keep, batch.paged)
 
     def forward_packed(

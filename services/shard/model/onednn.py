@@ -83,6 +83,7 @@ def use_onednn(model: torch.nn.Module, fuse: bool = True) -> int:
         packed = pack(module.weight)
         module.forward = _packed_forward(packed, module.bias, module.out_features)
         module.onednn_packed = True  # LoRA folds its shrink into such a product (services/shard/lora/fold.py)
+        module.onednn_weight = (packed, module.bias, module.out_features)  # the compiled walk's custom op reads it
         switched.add(id(module))
     return len(switched)
 

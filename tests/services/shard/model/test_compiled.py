@@ -1,0 +1,129 @@
+"""The compiled walk (services/shard/model/compiled.py) against the eager walk in bf16, through the runner and the
+in-process engine: the same logits teacher-forced (each step runs both, the eager one's K/V kept), greedy tokens
+free-running; structured output and verified drafts ride in the compiled step, LoRA rows route it to eager, float32
+stays eager; a second start (a new process) loads its kernels from inductor's cache.
+
+Inductor's compile of a tiny model takes tens of seconds of CPU (a g++ run per kernel): the llama runs in every
+`make test`; the other tiny architectures only with SWITCHYARD_TEST_COMPILE_ARCHS=1 (same checks, ~30 s each).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench.engine import Engine, request
+from services.shard.model.compiled import use_cache_dir
+from services.shard.model_runner import ModelRunner
+from services.tokenizer.grammar import grammar_text
+from tests.tiny_models import ARCHS, prompts_for
+
+ALL_ARCHS = os.environ.get("SWITCHYARD_TEST_COMPILE_ARCHS") == "1"
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    path = tmp_path_factory.mktemp("inductor")
+    use_cache_dir(path)
+    return path
+
+
+def _runner(model_dir, compile: bool, **kw) -> ModelRunner:
+    return ModelRunner(str(model_dir), num_blocks=96, block_size=16, dtype=torch.bfloat16, compile=compile, **kw)
+
+
+def _arrivals(model_dir) -> dict[int, list]:
+    prompts = prompts_for(model_dir)
+    return {0: [request(str(i), prompts[i], MAX_NEW) for i in range(3)], 1: [request("3", prompts[3], MAX_NEW)]}
+
+
+def _engine(runner: ModelRunner, model_dir) -> Engine:
+    return Engine.build(runner, model_dir, max_batch_prefill_tokens=40, max_prefill_tokens_while_decoding=9)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_bf16_equals_eager_bf16(tiny_dirs, cache, arch):
+    if arch != "llama" and not ALL_ARCHS:
+        pytest.skip("compiles for ~30 s of CPU: SWITCHYARD_TEST_COMPILE_ARCHS=1 runs every tiny architecture")
+    model_dir = tiny_dirs[arch]
+    runner = _runner(model_dir, True)
+    assert runner.compiled is not None and runner.compiled_reason == ""
+    # teacher-forced: every step through both bodies; the eager one's logits (and K/V, written last) go on
+    compiled, eager, seen = runner.compiled, runner.forward_packed, []
+
+    def both(batch):
+        got = compiled.forward(batch.input_ids, batch.position_ids, batch.keep, batch.paged).float().clone()
+        want = eager(batch.input_ids, batch.position_ids, batch.keep, batch.paged)
+        seen.append((got, want.float()))
+        return want
+
+    runner._forward = both
+    _engine(runner, model_dir).run(_arrivals(model_dir))
+    assert compiled.counts["compiled"] == len(seen) > MAX_NEW  # every step ran the compiled body (prefills too)
+    for got, want in seen:
+        torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0.02)
+    agree = sum((g.argmax(-1) == w.argmax(-1)).sum().item() for g, w in seen)
+    assert agree >= 0.95 * sum(len(w) for _, w in seen)
+
+    # free-running greedy: a fresh compiled runner (its own compile, a cache hit) against an eager one
+    runner = _runner(model_dir, True)
+    got = {k: v.tokens for k, v in _engine(runner, model_dir).run(_arrivals(model_dir)).items()}
+    want = {k: v.tokens for k, v in _engine(_runner(model_dir, False), model_dir).run(_arrivals(model_dir)).items()}
+    same = sum(a == b for k in want for a, b in zip(got[k], want[k]))
+    assert same >= 0.95 * sum(len(v) for v in want.values())
+    assert set(runner.compiled.counts) == {"compiled"}
+
+
+def test_float32_stays_eager(tiny_dirs):
+    runner = ModelRunner(str(tiny_dirs["llama"]), num_blocks=32, dtype=torch.float32, compile=True)
+    assert runner.compiled is None and "float32" in runner.compiled_reason
+    off = _runner(tiny_dirs["llama"], False)
+    assert off.compiled is None and "--no-compile" in off.compiled_reason
+
+
+def test_grammar_drafts_and_lora_rows(tiny_dirs, adapters, cache):
+    """Grammar masks apply to the compiled step's logits; verified drafts are packed tokens like any other (the
+    token count is dynamic); a step with LoRA rows runs eagerly (the compiled body calls the base products only)."""
+    from libs.protocol.params import SamplingParams
+    from tests.services.shard.test_verify import drafted_run
+
+    model_dir = tiny_dirs["llama"]
+    lora = {"all": str(adapters[("llama", "all")])}
+    runner, eager = _runner(model_dir, True, lora_adapters=lora), _runner(model_dir, False, lora_adapters=lora)
+    regex = grammar_text({"type": "regex", "value": r"[a-z]{3,9}( [a-z]{2,9}){2,4}\."})[1]
+    prompts = prompts_for(model_dir)
+
+    def run(r):
+        arrivals = {0: [request("g", prompts[0], 24, grammar=regex), request("lora", prompts[1], 6, adapter="all")]}
+        return {k: v.tokens for k, v in _engine(r, model_dir).run(arrivals).items()}
+
+    got, want = run(runner), run(eager)
+    assert got["g"] == want["g"] and got["lora"] == want["lora"]
+    counts = runner.compiled.counts
+    assert counts["compiled"] > 0 and counts["eager: LoRA rows"] > 0  # steps after the LoRA request ended: compiled
+
+    before = counts["compiled"]
+    greedy = [SamplingParams() for _ in prompts[1:4]]
+    answers, _, _, _ = drafted_run(eager, prompts[1:4], MAX_NEW, greedy)
+    drafted, _, _, (n_drafts, accepted) = drafted_run(runner, prompts[1:4], MAX_NEW, greedy, answers)
+    assert drafted == answers and 0 < accepted < n_drafts
+    assert counts["compiled"] > before
+
+
+def test_second_start_hits_the_cache(tiny_dirs, cache):
+    """A new process building the same model's compiled runner with the same cache folder loads the graph."""
+    _runner(tiny_dirs["llama"], True)  # this process's start: compiled (or already in the cache)
+    argv = [sys.executable, "-m", "bench.step.compiled", "--start-only", "--model", str(tiny_dirs["llama"]),
+            "--cache", str(cache)]  # fmt: skip
+    # the same threads: inductor's cache key holds them (a server's restart keeps its thread count)
+    env = {**os.environ, "PYTHONPATH": ".", "SWITCHYARD_TORCH_THREADS": str(torch.get_num_threads())}
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env)
+    start = json.loads(out.stdout.strip().splitlines()[-1])
+    assert start["fxgraph_cache_hit"] >= 1 and start["fxgraph_cache_miss"] == 0, start
+    print(f"second start: {start['start_s']} s, of which the compile at start {start['compile_s']} s")
