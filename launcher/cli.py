@@ -262,6 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
         "in memory) at the cost of slower mixed steps",
     )
     switch("json-output", "log one JSON object per line")
+    s.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("compile"),
+        help="bf16 on CPU: the decoder walk's body compiled by inductor at start (fused elementwise work around the "
+        "oneDNN products; kernels cached under the model cache's inductor/); float32 always stays eager",
+    )
+    flag("compile-buckets", default="1,2", help="token counts run through the compiled step at start (one graph)")
     switch(
         "enable-prefill-logprobs",
         "accepted for compatibility: prompt logprobs are always computed for a request that asks for them "

@@ -174,6 +174,8 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         lora_fold=not args.disable_lora_fold,
+        compile=args.compile,
+        compile_buckets=args.compile_buckets,
         cuda_graphs=cuda_graphs,
         cuda_memory_fraction=cuda_memory_fraction,
         cpu_threads=cpu_threads,

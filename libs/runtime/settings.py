@@ -136,6 +136,10 @@ class Settings:
     # CUDA only (no effect on CPU): the decode batch sizes captured as CUDA graphs, --cuda-graphs as resolved by
     # services/shard/graphs.py ("": none), and the share of each GPU's memory a shard may allocate
     cuda_graphs: str = "1,2,4,8,16,32"
+    # CPU, bf16: the decoder walk's body compiled by inductor at start (services/shard/model/compiled.py), run on
+    # these token counts at start (--compile / --compile-buckets)
+    compile: bool = False
+    compile_buckets: str = "1,2"
     cuda_memory_fraction: float = 1.0
     # set by the launcher: the server's private run directory (launcher/rundir.py), where its ipc sockets, the
     # schedulers' LoRA records and a shard's "cannot-load" mark live ("": a process started by hand keeps none)

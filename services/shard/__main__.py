@@ -59,6 +59,8 @@ class ShardService:
                 grammar_fill=settings.grammar_fill,
                 kv_prefault=settings.kv_prefault,
                 cuda_graphs=tuple(int(b) for b in settings.cuda_graphs.split(",") if b),  # on CUDA only
+                compile=settings.compile,  # compiled before the shard answers the probe (inductor cache: compiled.py)
+                compile_buckets=tuple(int(b) for b in settings.compile_buckets.split(",") if b),
             )
         except Exception:
             logging.getLogger(f"switchyard.{ROLE}").exception("cannot load the model from %s", settings.model_path)

@@ -11,8 +11,8 @@ The token dimension is dynamic and unbacked (no specialization of 1): ONE graph 
 prefill chunks, verified drafts; the row structure lives in the attention op's PagedBatch). `warm` compiles it at
 start and runs it on the row counts asked (`--compile-buckets`, a check that they need no other graph); a step that
 would need a new graph later runs eagerly (`fail_on_recompile`) and is counted, so serving never stalls on a
-compile. Measured against graphs per bucket of rows in docs/benchmarks.md. `counts` says which path every step
-took (compiled, or eager and why); the runner routes LoRA steps to eager itself (`route`).
+compile. `counts` says which path every step
+took (compiled, or eager and why); the runner routes LoRA steps to eager itself.
 
 Inductor's caches live under `cache_dir` (the model cache's `inductor/` folder by default): a second start of the
 same model on the same CPU and torch loads its kernels instead of compiling them. Exactness: inductor computes a
@@ -228,4 +228,6 @@ def build(walk: DecoderWalk | None, dtype: torch.dtype, enabled: bool) -> tuple[
     if reason:
         log.info("compiled step: off (%s)", reason)
         return None, reason
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a test or a benchmark may have chosen one
+        use_cache_dir(default_cache_dir())
     return CompiledWalk(walk), ""
