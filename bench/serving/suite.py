@@ -70,6 +70,9 @@ def add_arguments(p) -> None:
     p.add_argument("--workload", default="chat", choices=["chat", *WORKLOADS],
                    help="chat: fixed + mixed requests, with the limit and the peers; the others measure one feature "
                    "(see each module's docstring)")  # fmt: skip
+    p.add_argument("--n", type=int, default=0, help="parallel sampling: one prompt (--prompt-tokens) with n=N against "
+                   "n=1 and N distinct prompts (bench/serving/parallel_sampling.py); 0: the chat workload")  # fmt: skip
+    p.add_argument("--n-repeats", type=int, default=5, help="--n: rounds (median)")
     p.add_argument("--quantize", help="shorthand for --workload quantize --quant-methods QUANTIZE (comma-separated "
                    "methods; `none` is the float model, `none@float32` float32)")  # fmt: skip
     for name in WORKLOADS:
@@ -211,6 +214,10 @@ def run(args) -> int:
         args.workload, args.quant_methods = "quantize", args.quantize
     if args.workload != "chat":
         return _workload_module(args.workload).run(args, out)
+    if args.n:
+        from bench.serving import parallel_sampling
+
+        return parallel_sampling.run(args, out)
     label, view = models.resolve(args.model)
     if args.dtype == "auto":  # resolved here so that every engine (and the table's title) gets the same one
         from libs.runtime.cpu import choose_dtype

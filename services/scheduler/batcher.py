@@ -290,7 +290,7 @@ class Batcher:
                 self.counters["saturated_steps"] += 1  # the rest wait a step: the first prompts finish sooner
                 break
             cached = self.prefix.lookup(s)
-            forked = self.siblings.fork(s, self.running.values(), (p[0] for p in picks))
+            forked = self.siblings.fork(s, self.running.values(), (p[0] for p in picks), len(cached))
             if forked is None:
                 break  # a sibling plans the prompt's blocks in this step: they are forked in the next one
             cached = forked if len(forked) >= len(cached) else cached
@@ -319,7 +319,7 @@ class Batcher:
         for s, cached, n in picks:
             self.waiting.popleft()
             self.prefix.count(s, cached)
-            self.siblings.count(s, cached, self.running.values())
+            self.siblings.count(s, cached)
             s.seq = next(self._handles)
             s.blocks = cached + self.allocator.allocate(
                 blocks_for(len(cached) * self.block_size + n, self.block_size) - len(cached)

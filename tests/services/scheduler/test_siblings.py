@@ -107,3 +107,15 @@ def test_preempted_siblings_fork_again_and_give_every_block_back():
 def test_a_group_field_travels_on_the_wire():
     back = codec.decode(codec.encode(sibling("a", 4, 1)))
     assert back.group == "g"
+
+
+def test_siblings_of_a_one_token_request_find_the_first_ones_blocks_cached():
+    b = Batcher(100, max_batch_size=8, max_batch_prefill_tokens=256, eos_ids={EOS})
+    for i in range(3):
+        b.add(sibling(f"r{i}", 40, 1))
+    p1 = b.plan(1)
+    assert p1.num_tokens.tolist() == [40]
+    b.apply(result(p1, {int(p1.seqs[0]): 7}))  # its one token: it ends with its prefill
+    p2 = b.plan(2)
+    assert p2.num_tokens.tolist() == [8, 8] and p2.context_lens.tolist() == [32, 32]
+    assert b.counters["sibling_shared_tokens"] == 2 * 32
