@@ -12,10 +12,10 @@ text the model writes; its pieces add up to the JSON of the non-streamed block's
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import msgspec
-import orjson
 
 from libs.protocol.messages import FinalInfo
 from services.http.anthropic.schemas import (
@@ -49,14 +49,16 @@ def stop_reason(final: FinalInfo, called: bool, stops: list[str]) -> tuple[str, 
     return "end_turn", None
 
 
-def tool_input(call: Call) -> dict:
+def tool_input(call: Call) -> msgspec.Raw:
+    """A call's arguments as the block's input: checked to be a JSON object, then sent as the model wrote them
+    (a number past 64 bits stays exact; the streamed input_json_delta pieces are the same text)."""
     try:
-        value = orjson.loads(call.arguments)
-    except orjson.JSONDecodeError as e:
+        value = json.loads(call.arguments)
+    except json.JSONDecodeError as e:
         raise Failure(f"Tool error: Failed to parse generated arguments: {e}", "tool_error") from None
     if not isinstance(value, dict):
         raise Failure(f"Tool error: the arguments are not an object: {call.arguments!r}", "tool_error")
-    return value
+    return msgspec.Raw(call.arguments.encode())
 
 
 def whole_content(answer: Answer) -> list[ContentBlock]:

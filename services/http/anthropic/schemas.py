@@ -40,7 +40,7 @@ class TextBlock(msgspec.Struct, tag_field="type", tag="text"):
 class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use"):
     id: str
     name: str
-    input: dict[str, Any]
+    input: dict[str, Any] | msgspec.Raw  # an answer's: the arguments' JSON text as written (events.tool_input)
 
 
 class ThinkingBlock(msgspec.Struct, tag_field="type", tag="thinking"):
