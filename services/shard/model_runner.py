@@ -79,6 +79,8 @@ class ModelRunner:
         if model is not None:
             self.model = model
         elif vision_loader.is_vision_config(model_store.read_config(model_dir)):  # images in (services/shard/vision)
+            if quantize:
+                raise ValueError("--quantize is not supported for vision-language models yet")
             self.model = vision_loader.from_pretrained(model_dir, attn=ATTN_IMPLEMENTATION, dtype=dtype, **kwargs)
         elif quantize:
             self.model = quantized_from_pretrained(model_dir, quantize, **load_kwargs)
