@@ -9,7 +9,8 @@ the whole team wait: a core that another process keeps busy costs the team more 
 - others' load: each core's busy share over a short window of /proc/stat, less what this process ran there
   (its threads' CPU time by the core they last ran on), so the shard's own spinning is not taken for contention;
 - the team: the usable cores less the others' load rounded to whole cores (at least one thread), placed on the
-  least busy cores;
+  least busy cores; but the whole slice when no core is free (each busy), where a smaller team would only give
+  up its per-thread share of the loaded cores;
 - a kept core: with `--cpu-bind auto` a shard that owns 8 or more cores leaves one to the other processes (http,
   tokenizer, router, scheduler, detokenizer), as vLLM's `VLLM_CPU_NUM_OF_RESERVED_CPU` does; below that a kept
   core costs the forward more than the helpers' fraction of a core does. An explicit count overrides it;
@@ -28,6 +29,8 @@ from pathlib import Path
 
 # a shard with at least this many cores keeps one for the other processes under --cpu-bind auto
 KEEP_CORE_FROM = 8
+# a core whose others' busy share is below this is free: a team moves onto free cores only
+FREE_BELOW = 0.5
 # others' load, in cores, at start from which the team's idle threads sleep instead of spinning
 PASSIVE_FROM = 0.5
 START_WINDOW_S = 0.3  # the measurement at start: long enough to see a busy core, short beside a model's load
@@ -171,6 +174,10 @@ def decide(usable: tuple[int, ...], others: dict[int, float] | None, flags: CpuF
     else:
         threads = max(1, min(len(mine), len(mine) - int(load + 0.5)))
         why = f"{len(mine)} cores, others' load {load:.2f} cores"
+        if others and not any(others.get(c, 0.0) < FREE_BELOW for c in mine):
+            # no core free to move onto: the kernel shares loaded cores per thread, so a smaller team would only
+            # give up its share (measured served on an oversubscribed host: docs/benchmarks.md)
+            threads, why = len(mine), f"{why}, none free"
     wait = "PASSIVE" if load >= PASSIVE_FROM else ""
     if flags.bind == "none":
         return TeamPlan(threads, (), (), wait, f"{why}; unpinned (--cpu-bind none)")

@@ -32,12 +32,21 @@ def test_a_busy_core_leaves_the_team_and_the_team_takes_the_free_one():
     # another process keeps core 0 busy: one thread, on core 1, and idle threads sleep rather than spin
     plan = decide((0, 1), {0: 0.95, 1: 0.02}, AUTO)
     assert (plan.threads, plan.cpus, plan.wait_policy) == (1, (1,), "PASSIVE")
-    # a load spread over both cores, a core's worth in all: one thread too
-    assert decide((0, 1), {0: 0.5, 1: 0.5}, AUTO).threads == 1
+    # a core's worth of load, most of it on one core: one thread, on the freer core
+    assert decide((0, 1), {0: 0.7, 1: 0.3}, AUTO).cpus == (1,)
     # the helpers' usual fraction of a core does not cost a thread
     assert decide((0, 1), {0: 0.2, 1: 0.15}, AUTO).threads == 2
-    # never fewer than one thread, however loaded
-    assert decide((0, 1), {0: 1.0, 1: 1.0}, AUTO).threads == 1
+    # four cores all loaded: the whole team (below); three loaded and one free: one thread, on the free one
+    assert decide((0, 1, 2, 3), {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.9}, AUTO).threads == 4
+    assert decide((0, 1, 2, 3), {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.1}, AUTO).cpus == (3,)
+
+
+def test_no_free_core_keeps_the_whole_team():
+    """Every core loaded (an oversubscribed host): no core to move onto, and the kernel shares the loaded cores
+    per thread, so the team keeps one thread per core (unpinned share), idle threads sleeping."""
+    plan = decide((0, 1), {0: 1.0, 1: 1.0}, AUTO)
+    assert (plan.threads, plan.cpus, plan.wait_policy) == (2, (0, 1), "PASSIVE") and "none free" in plan.reason
+    assert decide((0, 1), {0: 0.5, 1: 0.5}, AUTO).threads == 2
 
 
 def test_a_core_is_kept_for_the_other_processes_on_large_machines_only():
