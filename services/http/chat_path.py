@@ -38,13 +38,13 @@ def chat_turn(
 ):
     """`chat` (an OpenAI chat body as a dict) → its ChatTurn, as /v1/chat/completions builds it; raises Failure.
 
-    `top_k` and `parallel_tool_calls` are taken from the dict: the first onto the parameters, the second onto
-    the request."""
+    `top_k`, which OpenAI's chat lacks, is taken from the dict onto the parameters; the thinking budget is the
+    chat's (`thinking_token_budget`, else `reasoning_effort`'s)."""
     top_k = chat.pop("top_k", None)
-    parallel = chat.pop("parallel_tool_calls", None)
     try:
         body = msgspec.convert(chat, oa.ChatRequest)
-    except msgspec.ValidationError as e:
+        budget = oa.thinking_budget(body)
+    except (msgspec.ValidationError, ValueError) as e:
         raise Failure(f"Invalid request: {e}", "validation") from None
     parameters = oa.chat_parameters(body, model_id)
     parameters.top_k = top_k
@@ -62,7 +62,8 @@ def chat_turn(
         tool_choice=tool_choice,
         tool_prompt=body.tool_prompt,
         chat_template_kwargs=body.chat_template_kwargs,
-        parallel_tool_calls=parallel is not False,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        thinking_budget=budget,
     )
     reader = fmt.reader(body.tools, tool_choice, body.tool_prompt, body.chat_template_kwargs)
     tgi = tools.tool_mode(body.tools, tool_choice)

@@ -167,6 +167,11 @@ def chat_body(body: CountTokensRequest) -> dict[str, Any]:
         "tool_prompt": body.tool_prompt,
         "chat_template_kwargs": _thinking(body.thinking),
     }
+    budget = (body.thinking or {}).get("budget_tokens") if (body.thinking or {}).get("type") == "enabled" else None
+    if budget is not None:
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise invalid("thinking.budget_tokens: must be a positive integer")
+        chat["thinking_token_budget"] = budget
     if body.tool_choice is not None and body.tool_choice.get("disable_parallel_tool_use"):
         chat["parallel_tool_calls"] = False
     if isinstance(body, MessagesRequest):

@@ -166,5 +166,7 @@ def chat_body(body: ResponsesRequest, history: list[dict]) -> dict[str, Any]:
         "tool_prompt": body.tool_prompt,
         "response_format": response_format(body),
         "parallel_tool_calls": body.parallel_tool_calls,
+        # reasoning.effort → the chat's reasoning_effort, whose budget ends the reasoning (README)
+        "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None,
     }
     return {k: v for k, v in chat.items() if v is not None}

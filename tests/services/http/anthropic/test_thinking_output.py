@@ -35,3 +35,19 @@ def test_thinking_block_then_text():
     assert "".join(d.get("thinking", "") for d in deltas) == "weigh it"
     assert "".join(d.get("text", "") for d in deltas) == "Paris."
     assert data[-2]["delta"]["stop_reason"] == "end_turn"
+
+
+def test_budget_tokens_is_the_thinking_budget():
+    ingress = FakeIngress(answer)
+
+    async def scenario():
+        async with client(ingress, chat_template=TEMPLATE) as c:
+            thinking = {"type": "enabled", "budget_tokens": 3}
+            ok = await c.post("/v1/messages", json={**BODY, "thinking": thinking})
+            bad = await c.post("/v1/messages", json={**BODY, "thinking": {**thinking, "budget_tokens": 0}})
+            return ok.status, bad.status, await bad.json()
+
+    ok, bad, body = run(scenario())
+    assert ok == 200 and ingress.sent[0].thinking_budget == 3
+    assert ingress.sent[0].chat_template_kwargs == {"enable_thinking": True}
+    assert bad == 400 and body["error"]["type"] == "invalid_request_error" and len(ingress.sent) == 1

@@ -42,3 +42,17 @@ def test_reasoning_item_then_message():
     final = streamed[-1]["response"]
     assert kinds[-1] == "response.completed" and [i["type"] for i in final["output"]] == ["reasoning", "message"]
     assert [e["sequence_number"] for e in streamed] == list(range(len(streamed)))
+
+
+def test_reasoning_effort_is_the_thinking_budget():
+    ingress = FakeIngress(answer)
+
+    async def scenario():
+        async with client(ingress, chat_template=TEMPLATE) as c:
+            low = await c.post("/v1/responses", json={"input": "q", "reasoning": {"effort": "low"}})
+            bad = await c.post("/v1/responses", json={"input": "q", "reasoning": {"effort": "extreme"}})
+            return low.status, bad.status, await bad.json()
+
+    low, bad, body = run(scenario())
+    assert low == 200 and ingress.sent[0].thinking_budget == 1024  # the chat's reasoning_effort table (README)
+    assert bad == 422 and "reasoning_effort" in body["error"]["message"] and len(ingress.sent) == 1
