@@ -315,6 +315,9 @@ class Heartbeat(Message, tag="hb", kw_only=True):
     # the process's own Prometheus registry in text exposition format; /metrics merges them
     metrics: str = ""
     leaving: bool = False  # the last heartbeat of a process stopping cleanly: count it gone at once
+    # this process's run: a random id fixed at its start ("": unknown). Two live runs claiming one role and index
+    # are a misconfiguration: the later one is refused (libs/runtime/liveness.py) and exits
+    instance: str = ""
 
 
 ANY_MESSAGE = (

@@ -223,7 +223,7 @@ def say_goodbye() -> None:
     for eb in _buses:
         try:
             eb.pub.send_multipart(
-                codec.encode_pub(eb.hb_topic, Heartbeat(role=eb.role, index=eb.index, pid=os.getpid(), leaving=True)),
+                codec.encode_pub(eb.hb_topic, eb.heartbeat_message(leaving=True)),
                 copy=False,
                 flags=zmq.NOBLOCK,
             )
@@ -234,6 +234,10 @@ def say_goodbye() -> None:
 
 
 HELLO_EVERY = 0.1  # seconds between two Hellos while a bus starts
+# a run that hears another live run of its own role and index within this long of its first heartbeat is the
+# newcomer and exits with EXIT_CLAIMED (the holder beats every HEARTBEAT_S, so it is heard well within it)
+CLAIM_YOUNG_S = 3 * HEARTBEAT_S
+EXIT_CLAIMED = 3
 
 
 class BusEnds:
@@ -243,6 +247,8 @@ class BusEnds:
     def __init__(self, addresses: Addresses, role: str, index: int, subscribe: list[bytes], ctx=None):
         self.role, self.index = role, index
         self.hb_topic = topics.hb(role, index)
+        self.instance = secrets.token_hex(8)  # this run of the process (Heartbeat.instance)
+        self._first_beat: float | None = None  # when this run first published a heartbeat
         self.pub = socket(zmq.PUB, connect=addresses.events_in, ctx=ctx)
         self.sub = socket(zmq.SUB, connect=addresses.events_out, ctx=ctx)
         for topic in [*subscribe, self.hb_topic]:
@@ -250,14 +256,36 @@ class BusEnds:
         self._next_hb = 0.0
         self._next_metrics = 0.0
 
-    @staticmethod
-    def decode(frames) -> tuple[bytes, Message] | None:
-        """(topic, message) of an event's frames, or None (logged) if they were malformed."""
+    def decode(self, frames) -> tuple[bytes, Message] | None:
+        """(topic, message) of an event's frames, or None (logged) if they were malformed. A heartbeat of another
+        run claiming this process's role and index, heard while this run is young, ends this run (`claimed`)."""
         try:
-            return codec.decode_pub([f.buffer for f in frames])
+            got = codec.decode_pub([f.buffer for f in frames])
         except ProtocolError as e:
             log.warning("dropped malformed event: %s", e)
             return None
+        if isinstance(got[1], Heartbeat) and self.claimed(got[1]):
+            log.critical(
+                "%s %d is already running (pid %d, run %s): refusing to run a second one. Give this process "
+                "another index (SWITCHYARD_INDEX), or stop the other",
+                self.role,
+                self.index,
+                got[1].pid,
+                got[1].instance,
+            )
+            logging.shutdown()
+            os._exit(EXIT_CLAIMED)
+        return got
+
+    def claimed(self, hb: Heartbeat) -> bool:
+        """Is `hb` another live run of this process's role and index, heard while this run is the newcomer (it has
+        beaten for less than CLAIM_YOUNG_S)? The older run heard this one too, and stays."""
+        other = (hb.role, hb.index) == (self.role, self.index) and hb.instance and hb.instance != self.instance
+        young = self._first_beat is None or time.monotonic() - self._first_beat < CLAIM_YOUNG_S
+        return bool(other and not hb.leaving and young)
+
+    def heartbeat_message(self, **load) -> Heartbeat:
+        return Heartbeat(role=self.role, index=self.index, pid=os.getpid(), instance=self.instance, **load)
 
     @staticmethod
     def hello() -> Hello:
@@ -291,7 +319,9 @@ class BusEnds:
             load["metrics"] = metrics.exposition()
             cost = time.monotonic() - now
             self._next_metrics = now + max(1.0, cost * 1000) - 0.05  # the 0.05 s slack: one per beat when cheap
-        return Heartbeat(role=self.role, index=self.index, pid=os.getpid(), **load)
+        if self._first_beat is None:
+            self._first_beat = now
+        return self.heartbeat_message(**load)
 
 
 class EventBus(BusEnds):

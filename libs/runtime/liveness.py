@@ -4,6 +4,13 @@ A role with no live process is either missing or, if it was lost (or this view b
 RESTART_WAIT_S ago, awaited: probably restarting, so work that needs it waits for it (`awaited`) instead of
 failing at once. That is the one hold of the recovery protocol: http holds requests for a tokenizer, the router
 for a detokenizer and a scheduler.
+
+One role and index is one process run (the heartbeat's `instance`). A newer run replaces the one it finds at
+once (a restart after a crash looks so: the old one falls silent), but the old run is remembered for a heartbeat
+lifetime: if it beats again it was alive, the newer one claims a live identity (a second "scheduler 0" started on
+another host), so the old run is put back and the newer one is refused for good (`refused`: its heartbeats are not
+taken any more, and the view and the /metrics series are the old run's again after at most one of the newer
+one's beats). The newer run itself hears the old one on their shared topic and exits (libs/runtime/bus.py).
 """
 
 from __future__ import annotations
@@ -20,16 +27,41 @@ class Liveness:
     def __init__(self) -> None:
         self._seen: dict[tuple[str, int], tuple[float, Heartbeat]] = {}
         self._left: dict[tuple[str, int], float] = {}  # stopped cleanly (a leaving heartbeat) → when
+        self._displaced: dict[tuple[str, int], tuple[float, Heartbeat]] = {}  # a run a newer one replaced
+        self.refused: dict[tuple[str, int], set[str]] = {}  # runs refused for claiming a live process's identity
         self.since = time.monotonic()
 
-    def record(self, hb: Heartbeat) -> None:
-        key = (hb.role, hb.index)
+    def record(self, hb: Heartbeat) -> bool:
+        """Take a heartbeat into the view; False when it is not taken: a refused claimant's (see the module's doc)."""
+        key, now = (hb.role, hb.index), time.monotonic()
+        held = self._seen.get(key)
+        if hb.instance and hb.instance in self.refused.get(key, ()):
+            return False
+        displaced = self._displaced.get(key)
+        if displaced is not None and now - displaced[0] >= STALE_AFTER:  # the displaced run died: forget it
+            del self._displaced[key]
+            displaced = None
+        if displaced is not None and hb.instance == displaced[1].instance:
+            if hb.leaving:
+                return False  # it stops after all: the newer run keeps the index
+            # the displaced run is alive: the newer one claims a live identity, and is refused for good
+            self._displaced.pop(key)
+            if held is not None:
+                self.refused.setdefault(key, set()).add(held[1].instance)
+            self._seen[key] = (now, hb)
+            return True
+        if held is not None and hb.instance and held[1].instance and hb.instance != held[1].instance:
+            if hb.leaving:
+                return False  # another run's goodbye takes nothing with it
+            if now - held[0] < STALE_AFTER:  # a newer run while the holder counts as alive: a restart, or a claimant
+                self._displaced[key] = held
         if hb.leaving:  # it stops cleanly: gone now, not STALE_AFTER from now
             if self._seen.pop(key, None) is not None:
-                self._left[key] = time.monotonic()
-            return
+                self._left[key] = now
+            return True
         self._left.pop(key, None)
-        self._seen[key] = (time.monotonic(), hb)
+        self._seen[key] = (now, hb)
+        return True
 
     def alive(self, role: str) -> list[Heartbeat]:
         """Live processes of a role, by index."""

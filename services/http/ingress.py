@@ -129,7 +129,8 @@ class Ingress:
                     if q is not None:
                         q.put_nowait(row)
             elif isinstance(msg, Heartbeat):
-                self.liveness.record(msg)
+                if not self.liveness.record(msg):  # a second run claiming a live identity: not its series
+                    continue
                 self.agg.observe(msg)
                 heard = self._heard_now.pop(msg.role, None)
                 if heard is not None:

@@ -59,6 +59,7 @@ class Router:
         self.placement = Placement(len(self.replicas))
         self.placed = [0] * len(self.replicas)
         self._states: dict[tuple[str, int], tuple[int, bool]] = {}  # (role, index) → (pid, ready) last seen
+        self._claimants: set[tuple[str, int, str]] = set()  # runs refused for a live process's identity, logged
         self._placed_ids: OrderedDict[str, tuple[int, int]] = OrderedDict()  # request id → (replica, detokenizer)
         # waiting for a role it needs (_awaited), by request id in arrival order → (request, since when)
         self.held: OrderedDict[str, tuple[TokenizedRequest, float]] = OrderedDict()
@@ -144,6 +145,20 @@ class Router:
             self._states[key] = state
             log.info("%s.%d is up (pid %d)%s", hb.role, hb.index, hb.pid, "" if hb.ready else ", not ready yet")
 
+    def _log_claimant(self, hb: Heartbeat) -> None:
+        """A second run claiming a live process's role and index (Liveness.record): said once per run, loudly."""
+        key = (hb.role, hb.index, hb.instance)
+        if key not in self._claimants:
+            self._claimants.add(key)
+            log.error(
+                "a second process claims %s.%d (pid %d, run %s) while the one heard first still beats: it is "
+                "refused and gets no work (give it another index, or stop one of them)",
+                hb.role,
+                hb.index,
+                hb.pid,
+                hb.instance,
+            )
+
     def _read_heartbeats(self, most: int = 10_000) -> None:
         """Every heartbeat that waits, before any request is placed: a router that was starved or stopped for a
         heartbeat lifetime would otherwise judge a live peer gone on a view it has not read yet, and fail the
@@ -153,9 +168,11 @@ class Router:
                 return
             got = self.events.recv()
             if got and isinstance(got[1], Heartbeat):
-                self._log_change(got[1])
-                self.liveness.record(got[1])
-                self.placement.observe(got[1])
+                if self.liveness.record(got[1]):
+                    self._log_change(got[1])
+                    self.placement.observe(got[1])
+                else:
+                    self._log_claimant(got[1])
 
     def run(self) -> None:
         self.events.start()

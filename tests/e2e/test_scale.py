@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from launcher.tap import TAP_TOPIC, attach
 from libs.protocol import ProtocolError, codec
 from libs.protocol.messages import Heartbeat, TextBatch, TokenBatch
+from libs.runtime import bus
 from tests.e2e.server import ROOT, Server, free_port_range
 from tests.reference import reference_generate
 
@@ -260,3 +261,27 @@ def test_two_launchers_over_tcp_loopback(tiny_model_dir, tokenizer, tmp_path):
     finally:
         front.stop()
         back.stop()
+
+
+def test_a_second_process_claiming_a_live_identity_is_refused(scale_server, tap, tiny_model_dir, tokenizer):
+    """A detokenizer started by hand with the index of a live one (as a second host copying the first's settings
+    would) hears the live one's heartbeat on their shared topic, says so and exits with EXIT_CLAIMED; the live
+    one goes on serving, its heartbeats unchanged."""
+
+    def runs_of_detokenizer_0() -> list[str]:
+        return [
+            m.instance for _, m in tap.seen() if isinstance(m, Heartbeat) and m.role == "detokenizer" and not m.index
+        ]
+
+    holder = tap.wait_for(runs_of_detokenizer_0)[-1]
+    before = scale_server.pid("detokenizer", 0)
+    env = {**scale_server.env("detokenizer", 0), "SWITCHYARD_INDEX": "0"}
+    second = subprocess.run(
+        [sys.executable, "-m", "services.detokenizer"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert second.returncode == bus.EXIT_CLAIMED, second.stdout + second.stderr
+    assert "detokenizer 0 is already running" in second.stdout + second.stderr
+    start = len(runs_of_detokenizer_0())
+    check_greedy(scale_server.url, tiny_model_dir, tokenizer, [(prompt(400 + i), 5) for i in range(3)])
+    tap.wait_for(lambda: len(runs_of_detokenizer_0()) > start and runs_of_detokenizer_0()[-1] == holder)
+    assert scale_server.pid("detokenizer", 0) == before  # never restarted: the same run holds the index

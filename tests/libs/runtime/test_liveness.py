@@ -67,3 +67,57 @@ def test_a_view_that_missed_time_starts_over():
     assert lv.awaited("detokenizer")
     lv.record(Heartbeat(role="detokenizer", index=0, pid=1))  # the beats that queued up while it slept
     assert lv.alive("detokenizer") and not lv.awaited("detokenizer")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr("libs.runtime.liveness.time.monotonic", c)
+    return c
+
+
+def beat(lv: Liveness, run: str, pid: int, **load) -> bool:
+    return lv.record(Heartbeat(role="scheduler", index=0, pid=pid, instance=run, **load))
+
+
+def test_a_second_run_claiming_a_live_identity_is_refused(clock):
+    lv = Liveness()
+    assert beat(lv, "first", 1, queue=2)
+    clock.now += 0.4
+    assert beat(lv, "second", 2, queue=9)  # a newer run: a restart, as far as anyone can tell yet
+    assert [(hb.pid, hb.queue) for hb in lv.alive("scheduler")] == [(2, 9)]
+    clock.now += 0.6
+    assert beat(lv, "first", 1, queue=3)  # but the first beats again: it was alive, the newer one is refused
+    assert lv.refused == {("scheduler", 0): {"second"}}
+    assert [(hb.pid, hb.queue) for hb in lv.alive("scheduler")] == [(1, 3)]
+    for _ in range(5):  # however long it goes on
+        clock.now += 1.0
+        assert not beat(lv, "second", 2)
+        assert beat(lv, "first", 1)
+        assert [hb.pid for hb in lv.alive("scheduler")] == [1]
+    assert not beat(lv, "second", 2, leaving=True)  # and its goodbye does not drop the first
+    assert [hb.pid for hb in lv.alive("scheduler")] == [1]
+
+
+def test_a_run_restarted_after_a_crash_takes_over_at_once(clock):
+    lv = Liveness()
+    assert beat(lv, "crashed", 1)
+    clock.now += 0.5  # the old run dies without a word; its restart beats, not ready yet
+    assert beat(lv, "restarted", 2, ready=False)
+    assert [hb.pid for hb in lv.alive("scheduler")] == [2] and not lv.ready("scheduler")
+    for _ in range(5):
+        clock.now += 1.0
+        assert beat(lv, "restarted", 2)
+    assert [hb.pid for hb in lv.alive("scheduler")] == [2] and lv.refused == {}
+    assert not beat(lv, "crashed", 1, leaving=True)  # another run's goodbye takes nothing
+    assert beat(lv, "third", 3) and [hb.pid for hb in lv.alive("scheduler")] == [3]
+    assert beat(lv, "third", 3, leaving=True) and lv.alive("scheduler") == []
+    assert beat(lv, "fourth", 4)
