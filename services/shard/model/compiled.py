@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2)
 
 
+_cache_chosen = False  # use_cache_dir was called
+
+
 def default_cache_dir() -> Path:
     """`inductor/` in the model cache (SWITCHYARD_CACHE, else ~/.cache/switchyard), where the embedded models live."""
     root = env_value("cache") or Path.home() / ".cache" / "switchyard"
@@ -53,8 +56,10 @@ def _cache_dir() -> str:
 
 def use_cache_dir(path: str | Path) -> None:
     """Inductor's caches (FX graphs, kernels) under `path`; read by inductor when it first compiles."""
+    global _cache_chosen
     Path(path).mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    _cache_chosen = True
 
 
 @dataclass(slots=True)
@@ -228,6 +233,6 @@ def build(walk: DecoderWalk | None, dtype: torch.dtype, enabled: bool) -> tuple[
     if reason:
         log.info("compiled step: off (%s)", reason)
         return None, reason
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a test or a benchmark may have chosen one
+    if not _cache_chosen:  # a test or a benchmark may have chosen one (torch sets the variable itself when unset)
         use_cache_dir(default_cache_dir())
     return CompiledWalk(walk), ""
