@@ -97,11 +97,14 @@ def test_compiled_bf16_equals_eager_bf16(tiny_dirs, cache, request, arch):
     assert {k: v - before.get(k, 0) for k, v in compiled.counts.items() if v != before.get(k, 0)}.keys() == {"compiled"}
 
 
-def test_float32_stays_eager(tiny_dirs):
+def test_float32_and_unpacked_linears_stay_eager(tiny_dirs):
     runner = ModelRunner(str(tiny_dirs["llama"]), num_blocks=32, dtype=torch.float32, compile=True)
     assert runner.compiled is None and "float32" in runner.compiled_reason
     off = _runner(tiny_dirs["llama"], False)
     assert off.compiled is None and "--no-compile" in off.compiled_reason
+    # linears that are not prepacked oneDNN products (torch's own here; quantized ones alike) keep the eager walk
+    plain = _runner(tiny_dirs["llama"], True, onednn_linear=False)
+    assert plain.compiled is None and "oneDNN" in plain.compiled_reason and plain.walk is not None
 
 
 def test_grammar_drafts_and_lora_rows(tiny_dirs, adapters, llama):
