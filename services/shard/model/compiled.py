@@ -11,12 +11,13 @@ The token dimension is dynamic and unbacked (no specialization of 1): ONE graph 
 prefill chunks, verified drafts; the row structure lives in the attention op's PagedBatch). `warm` compiles it at
 start and runs it on the row counts asked (`--compile-buckets`, a check that they need no other graph); a step that
 would need a new graph later runs eagerly (`fail_on_recompile`) and is counted, so serving never stalls on a
-compile. `counts` says which path every step
-took (compiled, or eager and why); the runner routes LoRA steps to eager itself.
+compile. `counts` says which path every step took (compiled, or eager and why); the runner routes LoRA steps to
+eager itself (the compiled body calls the base products only).
 
-Inductor's caches live under `cache_dir` (the model cache's `inductor/` folder by default): a second start of the
-same model on the same CPU and torch loads its kernels instead of compiling them. Exactness: inductor computes a
-fused bf16 chain in float32 and rounds once, so bf16 logits differ from the eager walk's within bf16 rounding;
+Inductor's caches live in the model cache's `inductor/` folder (`use_cache_dir` chooses another): a second start
+of the same model on the same CPU, torch and thread count loads its graph instead of compiling it. Exactness:
+inductor would carry a fused bf16 chain in float32 and round once; with its casts emulated it rounds where the eager
+ops round, so the compiled bf16 logits are the eager walk's (equal on the tiny models, tested within tolerance);
 float32 stays eager (`build` refuses it), bit-identical to transformers.
 """
 
