@@ -2,7 +2,9 @@
 
 /vertex: `{"instances": [{"inputs", "parameters"?} | a chat request]}` → `{"predictions": [generated text…]}`, every
 instance at once. As TGI: of `parameters` only max_new_tokens and seed are taken, sampling and details are forced;
-no instance is a 422 "Input validation error"; any failure of an instance a 500 "Incomplete generation".
+no instance is a 422 "Input validation error"; an instance the server fails a 500 "Incomplete generation". An
+instance that is itself wrong (a validation, template or tool error, an overload: a 4xx) is answered with that
+error, not TGI's 500, so the client learns what to fix.
 /detokenize: `{"tokens": [ids], "model"?}` → `{"prompt": text}` (ids outside the vocabulary: a 422)."""
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ async def vertex(routes, request: web.Request) -> web.Response:
         with routes.permits.hold(len(wires)):
             results = await choices.collect_all(routes.ingress, wires, [None] * len(wires))
     except Failure as e:
-        return error_response(e if e.error_type == "overloaded" else INCOMPLETE)
+        return error_response(e if e.status < 500 else INCOMPLETE)
     return json_response(VertexResponse([rows[-1].final.generated_text for rows in results]))
 
 

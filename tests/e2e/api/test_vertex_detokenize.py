@@ -41,6 +41,12 @@ def test_vertex_answers_each_instance(tiny_server):
     r = requests.post(tiny_server.url + "/vertex", json={"instances": []}, timeout=60)
     assert r.status_code == 422
     assert r.json() == {"error": "Input validation error", "error_type": "Input validation error"}
+    # a wrong instance gets its own error (TGI: a 500), not a generation failure; the instance's body is checked
+    bad = {"instances": [{"inputs": TEXT, "parameters": {"max_new_tokens": 0}}]}
+    r = requests.post(tiny_server.url + "/vertex", json=bad, timeout=60)
+    assert r.status_code == 422 and r.json()["error_type"] == "validation", r.text
+    r = requests.post(tiny_server.url + "/vertex", json={"instances": [{"messages": "hi"}]}, timeout=60)
+    assert r.status_code == 422 and "deserialize" in r.json()["error"], r.text
     r = requests.post(tiny_server.url + "/vertex", json={"instances": [{"inputs": TEXT}]}, timeout=60)
     assert r.status_code == 200 and len(r.json()["predictions"]) == 1  # the server keeps serving
 

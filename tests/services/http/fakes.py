@@ -82,6 +82,10 @@ class FakeIngress:
     def healthy(self) -> bool:
         return True
 
+    def ready(self, request_id: str) -> bool:
+        """Rows here come one at a time (each after a yield to the loop): none waits behind the one in hand."""
+        return False
+
     async def generate(self, req: GenerateRequest, timing: Timing | None = None):
         self.sent.append(req)
         answer = self.answer(req, len(self.sent) - 1)

@@ -15,6 +15,7 @@ from services.tokenizer.grammar import (
     GrammarCompiler,
     GrammarLimits,
     ToolError,
+    ToolPlan,
     grammar_text,
     tool_grammar,
     tool_schema,
@@ -275,9 +276,10 @@ def test_tool_choice_auto_is_a_call_or_plain_text_never_no_tool(compiler):
 
 
 def test_tool_choice_none_and_no_tools_mean_plain_generation():
-    assert tool_grammar([WEATHER], "none") == (None, None, None)
-    assert tool_grammar(None, "required") == (None, None, None)
-    assert tool_grammar([], "auto") == (None, None, None)
+    plain = ToolPlan(None, None, None, None)
+    assert tool_grammar([WEATHER], "none") == plain
+    assert tool_grammar(None, "required") == plain
+    assert tool_grammar([], "auto") == plain
 
 
 def test_tool_errors_have_tgis_messages_and_type():
