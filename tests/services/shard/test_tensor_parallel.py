@@ -59,6 +59,9 @@ def _rank(rank: int, model_dir: str, port: int, out: str) -> None:
         runner = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, grammar=False)
         assert runner.num_kv_heads == runner.model.config.num_key_value_heads // WORLD
         Path(f"{out}.{rank}").write_text(json.dumps(_serve(runner, model_dir)))
+        # both ranks out of their last collective before either tears its connections down: a rank whose peer
+        # closed while gloo's background thread still read the pair can abort ('terminate called …')
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
