@@ -28,6 +28,9 @@ class NewSequence(msgspec.Struct, array_like=True):
     grammar_ids: list[int] = []  # the tokens it generated already (a recompute): replayed into the matcher
     # the images whose placeholders it still has to feed (not in its cached prefix); pixels in StepPlan.pixel_values
     images: list[ImageInput] = []
+    # the images wholly in its cached prefix (no pixels: never encoded again), for models whose positions after an
+    # image depend on its layout (M-RoPE: services/shard/vision/mrope.py)
+    cached_images: list[ImageInput] = []
 
 
 class StepPlan(Message, tag="plan", kw_only=True):

@@ -24,7 +24,7 @@ from libs.protocol.step_messages import NewSequence, StepPlan, StepResult
 from libs.runtime.settings import BLOCK_SIZE
 from services.scheduler.block_allocator import BlockAllocator, blocks_for
 from services.scheduler.drafting import Drafter
-from services.scheduler.images import images_to_feed, plan_pixels
+from services.scheduler.images import images_in_prefix, images_to_feed, plan_pixels
 from services.scheduler.prefill_pacing import PrefillPacing
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.priority import PriorityOrder
@@ -335,6 +335,7 @@ class Batcher:
             new.append(NewSequence(s.seq, sampling, prefix, s.req.adapter))
             if s.req.images:  # the images it still feeds travel with it (again after a preemption)
                 new[-1].images, pixels = images_to_feed(s.req, s.computed)
+                new[-1].cached_images = images_in_prefix(s.req, s.computed)
                 self._pixels += pixels
             if s.req.grammar:  # the shard builds its matcher, replaying what it generated already (a recompute)
                 new[-1].grammar, new[-1].grammar_ids = s.req.grammar, list(s.output)

@@ -1,6 +1,7 @@
 """A vision model's images on their way to the shard: which of a request's images a (re)admitted sequence still has
 to feed, with their pixels. An image whose placeholders all lie in the sequence's cached prefix (a prefix-cache hit,
-its KV already computed) is not sent: the shard never encodes it again."""
+its KV already computed) travels without its pixels, only its place (M-RoPE positions after it depend on it): the
+shard never encodes it again."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ def images_to_feed(req: TokenizedRequest, computed: int) -> tuple[list[ImageInpu
             pixels.append(req.pixel_values[at : at + size])
         at += size
     return images, pixels
+
+
+def images_in_prefix(req: TokenizedRequest, computed: int) -> list[ImageInput]:
+    """The request's images whose placeholders all lie in its first `computed` prompt tokens (sent without pixels)."""
+    return [im for im in req.images if im.start + im.tokens <= computed]
 
 
 def plan_pixels(pixels: list[np.ndarray]) -> np.ndarray | None:
