@@ -33,6 +33,9 @@ ARCHS = {
     "MistralForCausalLM": ("Mistral", "llama"),
     "Gemma2ForCausalLM": ("Gemma2", "gemma2"),
     "Gemma3ForCausalLM": ("Gemma3", "gemma3"),
+    # Qwen2-VL's and Qwen2.5-VL's language models (services/shard/vision/qwen2_vl.py), M-RoPE positions
+    "Qwen2VLCausalLM": ("Qwen2VL", "llama"),
+    "Qwen2_5_VLCausalLM": ("Qwen2_5_VL", "llama"),
 }
 
 
@@ -113,8 +116,9 @@ class DecoderWalk:
         return logits
 
     def _ropes(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """(cos, sin with rotate_half's sign folded in), each [T, 1, D], per rotary table the layers use."""
-        pos = position_ids[None]
+        """(cos, sin with rotate_half's sign folded in), each [T, 1, D], per rotary table the layers use.
+        `position_ids` [T], or [3, T] for M-RoPE (temporal, height, width: services/shard/vision/mrope.py)."""
+        pos = position_ids[None] if position_ids.dim() == 1 else position_ids[:, None]
         if self.layer_types is None:
             tables = {"": self.rotary(h, pos)}
         else:
