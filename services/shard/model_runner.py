@@ -32,9 +32,10 @@ from services.shard.sampling.counter import DrawKeys
 from services.shard.sampling.sampler import Choice, choose
 from services.shard.step_batch import Batch, History, SequenceState
 from services.shard.verify import PickGenerators, accept, expand_picks, kept_positions, select
+from services.shard.vision import encoder as vision_encoder
 from services.shard.vision import loader as vision_loader
 from services.shard.vision.cache import EncoderCache, merge
-from services.shard.vision.encoder import VisionEncoder
+from services.shard.vision.mrope import MRopePositions
 
 
 class ModelRunner:
@@ -99,10 +100,13 @@ class ModelRunner:
         # a vision model: its encoder outputs merged at the placeholders of the language model, which runs as a text
         # model (None: a text model)
         self.vision: EncoderCache | None = None
+        self.mrope: MRopePositions | None = None  # the image layouts of an M-RoPE model's sequences (None: 1-D)
         self.text_model = self.model
         if vision_loader.is_vision_model(self.model):
-            self.vision = EncoderCache(VisionEncoder(self.model))
+            self.vision = EncoderCache(vision_encoder.for_model(self.model))
             self.text_model = vision_loader.text_model(self.model, ATTN_IMPLEMENTATION)
+            if vision_loader.uses_mrope(self.model):
+                self.mrope = MRopePositions()
         # the direct decoder walk, or None (transformers' forward) and why
         self.walk, self.walk_reason = walk_module.build(self.text_model, tp, decoder_walk)
         # the walk's body compiled (bf16 on oneDNN), or None and why (float32 stays eager: model/compiled.py)
@@ -242,6 +246,8 @@ class ModelRunner:
         self.grammars.discard(seq)
         if self.vision is not None:
             self.vision.drop(seq)
+        if self.mrope is not None:
+            self.mrope.drop(seq)
 
     def _open_images(self, plan: StepPlan) -> None:
         """The new sequences' images, their pixels sliced from the plan's frame in order."""
@@ -253,6 +259,8 @@ class ModelRunner:
                 size = sum(im.size for im in new.images)
                 self.vision.open(new.seq, new.images, plan.pixel_values[at : at + size])
                 at += size
+            if self.mrope is not None:
+                self.mrope.open(new.seq, new.cached_images + new.images)
 
     def reset(self) -> None:
         """Drop every sequence (a new scheduler's probe)."""
@@ -260,6 +268,8 @@ class ModelRunner:
         self.grammars.clear()
         if self.vision is not None:
             self.vision.clear()
+        if self.mrope is not None:
+            self.mrope.clear()
 
     def _seq(self, seq: int) -> SequenceState:
         try:
@@ -338,6 +348,8 @@ class ModelRunner:
         if any(st.adapter for st in states):  # rows grouped by adapter once per step; base-only steps skip this
             self.lora.set_step([st.adapter for st in states], num_tokens)
         images = None if self.vision is None else self.vision.step(seqs, context_lens, num_tokens, cu)
+        # the rotary's positions: the tokens' own, or an M-RoPE model's (shifted past images; [3, T] in an image)
+        rope_positions = positions if self.mrope is None else self.mrope.positions(seqs, cu, positions)
         return Batch(
             images=images,
             seqs=seqs,
@@ -348,7 +360,7 @@ class ModelRunner:
             drafts=drafts,
             fed_ids=fed_ids,
             input_ids=torch.from_numpy(fed_ids).to(dev),
-            position_ids=torch.from_numpy(positions).to(dev),
+            position_ids=torch.from_numpy(rope_positions).to(dev),
             paged=paged,
             keep=torch.from_numpy(np.ascontiguousarray(keep)).to(dev),
             prompt_rows=prompt_rows,
@@ -361,7 +373,9 @@ class ModelRunner:
         if batch.images is not None:  # image placeholders fed: their embeddings merged (services/shard/vision)
             embeds = merge(self.text_model.get_input_embeddings()(batch.input_ids), batch.images)
             return self.forward_packed(batch.input_ids, batch.position_ids, batch.keep, batch.paged, embeds)
-        if self.graphs is not None:  # a pure-decode step in a bucket: its graph's replay (None: run it eagerly)
+        # a pure-decode step in a bucket: its graph's replay (None: run it eagerly); a graph places each token at
+        # its index, so not while an M-RoPE model holds sequences with images (their positions are shifted)
+        if self.graphs is not None and not (self.mrope is not None and self.mrope.layouts):
             logits = self.graphs.step(batch)
             if logits is not None:
                 return logits
@@ -379,13 +393,14 @@ class ModelRunner:
         paged: PagedBatch,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The eager forward of a packed step ([T] ids and positions): the decoder walk's or transformers'."""
+        """The eager forward of a packed step ([T] ids and positions, or M-RoPE's [3, T] positions): the decoder
+        walk's or transformers'."""
         if self.walk is not None:
             return self.walk.forward(input_ids, position_ids, keep, paged, inputs_embeds)
         return self.text_model(
             input_ids=None if inputs_embeds is not None else input_ids[None],
             inputs_embeds=None if inputs_embeds is None else inputs_embeds[None],
-            position_ids=position_ids[None],
+            position_ids=position_ids[None] if position_ids.dim() == 1 else position_ids[:, None],  # M-RoPE: [3, 1, T]
             use_cache=False,
             logits_to_keep=keep,
             paged=paged,

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from services.shard.vision import qwen2_vl
+
 
 class VisionEncoder:
     def __init__(self, model: torch.nn.Module) -> None:
@@ -41,3 +43,10 @@ class VisionEncoder:
         self.images += len(pixels)
         self.seconds += time.perf_counter() - started
         return out
+
+
+def for_model(model: torch.nn.Module):
+    """The vision encoder of the model's family."""
+    if model.config.model_type in qwen2_vl.FAMILIES:
+        return qwen2_vl.QwenVisionEncoder(model)
+    return VisionEncoder(model)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+from services.shard.vision import qwen2_vl
+
 # families whose image embeddings replace their placeholder tokens' embeddings one for one (encoder.py)
-FAMILIES = {"llava"}
+FAMILIES = {"llava", *qwen2_vl.FAMILIES}
 
 
 def is_vision_config(config: dict) -> bool:
@@ -42,6 +44,11 @@ def from_config(config, *, attn: str, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
+def uses_mrope(model: torch.nn.Module) -> bool:
+    """Whether the model places image tokens by M-RoPE (3-D positions: services/shard/vision/mrope.py)."""
+    return model.config.model_type in qwen2_vl.FAMILIES
+
+
 def is_vision_model(model: torch.nn.Module) -> bool:
     return hasattr(model.config, "vision_config") and hasattr(getattr(model, "model", None), "language_model")
 
@@ -49,6 +56,8 @@ def is_vision_model(model: torch.nn.Module) -> bool:
 def text_model(model: torch.nn.Module, attn: str) -> torch.nn.Module:
     """The language model and LM head of `model` as transformers' causal LM of its text config: a shell built
     without weights whose body and head ARE the vision model's modules (nothing is copied)."""
+    if model.config.model_type in qwen2_vl.FAMILIES:  # no causal LM class in transformers for their text config
+        return qwen2_vl.causal_lm(model)
     with torch.device("meta"):
         shell = AutoModelForCausalLM.from_config(model.config.get_text_config(), attn_implementation=attn)
     shell.model = model.model.language_model
