@@ -137,3 +137,118 @@ def reference_generate(model_dir, text: str, images: list[bytes], max_new_tokens
             **kwargs,
         )
     return out[0, input_ids.shape[1] :].tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Qwen2-VL and Qwen2.5-VL: a vision transformer (2-D rotary, patch merger; 2.5: window attention) and a Qwen2
+# language model with M-RoPE, their image processor (PIL path) and the tiny tokenizer with Qwen's vision tokens. Their
+# processor class needs torchvision (its video part): the reference expands each image as Qwen2VLProcessor does, one
+# <|image_pad|> per merged patch, framed by <|vision_start|> <|vision_end|> as the chat template frames an image.
+
+QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+QWEN_PATCH, QWEN_MERGE = 4, 2  # a 40x30 picture: 8x10 patches, 4x5 = 20 image tokens
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def build_qwen_vl(out_dir: str | Path, family: str, seed: int = 0) -> Path:
+    """Build (once) a tiny Qwen2-VL (`family` "qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl") into `out_dir`."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (
+        AutoModelForImageTextToText,
+        GenerationConfig,
+        Qwen2_5_VLConfig,
+        Qwen2VLConfig,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists() and (out / "preprocessor_config.json").exists():
+        return out
+    build_tokenizer(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_TOKENS])
+    tok.save(str(out / "tokenizer.json"))
+    start, end, image_pad, video_pad = (tok.token_to_id(t) for t in QWEN_TOKENS)
+    ids = dict(vision_start_token_id=start, vision_end_token_id=end, image_token_id=image_pad, video_token_id=video_pad)
+    text = dict(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        # head_dim 16: 8 rotary frequencies, 2 for the temporal section, 3 each for height and width
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+    common = dict(patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE, temporal_patch_size=2, depth=2, num_heads=2)
+    if family == "qwen2_vl":
+        vision = dict(embed_dim=32, mlp_ratio=2, hidden_size=64, **common)
+        config = Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+    else:  # windows of 2x2 merged patches, the second block attending to the whole image
+        vision = dict(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=16, **common)
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(vision, fullatt_block_indexes=[1]), **ids)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # peaked logits, as the tiny text models (tests/tiny_models.py); the image steers them
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * EMBED_STD)
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
+    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, do_sample=False)
+    model.save_pretrained(out, safe_serialization=True)
+    side = QWEN_PATCH * QWEN_MERGE
+    Qwen2VLImageProcessorPil(
+        patch_size=QWEN_PATCH,
+        merge_size=QWEN_MERGE,
+        temporal_patch_size=2,
+        size={"shortest_edge": side * side, "longest_edge": (8 * side) ** 2},  # at most 8x8 image tokens
+    ).save_pretrained(out)
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def load_qwen_vl(model_dir: str):
+    """(model, image processor, tokenizer): transformers' own, float32, eager attention."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    return model.eval(), AutoImageProcessor.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+
+
+def qwen_processed(model_dir, text: str, images: list[bytes]) -> dict:
+    """generate()'s inputs for `text` with `<image>` where each image goes, as Qwen2VLProcessor makes them."""
+    from PIL import Image
+
+    model, image_processor, tokenizer = load_qwen_vl(str(model_dir))
+    kwargs = {}
+    if images:
+        got = image_processor(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")
+        counts = (got["image_grid_thw"].prod(-1) // QWEN_MERGE**2).tolist()
+        parts = text.split("<image>")
+        text = parts[0] + "".join(
+            "<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>" + rest for n, rest in zip(counts, parts[1:])
+        )
+        kwargs = {"pixel_values": got["pixel_values"], "image_grid_thw": got["image_grid_thw"]}
+    input_ids = torch.tensor([tokenizer(text)["input_ids"]])
+    mm_token_type_ids = (input_ids == model.config.image_token_id).int()
+    return dict(input_ids=input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs)
+
+
+def qwen_reference_generate(model_dir, text: str, images: list[bytes], max_new_tokens: int) -> list[int]:
+    """Greedy new tokens of transformers' generate() on the processor's inputs (batch 1)."""
+    model, _, _ = load_qwen_vl(str(model_dir))
+    inputs = qwen_processed(model_dir, text, images)
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs,
+            attention_mask=torch.ones_like(inputs["input_ids"]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -16,6 +16,8 @@ import numpy as np
 from libs.protocol.messages import ImageInput
 from services.tokenizer.images.decode import ImageError, decode
 from services.tokenizer.images.fetch import FetchLimits, load
+from services.tokenizer.images.qwen2_vl import FAMILIES as QWEN_FAMILIES
+from services.tokenizer.images.qwen2_vl import QwenImageProcessor
 
 MARKDOWN_IMAGE = re.compile(r"!\[\]\(([^)]*)\)")  # TGI's chunking of `inputs` into text and images
 
@@ -46,9 +48,7 @@ def digest(pixels: np.ndarray) -> str:
 
 class ImageProcessor:
     def __init__(self, model_path: str, limits: ImageLimits = ImageLimits()) -> None:
-        from transformers import AutoProcessor
-
-        self.processor = AutoProcessor.from_pretrained(model_path)
+        self.processor = _model_processor(model_path)
         self.limits = limits
         self.image_token: str = self.processor.image_token
         self.image_token_id: int = self.processor.image_token_id
@@ -111,6 +111,17 @@ class ImageProcessor:
             out += tokens.tolist()
             prev = pos + 1
         return out + ids[prev:], placed
+
+
+def _model_processor(model_path: str):
+    """The folder's own processor (transformers' AutoProcessor), or Qwen2-VL's image part alone (qwen2_vl.py)."""
+    from transformers import AutoProcessor
+
+    from libs.runtime import model_store
+
+    if model_store.read_config(model_path).get("model_type") in QWEN_FAMILIES:
+        return QwenImageProcessor(model_path)
+    return AutoProcessor.from_pretrained(model_path)
 
 
 def has_image_parts(messages: list[dict]) -> bool:
