@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from services.tokenizer.images.decode import ImageError
+
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
@@ -30,7 +32,10 @@ class QwenImageProcessor:
     def __call__(self, *, text: str, images: list, add_special_tokens: bool = False, return_tensors: str = "np"):
         """`text`'s image tokens each expanded (framed) for its image, in order, and tokenized; each image's pixels
         (`pixel_values`, one array per image) and grid (`image_grid_thw`)."""
-        got = self.image_processor(images=images, return_tensors="np")
+        try:
+            got = self.image_processor(images=images, return_tensors="np")
+        except ValueError as e:  # a shape its resizing refuses (an aspect ratio over 200)
+            raise ImageError(f"the image cannot be processed for this model: {e}") from None
         grids = np.asarray(got["image_grid_thw"], np.int64)
         parts = text.split(self.image_token)
         if len(parts) != len(images) + 1:
