@@ -16,7 +16,16 @@ from typing import Any
 from llguidance import LLMatcher
 
 from services.http.tool_parsers import ToolParser
-from services.tokenizer.grammar import GrammarLimits, ToolError, ToolPlan, _choice_name, _function, _schema
+from services.tokenizer.grammar import (
+    JSON_WHITESPACE,
+    GrammarLimits,
+    ToolError,
+    ToolPlan,
+    _choice_name,
+    _closed,
+    _function,
+    _schema,
+)
 
 
 def _functions(tools: list[dict]) -> list[dict[str, Any]]:
@@ -67,26 +76,60 @@ def tool_plan(
 _START = re.compile(r"^start(\[[^\]]*\])?:", re.MULTILINE)
 
 
-def budget_lark(end: str, budget: int, answer: str | None = None) -> str:
-    """A thinking budget, for a prompt that leaves reasoning open: at most `budget` tokens of reasoning, then `end`
-    (at the budget the grammar allows nothing else, so the server writes it), then the answer: free text, or
-    `answer`'s Lark rules (a tool grammar) whose `start` becomes the answer's.
+def budget_lark(end: str, budget: int | None, answer: str | None = None) -> str:
+    """Reasoning, for a prompt that leaves it open, then `end`, then the answer: free text, or `answer`'s Lark rules
+    (a tool grammar, a JSON schema's) whose `start` becomes the answer's. Under a thinking budget at most `budget`
+    tokens of reasoning (at the budget the grammar allows only `end`, so the server writes it).
 
-    The reasoning may not hold the marker's first character: llguidance's lexer is greedy (a lexeme ends only where
-    the next byte cannot extend it), so a reasoning lexeme that could go on with `<` would never hand over to the
-    marker the model writes itself."""
+    llguidance's lexer is greedy (a lexeme ends only where the next byte cannot extend it), so the model's own
+    marker cannot be a lexeme of its own after free text that may go on with the marker's first character. Without
+    a budget the reasoning is one lexeme up to and with the first `end` (any text, `<` included). Under a budget
+    the reasoning may not hold the marker's first character: the lexeme that holds `end` is not cut by
+    `max_tokens`, and text cut at the budget beside it no longer hands over to the model's own marker."""
     if answer is None:
         rules = ["sy_answer: /(?s:.*)/"]
     else:
         rules = [_START.sub(r"sy_answer\1:", answer)]
-    first = re.escape(end[0]).replace("/", "\\/")
-    rules += [
-        f"start: sy_think {json.dumps(end)} sy_answer",
-        f"sy_think[max_tokens={int(budget)}]: SY_THINK",
-        f"SY_THINK: /[^{first}]*/",
-    ]
+    if budget is None:
+        marker = re.escape(end).replace("/", "\\/")
+        rules += [
+            "start: sy_think sy_answer",
+            "sy_think: SY_ENDED",
+            f"SY_ENDED: /(?s:.*){marker}/ & ~/(?s:.*){marker}(?s:.+)/",
+        ]
+    else:
+        first = re.escape(end[0]).replace("/", "\\/")
+        rules += [
+            f"start: sy_think {json.dumps(end)} sy_answer",
+            f"sy_think[max_tokens={int(budget)}]: SY_THINK",
+            f"SY_THINK: /[^{first}]*/",
+        ]
     return "\n".join(rules) + "\n"
+
+
+def json_answer_lark(schema: dict) -> str:
+    """A JSON schema's answer as Lark rules for `budget_lark` (extra keys closed, whitespace bounded, as a
+    response_format alone)."""
+    guided = {**_closed(schema), "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+    return f"start: %json{json.dumps(guided)}\n"
 
 
 def compiled(lark: str) -> str:
     return LLMatcher.grammar_from_lark(lark)
+
+
+def answer_schema(value: Any, limits: GrammarLimits = GrammarLimits()) -> dict | None:
+    """The JSON schema a JSON response_format (json, json_object, json_schema) asks of the answer; None for any
+    other grammar (a regex or Lark grammar constrains the whole output, reasoning included)."""
+    if not isinstance(value, dict):
+        return None
+    kind = value.get("type")
+    if kind == "json_object" and "value" not in value:
+        return {"type": "object"}
+    if kind in ("json", "json_object"):
+        return _schema(value.get("value"), limits)
+    if kind == "json_schema":
+        inner = value.get("value") if "value" in value else value.get("json_schema")
+        if isinstance(inner, dict) and "schema" in inner:
+            return _schema(inner["schema"], limits)
+    return None

@@ -24,7 +24,7 @@ from libs.runtime.settings import Settings
 from services.http import reasoning
 from services.http.tool_parsers import ToolParser, native_parser
 from services.tokenizer import validation
-from services.tokenizer.answer_grammar import budget_lark, compiled, tool_plan
+from services.tokenizer.answer_grammar import answer_schema, budget_lark, compiled, json_answer_lark, tool_plan
 from services.tokenizer.chat_template import ChatTemplates, TemplateError
 from services.tokenizer.grammar import Checked, GrammarCompiler, GrammarLimits, ToolError, ToolPlan, tool_grammar
 from services.tokenizer.images.decode import ImageError
@@ -229,14 +229,20 @@ class Processor:
         return list(ids)
 
     def _budget(self, req: GenerateRequest, text: str, plan: ToolPlan) -> Checked | None:
-        """A thinking budget's grammar, where the rendered prompt leaves reasoning open (not with a
-        response_format: that constrains the whole answer)."""
-        if req.thinking_budget is None or req.messages is None or req.parameters.grammar is not None:
+        """Where the rendered prompt leaves reasoning open: a thinking budget's grammar, or a JSON response_format's
+        that constrains only the answer after the reasoning (bounded by the budget if one is given). A regex or
+        Lark grammar still constrains the whole output."""
+        if req.messages is None or self.reasoning is None:
             return None
-        if self.reasoning is None or not self.reasoning.opened_in(text):
+        grammar = req.parameters.grammar
+        schema = None if grammar is None or self.grammars.disabled else answer_schema(grammar, self.grammars.limits)
+        if (req.thinking_budget is None and schema is None) or (grammar is not None and schema is None):
             return None
+        if not self.reasoning.opened_in(text):
+            return None
+        answer = plan.lark if schema is None else json_answer_lark(schema)
         return self.grammars.compile(
-            "reasoning", compiled(budget_lark(self.reasoning.end, req.thinking_budget, plan.lark))
+            "reasoning", compiled(budget_lark(self.reasoning.end, req.thinking_budget, answer))
         )
 
     def _grammar(self, grammar, plan: ToolPlan) -> Checked | None:

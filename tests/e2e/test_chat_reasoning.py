@@ -4,6 +4,7 @@ thinking budget makes the server write `</think>` itself so that an answer follo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import openai
@@ -54,3 +55,29 @@ def test_reasoning_apart_and_a_thinking_budget(client):
     assert _streamed(client, **kw) == (budgeted.message.reasoning_content, budgeted.message.content)
     with pytest.raises(openai.UnprocessableEntityError, match="reasoning_effort"):
         client.chat.completions.create(model="tgi", messages=ASK, max_tokens=4, reasoning_effort="enormous")
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+def test_a_response_format_constrains_only_the_answer(client):
+    # reasoning free up to the budget, then `</think>`, then JSON valid for the schema (not the whole output: then
+    # all of it would sit inside the reasoning the prompt opened and the content would be empty)
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
+    kw = dict(max_tokens=40, temperature=0, response_format=fmt, extra_body={"thinking_token_budget": 3})
+    choice = client.chat.completions.create(model="tgi", messages=ASK, **kw).choices[0]
+    assert choice.message.reasoning_content
+    verdict = json.loads(choice.message.content)
+    assert set(verdict) == {"ok"} and isinstance(verdict["ok"], bool)
+    assert _streamed(client, **kw) == (choice.message.reasoning_content, choice.message.content)
+    # the same through the Responses API's text.format (its reasoning.effort: the budget)
+    response = client.responses.create(
+        model="tgi",
+        input="Why is the sky blue?",
+        max_output_tokens=300,
+        temperature=0,
+        reasoning={"effort": "minimal"},  # 256 tokens
+        text={"format": {"type": "json_schema", "name": "verdict", "schema": SCHEMA}},
+    )
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert set(json.loads(response.output_text)) == {"ok"}

@@ -8,7 +8,7 @@ from llguidance import LLMatcher, LLTokenizer
 from tokenizers import Tokenizer
 
 from services.http.tool_parsers import PARSERS
-from services.tokenizer.answer_grammar import budget_lark, compiled, tool_plan
+from services.tokenizer.answer_grammar import budget_lark, compiled, json_answer_lark, tool_plan
 from services.tokenizer.grammar import ToolError
 from tests.tiny_models import EOS, build_tokenizer
 
@@ -83,3 +83,19 @@ def test_thinking_budget_forces_the_end_marker(vocab):
     ids = tok.encode("a b c d e", add_special_tokens=False).ids
     assert all(matcher.consume_token(t) for t in ids[:3])
     assert not matcher.consume_token(ids[3])  # at the budget only `</think>` may follow
+
+
+def test_reasoning_may_hold_the_markers_first_character(vocab):
+    # without a budget: `<` in the reasoning, even a marker's prefix, then the model's own `</think>` still hands over
+    free = budget_lark("</think>", None)
+    assert _accepts(vocab, free, "if a < b then </thi no</think>answer")
+    assert not _accepts(vocab, budget_lark("</think>", None), "no end marker")  # the answer follows the marker
+
+
+def test_a_json_answer_after_the_reasoning(vocab):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    grammar = budget_lark("</think>", 40, json_answer_lark(schema))
+    assert _accepts(vocab, grammar, 'x y</think>{"n": 3}')
+    assert not _accepts(vocab, grammar, 'x</think>{"n": "three"}')
+    assert not _accepts(vocab, grammar, 'x</think>{"n": 3, "extra": 1}')  # extra keys closed
+    assert _accepts(vocab, budget_lark("</think>", None, json_answer_lark(schema)), 'a</think>{"n": 1}')
