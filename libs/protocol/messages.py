@@ -318,6 +318,13 @@ class Heartbeat(Message, tag="hb", kw_only=True):
     # this process's run: a random id fixed at its start ("": unknown). Two live runs claiming one role and index
     # are a misconfiguration: the later one is refused (libs/runtime/liveness.py) and exits
     instance: str = ""
+    # a scheduler's announcement, so that a replica joins the router by starting: the address its intake PULL is
+    # bound on (as the router connects to it), its model, adapters and capacity ("" / 0: not a scheduler)
+    address: str = ""
+    model: str = ""
+    adapters: list[str] = []
+    max_batch: int = 0
+    draining: bool = False  # a replica finishing its streams before it stops: no new request is placed on it
 
 
 ANY_MESSAGE = (

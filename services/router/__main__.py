@@ -51,18 +51,38 @@ class Router:
         }.items():
             threading.Thread(target=proxy, args=(a, b), name=name, daemon=True).start()
         self.admit = bus.socket(zmq.PULL, bind=addresses.admit)
-        self.replicas = [
-            bus.socket(zmq.PUSH, connect=addresses.replica(r, "in")) for r in range(max(1, settings.replicas))
-        ]
+        # replica index → PUSH to its scheduler's intake, created from the replica's first announcement (its
+        # heartbeat's address); the configured replicas are a seed, connected before anything is heard
+        self.replicas: dict[int, zmq.Socket] = {}
+        self.replica_address: dict[int, str] = {}
+        self.placed: dict[int, int] = {}  # requests placed, by replica
+        for r in range(max(1, settings.replicas)):
+            self._connect_replica(r, addresses.replica(r, "in"), seed=True)
         self.events = bus.EventBus(addresses, ROLE, settings.index, subscribe=[topics.HB])
         self.liveness = Liveness()
-        self.placement = Placement(len(self.replicas))
-        self.placed = [0] * len(self.replicas)
-        self._states: dict[tuple[str, int], tuple[int, bool]] = {}  # (role, index) → (pid, ready) last seen
+        self.placement = Placement()
+        self._states: dict[
+            tuple[str, int], tuple[int, bool, bool]
+        ] = {}  # (role, index) → (pid, ready, draining) last seen
         self._claimants: set[tuple[str, int, str]] = set()  # runs refused for a live process's identity, logged
         self._placed_ids: OrderedDict[str, tuple[int, int]] = OrderedDict()  # request id → (replica, detokenizer)
         # waiting for a role it needs (_awaited), by request id in arrival order → (request, since when)
         self.held: OrderedDict[str, tuple[TokenizedRequest, float]] = OrderedDict()
+
+    def _connect_replica(self, r: int, address: str, seed: bool = False) -> None:
+        """Our PUSH to replica r at `address`: a new one, or the seed moved to where the replica says it is."""
+        before = self.replica_address.get(r)
+        if before == address:
+            return
+        if before is None:
+            self.replicas[r] = bus.socket(zmq.PUSH, connect=address)
+        else:
+            self.replicas[r].disconnect(before)
+            self.replicas[r].connect(address)
+        self.replica_address[r] = address
+        self.placed.setdefault(r, 0)
+        if not seed:
+            log.info("replica %d joins at %s", r, address)
 
     def _awaited(self) -> list[str]:
         """The roles a request needs that are restarting (Liveness.awaited): while any is, requests wait."""
@@ -111,7 +131,8 @@ class Router:
 
     def _place(self, req: TokenizedRequest) -> None:
         # sticky per request: the whole stream goes through this one detokenizer
-        detokenizers, schedulers = self.liveness.alive("detokenizer"), self.liveness.alive("scheduler")
+        detokenizers = self.liveness.alive("detokenizer")
+        schedulers = [hb for hb in self.liveness.alive("scheduler") if hb.index in self.replicas]  # joined ones
         before = self._placed_ids.get(req.request_id)
         if (
             before is not None
@@ -140,10 +161,11 @@ class Router:
 
     def _log_change(self, hb: Heartbeat) -> None:
         """A process that appears, restarts (new pid) or changes readiness is worth a line."""
-        key, state = (hb.role, hb.index), (hb.pid, hb.ready)
+        key, state = (hb.role, hb.index), (hb.pid, hb.ready, hb.draining)
         if self._states.get(key) != state:
             self._states[key] = state
-            log.info("%s.%d is up (pid %d)%s", hb.role, hb.index, hb.pid, "" if hb.ready else ", not ready yet")
+            how = ", draining: nothing new is placed on it" if hb.draining else "" if hb.ready else ", not ready yet"
+            log.info("%s.%d is up (pid %d)%s", hb.role, hb.index, hb.pid, how)
 
     def _log_claimant(self, hb: Heartbeat) -> None:
         """A second run claiming a live process's role and index (Liveness.record): said once per run, loudly."""
@@ -168,11 +190,16 @@ class Router:
                 return
             got = self.events.recv()
             if got and isinstance(got[1], Heartbeat):
-                if self.liveness.record(got[1]):
-                    self._log_change(got[1])
-                    self.placement.observe(got[1])
-                else:
-                    self._log_claimant(got[1])
+                self.heard(got[1])
+
+    def heard(self, hb: Heartbeat) -> None:
+        """One heartbeat into the view; a scheduler's joins its replica (connects our PUSH to its address)."""
+        if not self.liveness.record(hb):
+            return self._log_claimant(hb)
+        if hb.role == "scheduler" and hb.address:
+            self._connect_replica(hb.index, hb.address)
+        self._log_change(hb)
+        self.placement.observe(hb)
 
     def run(self) -> None:
         self.events.start()
@@ -194,7 +221,7 @@ class Router:
                 if isinstance(msg, TokenizedRequest):
                     self.place(msg)
             self._place_held()
-            self.events.heartbeat(counters={f"placed_replica_{r}": n for r, n in enumerate(self.placed)})
+            self.events.heartbeat(counters={f"placed_replica_{r}": n for r, n in self.placed.items()})
 
 
 def main() -> None:

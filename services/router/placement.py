@@ -11,7 +11,7 @@ one by more than `slack` requests — then load wins and the prefix is recompute
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 
 import numpy as np
 
@@ -23,17 +23,16 @@ MAX_REMEMBERED = 100_000  # chain hashes kept (LRU); ~100 bytes each
 
 
 class Placement:
-    def __init__(self, replicas: int, slack: int = 4):
-        self.replicas = replicas
+    def __init__(self, slack: int = 4):
         self.slack = slack
         self.owner: OrderedDict[bytes, int] = OrderedDict()  # chain hash → replica that last computed it
-        self._since_hb = [0] * replicas  # placed on r since r's last heartbeat
+        self._since_hb: defaultdict[int, int] = defaultdict(int)  # placed on r since r's last heartbeat
         self._next_detok = 0
         self.groups: OrderedDict[str, int] = OrderedDict()  # sibling group (`n` choices) → its replica
 
     def observe(self, hb: Heartbeat) -> None:
         """A scheduler heartbeat: its own load supersedes what we placed before it."""
-        if hb.role == "scheduler" and 0 <= hb.index < self.replicas:
+        if hb.role == "scheduler":
             self._since_hb[hb.index] = 0
 
     def choose_replica(
@@ -44,13 +43,14 @@ class Placement:
         group: str = "",
         images=(),
     ) -> int:
-        """The replica for a prompt, among the ready schedulers; the siblings of a `group` all go where the first
+        """The replica for a prompt, among the ready schedulers that are not draining (the replicas that joined:
+        the caller passes those it can reach); the siblings of a `group` all go where the first
         went while it is alive (their scheduler shares the prompt's KV blocks among them).
 
-        With none ready (shards loading or restarting) any live one will do, and with none alive replica 0:
-        the request then waits in that scheduler's queue (or its socket) instead of failing.
+        With none ready (shards loading or restarting) any live one that is not draining will do, and with none
+        replica 0: the request then waits in that scheduler's queue (or its socket) instead of failing.
         """
-        known = [hb for hb in schedulers if 0 <= hb.index < self.replicas]
+        known = [hb for hb in schedulers if not hb.draining]
         candidates = [hb for hb in known if hb.ready] or known
         load = {hb.index: hb.queue + hb.running + self._since_hb[hb.index] for hb in candidates}
         if not load:

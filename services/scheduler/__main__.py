@@ -11,6 +11,7 @@ docs/recovery.md the recovery.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections import defaultdict
 
@@ -50,6 +51,7 @@ class SchedulerService:
         self.replica = r = settings.index
         addresses = Addresses.parse(settings.bus)
         self.inbox = bus.socket(zmq.PULL, bind=addresses.replica(r, "in"))
+        self.announced = reachable(addresses.replica(r, "in"))  # where the router connects, from our heartbeat
         self.plans = bus.socket(zmq.PUB, bind=addresses.replica(r, "plan"))
         self.results = bus.socket(zmq.PULL, bind=addresses.replica(r, "results"))
         self.events = bus.EventBus(addresses, ROLE, r, subscribe=[topics.ctl(r)])
@@ -376,7 +378,20 @@ class SchedulerService:
             "free_blocks": b.allocator.free,
             "total_blocks": b.allocator.num_blocks,
             "counters": b.counters,
+            "address": self.announced,
+            "model": self.settings.model_id,
+            "adapters": list(self.lora.accepting),
+            "max_batch": self.settings.max_batch_size,
         }
+
+
+def reachable(bound: str) -> str:
+    """The address a peer connects to for one we bound: a wildcard host (all interfaces) becomes this host's
+    name (in a StatefulSet, the pod's stable DNS name under its headless service)."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:"):
+        if bound.startswith(wildcard):
+            return f"tcp://{socket.getfqdn()}:{bound[len(wildcard) :]}"
+    return bound
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ def prompt(seed, n=64):
 
 
 def test_least_loaded_and_placed_since_heartbeat_count():
-    p = Placement(3)
+    p = Placement()
     hbs = [sched(0, queue=5), sched(1, running=1), sched(2, queue=2)]
     picks = [p.choose_replica(prompt(i), hbs) for i in range(3)]
     # loads 5/1/2: replica 1 (load 1, then 2 counting our placement), then 1 or 2 tie → lower index
@@ -26,14 +26,14 @@ def test_least_loaded_and_placed_since_heartbeat_count():
 
 
 def test_ready_replicas_first_then_any_live_then_replica_0():
-    p = Placement(3)
-    assert p.choose_replica(prompt(0), [sched(0, ready=False), sched(1, queue=9), sched(5)]) == 1
+    p = Placement()
+    assert p.choose_replica(prompt(0), [sched(0, ready=False), sched(1, queue=9)]) == 1
     assert p.choose_replica(prompt(1), [sched(0, queue=3, ready=False), sched(2, ready=False)]) == 2
     assert p.choose_replica(prompt(2), []) == 0
 
 
 def test_prefix_affinity_within_slack_then_load_wins():
-    p = Placement(2, slack=4)
+    p = Placement(slack=4)
     shared = prompt(1, 64)
     first = p.choose_replica(shared, [sched(0, queue=1), sched(1)])
     assert first == 1
@@ -46,14 +46,14 @@ def test_prefix_affinity_within_slack_then_load_wins():
 
 
 def test_detokenizers_round_robin():
-    p = Placement(1)
+    p = Placement()
     detoks = [Heartbeat(role="detokenizer", index=i, pid=1) for i in range(3)]
     assert [p.choose_detokenizer(detoks) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
     assert p.choose_detokenizer([]) is None
 
 
 def test_siblings_of_a_group_follow_the_first_whatever_the_load():
-    p = Placement(2, slack=0)
+    p = Placement(slack=0)
     short = prompt(3, 8)  # no full block: no prefix affinity to lean on
     first = p.choose_replica(short, [sched(0, queue=1), sched(1)], group="g")
     assert first == 1
@@ -66,7 +66,7 @@ def test_siblings_of_a_group_follow_the_first_whatever_the_load():
 def test_image_blocks_have_affinity_by_the_image():
     from libs.protocol.messages import ImageInput
 
-    p = Placement(2, slack=4)
+    p = Placement(slack=4)
     ids = prompt(4, 64)  # the same ids: the placeholders of two different images
     cat = [ImageInput(digest="11" * 16, start=0, tokens=64, shape=[3, 2, 2])]
     dog = [ImageInput(digest="22" * 16, start=0, tokens=64, shape=[3, 2, 2])]

@@ -34,7 +34,7 @@ def router():
         try:
             yield r, replica_in, failed
         finally:
-            for sock in (replica_in, r.admit, *r.replicas):
+            for sock in (replica_in, r.admit, *r.replicas.values()):
                 sock.close()
 
 

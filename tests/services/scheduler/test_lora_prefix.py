@@ -43,7 +43,7 @@ def test_hashes_and_affinity_include_the_adapter():
     assert len(base) == len(a) == 2 and not set(base) & set(a) and not set(a) & set(b)
     assert prefix_hashes(ids, 16, "a") == a  # deterministic: router and scheduler agree
     hbs = [Heartbeat(role="scheduler", index=i, pid=1) for i in range(2)]
-    placement = Placement(2)
+    placement = Placement()
     first = placement.choose_replica(ids, hbs, "a")
     placement.observe(hbs[first])  # its load is counted again from the heartbeat
     assert placement.choose_replica(ids, hbs, "a") == first  # the adapter's prefix lives there
