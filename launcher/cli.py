@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N|auto", help=cpu_team.RESERVED_HELP)  # fmt: skip
     flag("num-shard", type=int, default=1, help="tensor-parallel shards per replica (gloo on CPU, NCCL on CUDA)")
     flag("replicas", type=int, default=1, help="model replicas: a scheduler and num-shard shards each")
+    flag(
+        "replica-base",
+        type=int,
+        default=0,
+        help="the index of this host's first replica, for a host that adds replicas to a running router",
+    )
     flag("tokenizer-workers", type=int, default=1, help="tokenizer processes")
     flag("detokenizer-workers", type=int, default=1, help="detokenizer processes")
     flag("http-workers", type=int, default=1, help="http processes, all on --port (SO_REUSEPORT)")
@@ -347,7 +353,7 @@ def serve(args: argparse.Namespace) -> int:
         if settings.num_shard > 1 and counts["shard"]:  # each replica's ranks rendezvous on one of these
             settings = settings.replace(tp_port=_free_ports(settings.replicas))
         try:  # fail now, not in every process, if the address is unusable
-            Addresses.parse(settings.bus).replica(settings.replicas - 1, "results")
+            Addresses.parse(settings.bus).replica(settings.replica_base + settings.replicas - 1, "results")
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         env = {

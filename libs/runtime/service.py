@@ -18,6 +18,9 @@ def run(role: str, body: Callable[[Settings, logging.Logger], None]) -> None:
     back anywhere with `metrics.get()`; the heartbeat carries it), tracing (`tracing.init`, off
     without --otlp-endpoint) and the bus key (`bus.configure`: CURVE on every tcp socket when set)."""
     settings = Settings.from_env()
+    if settings.replica_base and role in ("scheduler", "shard"):  # supervisord counts from 0 on every host
+        per_replica = max(1, settings.num_shard) if role == "shard" else 1
+        settings = settings.replace(index=settings.index + settings.replica_base * per_replica)
     log = logs.setup(role, settings.index, settings.json_output)
     if bus.configure(settings) is not None and settings.bus.startswith("tcp://"):
         log.info("bus links encrypted (CURVE)")

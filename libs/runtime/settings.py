@@ -72,6 +72,9 @@ class Settings:
     validation_workers: int = 1
     max_client_batch_size: int = 4
     replicas: int = 1  # model replicas: one scheduler each, with num_shard shards
+    # the index of this launcher's first replica (--replica-base): a host adding replicas to a running fleet numbers
+    # its schedulers and shards after the others' (libs/runtime/service.py makes their index global)
+    replica_base: int = 0
     num_shard: int = 1  # shards (tensor-parallel ranks) per replica
     tokenizer_workers: int = 1
     detokenizer_workers: int = 1

@@ -27,7 +27,7 @@ class ShardService:
         self.plans.setsockopt(zmq.SUBSCRIBE, b"")
         self.results = bus.socket(zmq.PUSH, connect=addresses.replica(replica, "results"))
         # one accelerator per shard when there is one (shard process i takes device i), else the CPU
-        index = replica * settings.num_shard + rank
+        index = (replica - settings.replica_base) * settings.num_shard + rank  # among this host's shards
         device = f"cuda:{index % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
         if device != "cpu":  # --cuda-memory-fraction: this process's allocator takes at most that share of its GPU
             torch.cuda.set_per_process_memory_fraction(settings.cuda_memory_fraction, torch.device(device))
@@ -35,7 +35,7 @@ class ShardService:
         if self.tp > 1:  # the replica's ranks rendezvous (a barrier) before loading their shards of the model
             if not settings.tp_port:
                 raise RuntimeError("--num-shard > 1 needs SWITCHYARD_TP_PORT (set by the launcher)")
-            port = settings.tp_port + replica
+            port = settings.tp_port + replica - settings.replica_base  # the launcher's ports are this host's
             tensor_parallel.init_group(rank, self.tp, port, torch.device(device), run_dir=settings.run_dir)
             tensor_parallel.start_watchdog()
         try:
@@ -130,7 +130,8 @@ def main() -> None:
         # i // num_shard as rank i % num_shard
         replica, rank = divmod(settings.index, max(1, settings.num_shard))
         # the OpenMP team: the host's usable cores shared by the shards it runs, less what others keep busy
-        tuner = cpu_tuning.TeamTuner(cpu_team.flags_from(settings), settings.procs_shard, settings.index, log)
+        local = settings.index - settings.replica_base * max(1, settings.num_shard)  # among this host's shards
+        tuner = cpu_tuning.TeamTuner(cpu_team.flags_from(settings), settings.procs_shard, local, log)
         tuner.start()
         shard = ShardService(settings, replica=replica, rank=rank)
         shard.tuner = tuner
