@@ -20,6 +20,12 @@ class StepWriter:
         if not more_ready:
             await self.flush()
 
+    async def add_all(self, events: list[bytes], more_ready: bool) -> None:
+        """Queue a row's events (a chat token may give several chunks); write as `add` does."""
+        self.parts.extend(events)
+        if not more_ready:
+            await self.flush()
+
     async def flush(self) -> None:
         if not self.parts:
             return

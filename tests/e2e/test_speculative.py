@@ -10,6 +10,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import orjson
 import pytest
 import requests
 from tokenizers import Tokenizer
@@ -219,3 +220,27 @@ def test_a_constrained_copy_drafts_and_equals_generate(server, folder):
     drafted, accepted = drafts_since(server, before)
     assert accepted >= 0.5 * drafted > 0, (drafted, accepted)
     assert counter(server, "switchyard_constrained_rows_sum") > rows_before  # it really ran under its grammar
+
+
+def test_chat_streaming_writes_per_step(server, copy_prompt):
+    # /v1/chat/completions streams the copy's multi-token steps as one socket write each, every chunk intact
+    text, _ = copy_prompt
+    whole = generate(server, text)["generated_text"]
+    before, deadline = None, time.monotonic() + 30
+    while (now := sse_counters(server)) != before:  # earlier streams' counts in
+        assert time.monotonic() < deadline
+        before = now
+        time.sleep(1.2)
+    messages = [{"role": "user", "content": "Repeat this code exactly:\n\n" + TEXT}]
+    body = {"messages": messages, "max_tokens": MAX_NEW, "temperature": 0, "stream": True}
+    r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+    lines = [line[6:] for line in r.content.split(b"\n") if line.startswith(b"data: ")]
+    assert lines[-1] == b"[DONE]"
+    chunks = [orjson.loads(line) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == whole
+    deadline = time.monotonic() + 30
+    while (now := sse_counters(server))[0] < before[0] + len(chunks):
+        assert time.monotonic() < deadline, (before, now, len(chunks))
+        time.sleep(0.2)
+    sent, writes = now[0] - before[0], now[1] - before[1]
+    assert sent == len(chunks) and 0 < writes < sent, (sent, writes)

@@ -96,10 +96,14 @@ async def collect_all(ingress, wires: list[GenerateRequest], timings: list[Timin
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def merged(ingress, wires: list[GenerateRequest]) -> AsyncIterator[tuple[int, TextRow]]:
-    """The requests' rows as they come, each with its request's index; the first failure is raised and the others
-    are cancelled. Closing the iterator cancels them all."""
+async def merged(ingress, wires: list[GenerateRequest]) -> AsyncIterator[tuple[int, TextRow, bool]]:
+    """The requests' rows as they come, each with its request's index and whether more rows already wait (the rest
+    of a step's: a writer may hold its events until they are in); the first failure is raised and the others are
+    cancelled. Closing the iterator cancels them all."""
     queue: asyncio.Queue = asyncio.Queue()
+
+    def more() -> bool:  # rows already pumped (asyncio.Queue's deque), or still at the ingress
+        return any(item is not None for item in queue._queue) or any(ingress.ready(w.request_id) for w in wires)
 
     async def pump(index: int, wire: GenerateRequest) -> None:
         try:
@@ -121,7 +125,7 @@ async def merged(ingress, wires: list[GenerateRequest]) -> AsyncIterator[tuple[i
             elif isinstance(item[1], Failure):
                 raise item[1]
             else:
-                yield item
+                yield item[0], item[1], more()
     finally:
         for task in tasks:
             task.cancel()

@@ -187,30 +187,35 @@ class OpenAIRoutes:
         else:
             readers = [None if tool_mode is None else tools.ToolStream(auto=tool_mode == "auto") for _ in wires]
         call_id = tools.next_call_id(body.messages)
+        writer = None
         try:
             with self.permits.hold(len(wires)):
                 choices.quiet(self.ingress, wires, len(wires))
                 async with contextlib.aclosing(choices.merged(self.ingress, wires)) as rows:
-                    async for index, row in rows:
+                    async for index, row, more in rows:
                         if response is None:  # the template rendered and validation passed
                             response = await open_stream(request, body.characters)
+                            writer = StepWriter(response)
                         if readers[index] is None:
-                            await response.write(sse(env.chat_chunk(row, logprobs, index=index)))
+                            events = [sse(env.chat_chunk(row, logprobs, index=index))]
                         elif isinstance(readers[index], AnswerStream):
-                            for chunk in _answer_chunks(env, readers[index], row, logprobs, index):
-                                await response.write(sse(chunk))
+                            events = [sse(c) for c in _answer_chunks(env, readers[index], row, logprobs, index)]
                         else:
-                            for chunk in _tool_chunks(env, readers[index], row, logprobs, call_id, index):
-                                await response.write(sse(chunk))
+                            events = [sse(c) for c in _tool_chunks(env, readers[index], row, logprobs, call_id, index)]
                         if row.final is not None:
                             finals.append(row.final)
                             if body.include_usage and len(finals) == len(wires):
-                                await response.write(sse(env.usage_chunk(finals)))
+                                events.append(sse(env.usage_chunk(finals)))
+                        await writer.add_all(events, more)  # one write for a step's events
+                if writer is not None:
+                    await writer.flush()
         except Failure as e:
             if response is None:
                 if e.error_type in PRE_STREAM_ERRORS or isinstance(tool_mode, AnswerReader) and tool_mode.native:
                     return _chat_error(e, tool_mode)
                 response = await open_stream(request, body.characters)
+            else:
+                await writer.flush()
             await response.write(sse(openai_stream_error(e)))
         except ConnectionResetError:  # the client went away; closing the rows above aborted the request
             return response or web.Response()

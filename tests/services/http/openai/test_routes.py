@@ -56,6 +56,9 @@ class FakeIngress:
         self.scripts = {}  # inputs → rows or Failure; "" (chat) by default
         self.closed = []
 
+    def ready(self, request_id):
+        return False  # rows come one at a time here
+
     async def generate(self, req, timing=None):
         self.requests.append(req)
         outcome = self.scripts.get(req.inputs, self.scripts.get("*"))
