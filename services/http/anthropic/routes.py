@@ -31,6 +31,7 @@ from services.http.generation import Permits, collect
 from services.http.lora import check_model
 from services.http.openai.answer import ChatFormat
 from services.http.responses import json_response, open_stream
+from services.http.sse_writer import StepWriter
 from services.http.tgi.schemas import parse_body
 from services.http.timing import Timing
 
@@ -103,16 +104,18 @@ class AnthropicRoutes:
                     async for row in rows:
                         if http is None:
                             http = await open_stream(request, turn.body.characters)
+                            writer = StepWriter(http)
                             await http.write(b"".join(events.start()))
                         final = row.final is not None
                         out = [e for d in answer.push("" if row.special else row.text, final) for e in events.push(d)]
                         if final:
                             out += events.end(row.final)
-                        if out:
-                            await http.write(b"".join(out))
+                        # a step's events in one write (services/http/sse_writer.py)
+                        await writer.add_all(out, not final and self.ingress.ready(turn.wire.request_id))
         except Failure as e:
             if http is None:
                 return error_response(e)
+            await writer.flush()
             await http.write(error_event(error_type(e.status), e.message))
         except ConnectionResetError:  # the client went away; closing the rows above aborted the request
             return http or web.Response()

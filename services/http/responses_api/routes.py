@@ -30,6 +30,7 @@ from services.http.responses_api.schemas import (
     ResponsesRequest,
 )
 from services.http.responses_api.store import ResponseStore
+from services.http.sse_writer import StepWriter
 from services.http.tgi.schemas import parse_body
 from services.http.timing import Timing
 
@@ -133,16 +134,18 @@ class ResponsesRoutes:
                     async for row in rows:
                         if http is None:
                             http = await open_stream(request, turn.body.characters)
+                            writer = StepWriter(http)
                             await http.write(b"".join(events.start()))
                         final = row.final is not None
                         out = [e for d in answer.push("" if row.special else row.text, final) for e in events.push(d)]
                         if final:
                             out += events.end(row.final)
-                        if out:
-                            await http.write(b"".join(out))
+                        # a step's events in one write (services/http/sse_writer.py)
+                        await writer.add_all(out, not final and self.ingress.ready(turn.wire.request_id))
         except Failure as e:
             if http is None:
                 return error_response(e)
+            await writer.flush()
             await http.write(b"".join(events.error(e.error_type, e.message)))
             await http.write_eof()
             return http
