@@ -1,7 +1,8 @@
 """Reasoning kept apart from the answer: `reasoning_content` (and `reasoning`) beside `content`.
 
 One parser per format, one file each: `think_tags` (`<think>…</think>`: DeepSeek-R1, Qwen3, QwQ, GLM-4.5). vLLM's
-flag names for it (`deepseek_r1`, `qwen3`, `glm45`) all select it.
+flag names for it (`deepseek_r1`, `qwen3`, `glm45`) all select it. `harmony` (gpt-oss's channels: reasoning, content
+and tool calls in one format) reads an answer whose special tokens were kept; it is not chosen from a template yet.
 
 Interface:
 - `choose(template, flag)` → the parser for a chat template's text, or the one `--reasoning-parser` names
