@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 
+from services.shard.attention import bidirectional
 from services.shard.attention.tiled import TiledRow, attend_tiled, build_tiled, long_rows
 
 ATTN_IMPLEMENTATION = "switchyard_paged"
@@ -65,6 +66,8 @@ class PagedBatch:
     # per layer (K, V) as [kv_heads, slots, D] views (None: formed per call); the runner forms them once at load
     kv_flat: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     backend: str = "torch"  # "torch": the ops below (the reference); "triton": services/shard/attention/triton.py
+    # row -> [n, 2] positions [start, end) seen both ways in prefill (bidirectional.py); empty: causal everywhere
+    spans: dict = field(default_factory=dict)
     _groups: dict = field(default_factory=dict)  # sliding window (0 = none) -> (groups, tiled rows)
 
     @classmethod
@@ -101,6 +104,9 @@ class PagedBatch:
         if got is None:
             n_q = self.host_cu[1:] - self.host_cu[:-1]
             tiled = long_rows(n_q)
+            if self.spans:  # rows with bidirectional spans take the grouped path, whose mask carries them
+                bidirectional.check(self.spans, self.host_context, n_q)
+                tiled = np.setdiff1d(tiled, np.fromiter(self.spans, dtype=np.int64))
             short = np.setdiff1d(np.arange(len(n_q)), tiled) if len(tiled) else np.arange(len(n_q))
             groups = _build_groups(self, short, window, device) if len(short) else []
             got = self._groups[window] = (groups, build_tiled(self, tiled, window, device))
@@ -157,6 +163,8 @@ def _build_groups(paged: PagedBatch, subset: np.ndarray, window: int, device: to
     n_q = cu[1:] - cu[:-1]
     # A sliding-window layer never looks further back than the window: gather only what the first query can see.
     first = np.maximum(0, ctx - window + 1) if window else np.zeros_like(ctx)
+    if window and paged.spans:
+        first = bidirectional.first_key(paged.spans, np.arange(len(ctx)), ctx, n_q, first)
     out = []
     first_block = first // bs
     n_b = -(-(ctx + n_q) // bs) - first_block  # blocks a row reads
@@ -178,6 +186,8 @@ def _build_groups(paged: PagedBatch, subset: np.ndarray, window: int, device: to
         visible = k_pos[:, None, :] <= q_pos[:, :, None]
         if window:  # as masking_utils.sliding_window_overlay: kv_idx > q_idx - sliding_window
             visible &= k_pos[:, None, :] > q_pos[:, :, None] - window
+        if paged.spans:
+            bidirectional.widen(visible, paged.spans, rows, q_pos, k_pos)
         visible[~q_valid] = False
         visible[~q_valid, 0] = True  # padding queries see one key: no all -inf softmax row (NaN)
         q_index = np.where(q_valid, cu[rows][:, None] + qi[None, :], 0)
@@ -233,6 +243,8 @@ def attend_layer(
     """One layer's attention over the packed batch, [T, heads, D]: the new K/V into the pages, then every row
     over its context (the decoder walk calls this directly; transformers' models through `paged_attention`)."""
     if paged.backend == "triton":
+        if paged.spans:
+            raise ValueError("bidirectional spans are served by the torch paged attention only")
         from services.shard.attention.triton import attend_layer_triton  # imports triton: only for this backend
 
         return attend_layer_triton(layer, query, key, value, paged, scaling, softcap, window)
