@@ -1,6 +1,8 @@
 """Bidirectional spans in prefill: within a span of one row (an image's tokens, for Gemma 3) every query sees every
-key, as transformers' gemma3 mask ORs its same-image function onto the causal (and sliding-window) mask. Spans are
-absolute positions [start, end) per row; everything outside them stays causal, so decode rows are unchanged.
+key, as transformers' gemma3 masks compose: OR(causal, same span) on full-attention layers, AND(window, OR(causal,
+same span)) on sliding ones (a span wider than the window is still cut by it; the window only bounds the past, so
+a sliding layer gathers no key before its usual first one). Spans are absolute positions [start, end) per row;
+everything outside them stays causal, so decode rows are unchanged.
 
 A span must lie whole in the cache once its row's step has written its keys: a chunk that holds some of a span's
 queries must also hold the span's end (the scheduler keeps an image's block in one chunk), else a query would miss
@@ -23,20 +25,6 @@ def check(spans: Spans, ctx: np.ndarray, n_q: np.ndarray) -> None:
             raise ValueError(
                 f"row {row}: bidirectional span [{start}, {end}) is split by the step (keys up to {last} written)"
             )
-
-
-def first_key(spans: Spans, rows: np.ndarray, ctx: np.ndarray, n_q: np.ndarray, first: np.ndarray) -> np.ndarray:
-    """`first` (the first key each row gathers) moved back to the start of any span one of its queries lies in:
-    a sliding-window layer's query still sees its whole image (masking_utils ORs the span past the window)."""
-    first = first.copy()
-    for j, row in enumerate(rows.tolist()):
-        s = spans.get(row)
-        if s is None:
-            continue
-        touched = (s[:, 1] > ctx[row]) & (s[:, 0] < ctx[row] + n_q[row])
-        if touched.any():
-            first[j] = min(int(first[j]), int(s[touched, 0].min()))
-    return first
 
 
 def widen(visible: np.ndarray, spans: Spans, rows: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> None:

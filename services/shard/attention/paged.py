@@ -163,8 +163,6 @@ def _build_groups(paged: PagedBatch, subset: np.ndarray, window: int, device: to
     n_q = cu[1:] - cu[:-1]
     # A sliding-window layer never looks further back than the window: gather only what the first query can see.
     first = np.maximum(0, ctx - window + 1) if window else np.zeros_like(ctx)
-    if window and paged.spans:
-        first = bidirectional.first_key(paged.spans, np.arange(len(ctx)), ctx, n_q, first)
     out = []
     first_block = first // bs
     n_b = -(-(ctx + n_q) // bs) - first_block  # blocks a row reads
@@ -184,10 +182,10 @@ def _build_groups(paged: PagedBatch, subset: np.ndarray, window: int, device: to
         q_valid = qi[None, :] < nq[:, None]  # [R, Q]
         q_pos = c[:, None] + qi[None, :]
         visible = k_pos[:, None, :] <= q_pos[:, :, None]
+        if paged.spans:  # OR(causal, same span), then the window over both, as gemma3's masks compose
+            bidirectional.widen(visible, paged.spans, rows, q_pos, k_pos)
         if window:  # as masking_utils.sliding_window_overlay: kv_idx > q_idx - sliding_window
             visible &= k_pos[:, None, :] > q_pos[:, :, None] - window
-        if paged.spans:
-            bidirectional.widen(visible, paged.spans, rows, q_pos, k_pos)
         visible[~q_valid] = False
         visible[~q_valid, 0] = True  # padding queries see one key: no all -inf softmax row (NaN)
         q_index = np.where(q_valid, cu[rows][:, None] + qi[None, :], 0)

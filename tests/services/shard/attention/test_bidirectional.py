@@ -24,10 +24,10 @@ def _reference(tokens, k_cache, v_cache, tables, cu, q_lens, ctx_lens, spans, wi
         qs = tokens[cu[i] : cu[i + 1]].transpose(0, 1)
         qp, kp = (c + torch.arange(q))[:, None], torch.arange(c + q)[None, :]
         visible = kp <= qp
-        if window:
-            visible &= kp > qp - window
         for start, end in spans.get(i, ()):
             visible |= (qp >= start) & (qp < end) & (kp >= start) & (kp < end)
+        if window:  # AND(sliding_window, OR(causal, blockwise)): create_masks_for_vision_model
+            visible &= kp > qp - window
         scores = (qs @ k.transpose(1, 2) * SCALE).masked_fill(~visible, float("-inf"))
         out.append((torch.softmax(scores, -1) @ v).transpose(0, 1))
     return torch.cat(out)
@@ -60,11 +60,17 @@ def test_an_image_span_is_seen_both_ways_and_the_rest_stays_causal(window):
     torch.testing.assert_close(got[~in_image], causal[~in_image], rtol=1e-5, atol=1e-5)
 
 
-def test_a_sliding_layer_query_sees_its_whole_image_past_the_window():
-    # the image [0, 12) is wider than the window: its first query still sees its last key, and its last the first
+def test_a_sliding_layer_cuts_an_image_wider_than_its_window():
+    # the image [0, 12) is wider than the window: its queries see the image's later keys, but no key the window
+    # has left behind (the OR of the span comes before the window's AND)
     got, want, causal = _run([16], [0], {0: [[0, 12]]}, 4)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(got[:12], causal[:12], atol=1e-3)
+    assert not torch.allclose(got[:11], causal[:11], atol=1e-3)
+    batch, *_ = _batch([16], [0])
+    batch.spans = {0: np.array([[0, 12]], dtype=np.int64)}
+    (group,), _ = batch.plan(4, torch.device("cpu"))
+    hidden = group.hidden[0, 0, 0]  # [Q, keys]
+    assert bool(hidden[11, 0]) and not bool(hidden[0, 11]) and not bool(hidden[11, 8])
 
 
 def test_a_chunk_that_splits_an_image_is_refused():
