@@ -110,3 +110,13 @@ def test_the_announced_address_of_a_wildcard_bind_is_this_hosts_name():
     assert reachable("ipc:///run/x/replica-0-in") == "ipc:///run/x/replica-0-in"
     host = reachable("tcp://0.0.0.0:5560")
     assert host.endswith(":5560") and "0.0.0.0" not in host
+
+
+def test_a_seeded_replica_announcing_another_address_is_reached_there(fleet):
+    """The configured seed names where replica 0 was expected; its announcement wins (as on Kubernetes, where the
+    router's own configuration names no replica host)."""
+    r, seed_in, later_in, later_address = fleet
+    settle(r, beat("scheduler", 0, address=later_address))
+    assert r.replica_address[0] == later_address and list(r.replicas) == [0]
+    r.place(request(0))
+    assert drain(later_in) == ["req-0"] and drain(seed_in) == []
