@@ -12,7 +12,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.tiny_models import BOS, EMBED_STD, EOS, PAD, WEIGHT_STD, build_tokenizer
+from tests.tiny_models import (
+    BOS,
+    EMBED_STD,
+    EOS,
+    GEMMA_EMBED_STD,
+    GEMMA_FINAL_GAIN,
+    GEMMA_NORM_GAIN,
+    PAD,
+    WEIGHT_STD,
+    build_tokenizer,
+)
 
 IMAGE_SIZE, PATCH = 28, 7  # 16 patches: 16 placeholder tokens per image (CLS dropped, "default" selection)
 IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2
@@ -251,4 +261,113 @@ def qwen_reference_generate(model_dir, text: str, images: list[bytes], max_new_t
             max_new_tokens=max_new_tokens,
             do_sample=False,
         )
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gemma 3: a SigLIP tower, the projector's average pooling to mm_tokens_per_image tokens and a Gemma 3 language
+# model (sliding and full layers), with its real processor (Gemma3Processor over Gemma 3's PIL image processor and
+# the tiny tokenizer with Gemma 3's image tokens), whose image block of the prefill is attended both ways.
+
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+GEMMA3_IMAGE_TOKENS = 4  # 4x4 patches pooled 2x2
+PROJECTION_STD = 1.0
+
+
+def build_gemma3(out_dir: str | Path, seed: int = 0, sliding_window: int = 6) -> Path:
+    """Build (once) the tiny Gemma 3 vision model into `out_dir`; returns the folder."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+        Gemma3TextConfig,
+        GenerationConfig,
+        PreTrainedTokenizerFast,
+        SiglipVisionConfig,
+    )
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists() and (out / "processor_config.json").exists():
+        return out
+    build_tokenizer(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA3_TOKENS.values()])
+    tok.save(str(out / "tokenizer.json"))
+    ids = {k: tok.token_to_id(t) for k, t in GEMMA3_TOKENS.items()}
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=7
+    )
+    text = Gemma3TextConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        head_dim=16,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=2048,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+    config = Gemma3Config(
+        vision_config=vision,
+        text_config=text,
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # peaked logits, as the tiny text models; the image steers them
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name:  # Gemma scales its embeddings by sqrt(hidden)
+                p.copy_(torch.randn(p.shape, generator=gen) * GEMMA_EMBED_STD)
+            elif "mm_input_projection" in name:  # image rows as large as the scaled text embeddings
+                p.copy_(torch.randn(p.shape, generator=gen) * PROJECTION_STD)
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
+            elif "language_model" in name and "norm" in name:  # as tests/tiny_models.py: Gemma norms are x * (1 + w)
+                gain = GEMMA_FINAL_GAIN if name.endswith("language_model.norm.weight") else GEMMA_NORM_GAIN
+                p.copy_(gain - 1 + torch.randn(p.shape, generator=gen) * 0.2)
+    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, do_sample=False)
+    model.save_pretrained(out, safe_serialization=True)
+    images = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"), extra_special_tokens=GEMMA3_TOKENS)
+    Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=GEMMA3_IMAGE_TOKENS).save_pretrained(
+        out
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def load_gemma3(model_dir: str):
+    """(model, processor): transformers' own, float32, eager attention."""
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    model = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    return model.eval(), AutoProcessor.from_pretrained(model_dir)
+
+
+def gemma3_processed(model_dir, text: str, images: list[bytes]) -> dict:
+    """The processor's tensors for `text` (with `<start_of_image>` where each image goes)."""
+    from PIL import Image
+
+    _, processor = load_gemma3(str(model_dir))
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images] or None
+    return processor(text=text, images=pil, return_tensors="pt")
+
+
+def gemma3_reference_generate(model_dir, text: str, images: list[bytes], max_new_tokens: int) -> list[int]:
+    """Greedy new tokens of transformers' generate() on the processor's inputs (batch 1)."""
+    model, _ = load_gemma3(str(model_dir))
+    inputs = gemma3_processed(model_dir, text, images)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
