@@ -33,6 +33,7 @@ from services.shard.sampling.sampler import Choice, choose
 from services.shard.step_batch import Batch, History, SequenceState
 from services.shard.verify import PickGenerators, accept, expand_picks, kept_positions, select
 from services.shard.vision import encoder as vision_encoder
+from services.shard.vision import gemma3 as vision_gemma3
 from services.shard.vision import loader as vision_loader
 from services.shard.vision.cache import EncoderCache, merge
 from services.shard.vision.mrope import MRopePositions
@@ -347,6 +348,8 @@ class ModelRunner:
             draw_positions = np.repeat(draw_positions - picks, picks) + _ranks(picks) + 1
         if any(st.adapter for st in states):  # rows grouped by adapter once per step; base-only steps skip this
             self.lora.set_step([st.adapter for st in states], num_tokens)
+        if self.vision is not None and vision_loader.attends_images_both_ways(self.model):
+            paged.spans = vision_gemma3.image_spans(self.vision, seqs, context_lens, num_tokens)
         images = None if self.vision is None else self.vision.step(seqs, context_lens, num_tokens, cu)
         # the rotary's positions: the tokens' own, or an M-RoPE model's (shifted past images; [3, T] in an image)
         rope_positions = positions if self.mrope is None else self.mrope.positions(seqs, cu, positions)

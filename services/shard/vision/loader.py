@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from services.shard.vision import qwen2_vl
+from services.shard.vision import gemma3, qwen2_vl
 
 # families whose image embeddings replace their placeholder tokens' embeddings one for one (encoder.py)
-FAMILIES = {"llava", *qwen2_vl.FAMILIES}
+FAMILIES = {"llava", *qwen2_vl.FAMILIES, *gemma3.FAMILIES}
 
 
 def is_vision_config(config: dict) -> bool:
@@ -63,3 +63,8 @@ def text_model(model: torch.nn.Module, attn: str) -> torch.nn.Module:
     shell.model = model.model.language_model
     shell.lm_head = model.get_output_embeddings()
     return shell
+
+
+def attends_images_both_ways(model: torch.nn.Module) -> bool:
+    """Whether an image's tokens attend to each other both ways in prefill (services/shard/vision/gemma3.py)."""
+    return model.config.model_type in gemma3.FAMILIES
