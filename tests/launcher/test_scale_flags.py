@@ -84,3 +84,11 @@ def test_supervisord_conf_groups_every_program():
         assert section["numprocs"] == f"%(ENV_SWITCHYARD_PROCS_{role.upper()})s"
         assert section["process_name"] == "%(program_name)s_%(process_num)d"
         assert 'SWITCHYARD_INDEX="%(process_num)d"' in section["environment"]
+
+
+def test_replica_base_reaches_settings_and_is_not_negative(monkeypatch, model_dir):
+    assert settings_from(parse("--replica-base", "2", "--replicas", "2"), model_dir).replica_base == 2
+    monkeypatch.setenv("REPLICA_BASE", "1")
+    assert settings_from(parse(), model_dir).replica_base == 1
+    with pytest.raises(SystemExit, match="--replica-base must be at least 0"):
+        settings_from(parse("--replica-base", "-1"), model_dir)
