@@ -35,6 +35,7 @@ from libs.runtime.settings import BLOCK_SIZE, Settings
 from libs.runtime.timeouts import REPLAY_EVERY
 from services.scheduler.batcher import Batcher, Emitted
 from services.scheduler.gateway_metrics import GatewayGauges
+from services.scheduler.images import keeps_images_whole
 from services.scheduler.lora import LoraControl
 from services.scheduler.recovery import Forgotten, StreamLog
 from services.scheduler.telemetry import StepObserver
@@ -67,6 +68,7 @@ class SchedulerService:
             speculate_policy=settings.speculate_policy,
             scheduling_policy=settings.scheduling_policy,
             priority_aging_s=settings.priority_aging_s,
+            whole_images=keeps_images_whole(model_store.read_config(settings.model_path)),
         )
         self.observer = StepObserver(self.batcher)  # metrics and the per-request spans
         self.gateway = GatewayGauges(  # the load under vLLM's names, for gateways that route on it

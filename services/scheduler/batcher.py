@@ -24,7 +24,7 @@ from libs.protocol.step_messages import NewSequence, StepPlan, StepResult
 from libs.runtime.settings import BLOCK_SIZE
 from services.scheduler.block_allocator import BlockAllocator, blocks_for
 from services.scheduler.drafting import Drafter
-from services.scheduler.images import images_in_prefix, images_to_feed, plan_pixels
+from services.scheduler.images import images_in_prefix, images_to_feed, plan_pixels, whole_image_chunk
 from services.scheduler.prefill_pacing import PrefillPacing
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.priority import PriorityOrder
@@ -51,6 +51,7 @@ class Batcher:
         speculate_policy: str = "adaptive",
         scheduling_policy: str = "fcfs",
         priority_aging_s: float = 0.0,
+        whole_images: bool = False,
     ):
         self.allocator = BlockAllocator(num_blocks)
         self.max_batch_size = max_batch_size
@@ -61,6 +62,7 @@ class Batcher:
         self.max_waiting_tokens = max_waiting_tokens
         self.waiting_served_ratio = waiting_served_ratio
         self.block_size = block_size
+        self.whole_images = whole_images  # a prefill chunk never ends inside an image's block (images.py)
         # blocks kept free at admission, so the running decodes can grow a while before anything is preempted
         self.watermark = max(1, num_blocks // 100)
         self.waiting: deque[Sequence] = deque()
@@ -142,6 +144,8 @@ class Batcher:
                 continue  # preempted below for an older sequence
             left = s.total - s.computed
             n = 1 if left == 1 else min(left, max(budget, 0))
+            if self.whole_images and s.req.images and 0 < n < left:
+                n = whole_image_chunk(s.req, s.computed, n)
             if n == 0:
                 continue  # a chunked prefill waits for budget
             if not self._grow(s, s.computed + n):
@@ -295,6 +299,8 @@ class Batcher:
                 break  # a sibling plans the prompt's blocks in this step: they are forked in the next one
             cached = forked if len(forked) >= len(cached) else cached
             n = min(s.total - len(cached) * self.block_size, budget)
+            if self.whole_images and s.req.images and n < s.total - len(cached) * self.block_size:
+                n = whole_image_chunk(s.req, len(cached) * self.block_size, n)
             need = blocks_for(len(cached) * self.block_size + n, self.block_size) - len(cached)
             need += self.allocator.unheld(cached)  # held now, they no longer count as free
             if need > free:

@@ -12,6 +12,7 @@ import pytest
 
 from bench.engine import Engine, request
 from libs.protocol.messages import ImageInput
+from services.scheduler.images import whole_image_chunk
 from services.shard.model_runner import ModelRunner
 from services.shard.vision import loader as vision_loader
 from tests.vision_models import build_gemma3, gemma3_processed, gemma3_reference_generate, image
@@ -97,6 +98,27 @@ def test_concurrent_mixed(gemma3):
     for i, (text, seeds) in enumerate(PROMPTS):
         assert out[f"r{i}"].tokens == gemma3_reference_generate(gemma3, text, [image(s) for s in seeds], MAX_NEW), i
     assert not r.vision.pending and not r.vision.outputs
+
+
+def test_concurrent_chunked_keeps_each_image_whole(gemma3):
+    r = runner(gemma3)
+    # prefills chunked at 10 tokens: a chunk that would end inside an image's block stops before it or takes it whole
+    engine = Engine.build(r, gemma3, max_batch_prefill_tokens=10, whole_images=True)
+    for i, (text, seeds) in enumerate(PROMPTS):
+        engine.add(vision_request(gemma3, f"k{i}", text, [image(s) for s in seeds]))
+    out = engine.run()
+    assert engine.batcher.counters["chunked_prefills"] > 0
+    for i, (text, seeds) in enumerate(PROMPTS):
+        assert out[f"k{i}"].tokens == gemma3_reference_generate(gemma3, text, [image(s) for s in seeds], MAX_NEW), i
+
+
+def test_a_chunk_never_ends_inside_an_image():
+    req = request("w", list(range(30)), 1)
+    req.images = [ImageInput(digest="d", start=8, tokens=4, shape=[1])]
+    assert whole_image_chunk(req, 0, 10) == 8  # stops before the image
+    assert whole_image_chunk(req, 8, 2) == 4  # begins at it: takes it whole
+    assert whole_image_chunk(req, 9, 1) == 3  # begins inside it (a prefix hit): its rest
+    assert whole_image_chunk(req, 0, 12) == 12 and whole_image_chunk(req, 0, 5) == 5
 
 
 def test_after_preemption(gemma3):
