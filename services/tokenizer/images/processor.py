@@ -52,6 +52,7 @@ class ImageProcessor:
         self.limits = limits
         self.image_token: str = self.processor.image_token
         self.image_token_id: int = self.processor.image_token_id
+        self.placeholder_id: int = _placeholder_id(self.processor)
 
     @classmethod
     def for_model(cls, settings) -> ImageProcessor | None:
@@ -103,7 +104,7 @@ class ImageProcessor:
         out, placed, prev = [], [], 0
         for pos, tokens, pixels in zip(at, images.token_ids, images.pixels):
             out += ids[prev:pos]
-            marks = np.flatnonzero(tokens == self.image_token_id)  # e.g. Gemma 3's frame: the placeholders within
+            marks = np.flatnonzero(tokens == self.placeholder_id)  # e.g. Gemma 3's frame: the placeholders within
             start = len(out) + int(marks[0])
             if len(marks) != marks[-1] - marks[0] + 1:
                 raise ImageError("the processor's placeholder tokens for an image are not contiguous")
@@ -111,6 +112,13 @@ class ImageProcessor:
             out += tokens.tolist()
             prev = pos + 1
         return out + ids[prev:], placed
+
+
+def _placeholder_id(processor) -> int:
+    """The token each image embedding replaces: the prompt's image token, or where that token only opens the
+    image's frame (Gemma 3's <start_of_image>), the tokenizer's image token inside it (Gemma 3's soft tokens)."""
+    inner = getattr(getattr(processor, "tokenizer", None), "image_token_id", None)
+    return inner if isinstance(inner, int) else processor.image_token_id
 
 
 def _model_processor(model_path: str):

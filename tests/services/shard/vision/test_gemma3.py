@@ -5,16 +5,20 @@ prefill (a causal-only mask gives other tokens)."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
 from bench.engine import Engine, request
 from libs.protocol.messages import ImageInput
 from services.scheduler.images import whole_image_chunk
 from services.shard.model_runner import ModelRunner
 from services.shard.vision import loader as vision_loader
+from services.tokenizer.images.fetch import FetchLimits
+from services.tokenizer.images.processor import ImageLimits, ImageProcessor
 from tests.vision_models import build_gemma3, gemma3_processed, gemma3_reference_generate, image
 
 MAX_NEW = 8
@@ -145,3 +149,22 @@ def test_prefix_hit_on_the_same_image(gemma3):
     assert c["prefix_hit_tokens"] > same.images[0].start + same.images[0].tokens
     assert r.vision.encoder.images == encoded
     assert out["same"].tokens == gemma3_reference_generate(gemma3, text, [image(7)], MAX_NEW)
+
+
+def test_the_tokenizer_places_the_soft_tokens_inside_the_frame(gemma3):
+    """The tokenizer service's path (markdown image → <start_of_image> → the processor's framed block) gives the
+    processor's ids, the image placed on its soft tokens (not the frame), and the reference's answer."""
+    images = ImageProcessor(str(gemma3), ImageLimits(fetch=FetchLimits()))
+    uri = "data:image/png;base64," + base64.b64encode(image(3)).decode()
+    prompt, urls = images.placeholders(f"Look at ![]({uri}) and say")
+    ids = Tokenizer.from_file(str(gemma3 / "tokenizer.json")).encode(prompt).ids
+    got = images.process(urls)
+    ids, placed = images.expand(ids, got)
+    want = vision_request(gemma3, "want", PROMPTS[0][0], [image(3)])
+    assert ids == list(want.input_ids)
+    assert [(p.start, p.tokens) for p in placed] == [(p.start, p.tokens) for p in want.images]
+    req = request("tok", ids, MAX_NEW)
+    req.images, req.pixel_values = placed, np.concatenate([p.ravel() for p in got.pixels])
+    engine = Engine.build(runner(gemma3), gemma3)
+    engine.add(req)
+    assert engine.run()["tok"].tokens == gemma3_reference_generate(gemma3, PROMPTS[0][0], [image(3)], MAX_NEW)
