@@ -160,6 +160,7 @@ class StreamOpen(msgspec.Struct, kw_only=True, array_like=True):
     # with prompt_ids: per prompt position, the raw argmax token before it and its logprob (-1 / NaN for the first)
     prompt_greedy_ids: list[int] = []
     prompt_greedy_logprobs: list[float] = []
+    min_tokens: int = 0  # stop sequences are not honoured before this many tokens (vLLM's min_tokens)
 
 
 # finish codes in TokenBatch.finish

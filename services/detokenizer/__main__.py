@@ -133,7 +133,9 @@ class Detokenizer:
             self.tokens += 1
             text = st.decoder.push(token)
             reason = FINISH_NAMES.get(finish)  # None: not finished
-            if reason is None and st.stops.push(text):
+            # the matcher sees every token (its tail spans them); a stop counts from min_tokens on, as vLLM's
+            stopped = st.stops.push(text) and offset + 1 >= st.open.min_tokens
+            if reason is None and stopped:
                 reason = "stop_sequence"
                 hits.append(StopHit(request_id=rid, generated_tokens=offset + 1))
             if reason is None:

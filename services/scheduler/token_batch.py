@@ -27,6 +27,7 @@ def stream_open(row: Emitted, replica: int) -> StreamOpen:
         prompt_logprobs=prompt_logprobs,
         prompt_greedy_ids=greedy_ids,
         prompt_greedy_logprobs=greedy_logprobs,
+        min_tokens=req.sampling.min_tokens,
     )
 
 
