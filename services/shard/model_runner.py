@@ -350,6 +350,8 @@ class ModelRunner:
             self.lora.set_step([st.adapter for st in states], num_tokens)
         if self.vision is not None and vision_loader.attends_images_both_ways(self.model):
             paged.spans = vision_gemma3.image_spans(self.vision, seqs, context_lens, num_tokens)
+            if paged.spans:  # the torch ops carry the spans (on any device; the Triton kernel is causal only)
+                paged.backend = "torch"
         images = None if self.vision is None else self.vision.step(seqs, context_lens, num_tokens, cu)
         # the rotary's positions: the tokens' own, or an M-RoPE model's (shifted past images; [3, T] in an image)
         rope_positions = positions if self.mrope is None else self.mrope.positions(seqs, cu, positions)
