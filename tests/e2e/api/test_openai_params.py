@@ -111,6 +111,31 @@ def test_min_tokens_holds_eos_back(tiny_server, tiny_tokenizer, model):
     assert (out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]) == (k + 1, "stop")
 
 
+def stop_ends_at(texts: list[str], stop: str, first: int) -> int | None:
+    """The detokenizer's rule: the count of tokens at which `stop` first ends inside a token's text, from token
+    `first` on (a stop lying wholly in earlier text is not found again)."""
+    for n in range(max(first, 1), len(texts) + 1):
+        done, now = "".join(texts[: n - 1]), "".join(texts[:n])
+        if (pos := now.find(stop, max(0, len(done) - len(stop) + 1))) >= 0 and pos + len(stop) > len(done):
+            return n
+    return None
+
+
+def test_min_tokens_holds_stop_strings_back(tiny_server, tiny_tokenizer, model):
+    """vLLM's rule: a stop string counts only once the answer has min_tokens tokens."""
+    prompt_ids, k, m = tiny_tokenizer(PROMPT).input_ids, 3, 12
+    plain = greedy(model, prompt_ids, m, LogitsProcessorList(), set())
+    texts = [tiny_tokenizer.decode([t]) for t in plain]
+    # a character of the first token's text that ends inside a later token again, from token k on
+    stop, at = next((c, n) for c in texts[0].strip() if (n := stop_ends_at(texts, c, k)) is not None)
+    early = complete(tiny_server.url, max_tokens=m, stop=[stop])
+    reason = early["choices"][0]["finish_reason"]  # the route's name for a stop string (as TGI's)
+    assert (early["usage"]["completion_tokens"], reason) == (1, "stop_sequence")
+    held = complete(tiny_server.url, max_tokens=m, stop=[stop], min_tokens=k)
+    assert (held["usage"]["completion_tokens"], held["choices"][0]["finish_reason"]) == (at, reason)
+    assert at > k - 1 and held["choices"][0]["text"].startswith(text(tiny_tokenizer, plain[: at - 1]))
+
+
 def test_stop_token_ids_end_with_stop(tiny_server, tiny_tokenizer, model):
     prompt_ids = tiny_tokenizer(PROMPT).input_ids
     plain = greedy(model, prompt_ids, 8, LogitsProcessorList(), {EOS})
