@@ -274,9 +274,9 @@ GEMMA3_IMAGE_TOKENS = 4  # 4x4 patches pooled 2x2
 PROJECTION_STD = 1.0
 
 
-def build_gemma3(out_dir: str | Path, seed: int = 0, sliding_window: int = 3) -> Path:
-    """Build (once) the tiny Gemma 3 vision model into `out_dir`; returns the folder. Its sliding window is
-    narrower than an image's block, so the window cuts the bidirectional block as transformers composes them."""
+def build_gemma3(out_dir: str | Path, seed: int = 0, sliding_window: int = 6) -> Path:
+    """Build (once) the tiny Gemma 3 vision model into `out_dir`; returns the folder. A `sliding_window` under
+    GEMMA3_IMAGE_TOKENS has the window cut an image's bidirectional block, as transformers composes them."""
     from tokenizers import AddedToken, Tokenizer
     from transformers import (
         Gemma3Config,

@@ -116,6 +116,16 @@ def test_concurrent_chunked_keeps_each_image_whole(gemma3):
         assert out[f"k{i}"].tokens == gemma3_reference_generate(gemma3, text, [image(s) for s in seeds], MAX_NEW), i
 
 
+def test_a_window_narrower_than_an_image_cuts_its_block(tmp_path):
+    model_dir = build_gemma3(tmp_path, sliding_window=3)  # 4-token images: the sliding layers see 3 of them
+    engine = Engine.build(runner(model_dir), model_dir, max_batch_prefill_tokens=10, whole_images=True)
+    for i, (text, seeds) in enumerate(PROMPTS):
+        engine.add(vision_request(model_dir, f"w{i}", text, [image(s) for s in seeds]))
+    out = engine.run()
+    for i, (text, seeds) in enumerate(PROMPTS):
+        assert out[f"w{i}"].tokens == gemma3_reference_generate(model_dir, text, [image(s) for s in seeds], MAX_NEW), i
+
+
 def test_a_chunk_never_ends_inside_an_image():
     req = request("w", list(range(30)), 1)
     req.images = [ImageInput(digest="d", start=8, tokens=4, shape=[1])]
