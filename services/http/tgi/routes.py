@@ -8,9 +8,7 @@ import contextlib
 import functools
 import os
 import time
-import uuid
 
-import msgspec
 import orjson
 from aiohttp import web
 
@@ -21,6 +19,7 @@ from services.http import lora, openapi
 from services.http.errors import DEPTH, Failure, error_body, error_response
 from services.http.generation import Permits, bus_request, collect
 from services.http.ingress import Ingress
+from services.http.openai import choices
 from services.http.openai.routes import OpenAIRoutes
 from services.http.responses import json_response, open_stream, sse
 from services.http.sse_writer import StepWriter
@@ -97,9 +96,11 @@ class Routes:
 
     async def _best_of(self, wire: GenerateRequest, n: int, timing: Timing):
         """N requests at once (TGI's generate_best_of); the first failure wins; the best mean logprob wins.
+        The N are siblings of one group, as OpenAI's `n` choices: the scheduler prefills the prompt once and the
+        others fork its blocks; only the first scores the prompt, and every sequence's details get its prefill.
 
         Returns (best rows, the other sequences' rows in their order)."""
-        copies = [msgspec.structs.replace(wire, request_id=uuid.uuid4().hex) for _ in range(n)]
+        copies = choices.siblings(wire, n)
         with self.permits.hold(n):
             quiet = getattr(self.ingress, "quiet", None)
             if quiet is not None:  # TGI counts best_of as one request: the other sequences go unrecorded
@@ -112,7 +113,7 @@ class Routes:
                 for task in tasks:
                     if task in done and task.exception() is not None:
                         raise task.exception()
-                results = [task.result() for task in tasks]
+                results = choices.share_prompt_details([task.result() for task in tasks], n)
             finally:  # a failure or a client gone: cancelling closes each stream, which aborts it
                 for task in tasks:
                     task.cancel()

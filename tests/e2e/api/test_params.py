@@ -18,7 +18,9 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from tests.e2e.api.test_n_choices import BLOCK, shared_prompt
 from tests.e2e.conftest import sse_events
+from tests.e2e.test_generate import counter_rises, scheduler_counter
 from tests.reference import load_model, reference_generate
 
 pytestmark = pytest.mark.e2e
@@ -227,6 +229,21 @@ def test_best_of_returns_the_best_by_mean_logprob(tiny_server):
         "best_of_sequences"
         not in generate(tiny_server.url, PROMPT, max_new_tokens=2, best_of=1, details=True)["details"]
     )
+
+
+def test_best_of_candidates_share_the_prompts_blocks(tiny_server, tiny_tokenizer):
+    """best_of's candidates are siblings: the second forks the first's full prompt blocks (the scheduler's
+    sibling_shared_tokens counter), and each keeps TGI's details, the prompt's prefill included."""
+    p, ids = shared_prompt(tiny_tokenizer)
+    before = scheduler_counter(tiny_server.url, "sibling_shared_tokens")
+    out = generate(tiny_server.url, p, max_new_tokens=4, best_of=2, do_sample=True, details=True)
+    assert len(out["details"]["best_of_sequences"]) == 1
+    assert counter_rises(tiny_server.url, "sibling_shared_tokens", before + (len(ids) - 1) // BLOCK * BLOCK - 1)
+    scored = generate(
+        tiny_server.url, p, max_new_tokens=4, best_of=2, do_sample=True, details=True, decoder_input_details=True
+    )
+    prefills = [scored["details"]["prefill"], scored["details"]["best_of_sequences"][0]["prefill"]]
+    assert prefills[0] == prefills[1] and [t["id"] for t in prefills[0]] == ids
 
 
 def first_stop(texts: list[str]) -> tuple[int, str]:
