@@ -177,6 +177,10 @@ def native_messages(messages: list[dict[str, Any]], content_parts: bool) -> list
         content = m.get("content")
         if isinstance(content, list) and not content_parts:
             m["content"] = flatten_content(m)
+        elif isinstance(
+            content, list
+        ):  # transformers' image part, which a multimodal template writes as its image token
+            m["content"] = [_image_part(part) for part in content]
         for j, call in enumerate(m.get("tool_calls") or []):
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict) and "arguments" in function:
@@ -184,6 +188,19 @@ def native_messages(messages: list[dict[str, Any]], content_parts: bool) -> list
                 call["function"] = {**function, "arguments": _arguments(function["arguments"], where)}
         out.append(m)
     return out
+
+
+def image_part_url(part: Any) -> str | None:
+    """The URL of an OpenAI image_url content part (None: not one)."""
+    if not isinstance(part, dict) or not (part.get("type") == "image_url" or "image_url" in part):
+        return None
+    url = part.get("image_url") or {}
+    return str(url.get("url", "") if isinstance(url, dict) else url)
+
+
+def _image_part(part: Any) -> Any:
+    url = image_part_url(part)
+    return part if url is None else {"type": "image", "url": url}
 
 
 def _token_text(token: Any) -> str | None:
@@ -272,6 +289,10 @@ class ChatTemplates:
     def uses_tools(self) -> bool:
         """Whether the template (the tool-use one where there is one) renders the `tools` it is given."""
         return ("tool_use" if "tool_use" in self.sources else "default") in self._uses_tools
+
+    def reads_parts(self, tools: list[dict[str, Any]] | None = None) -> bool:
+        """Whether the template a request uses loops over content parts (a multimodal template)."""
+        return ("tool_use" if tools and "tool_use" in self._compiled else "default") in self._reads_parts
 
     def probe(self, kwargs: dict[str, Any] | None = None) -> str:
         """A one-message chat rendered with its generation prompt ("" when the template fails on it)."""

@@ -28,7 +28,7 @@ from services.tokenizer.answer_grammar import answer_schema, budget_lark, compil
 from services.tokenizer.chat_template import ChatTemplates, TemplateError
 from services.tokenizer.grammar import Checked, GrammarCompiler, GrammarLimits, ToolError, ToolPlan, tool_grammar
 from services.tokenizer.images.decode import ImageError
-from services.tokenizer.images.processor import ImageProcessor, Images, has_image_parts
+from services.tokenizer.images.processor import ImageProcessor, Images, has_image_parts, template_image_urls
 
 Result = TokenizedRequest | TokenizeResult | RequestError
 
@@ -109,7 +109,10 @@ class Processor:
         if req.messages is None:
             return req.inputs, req.add_special_tokens
         messages = req.messages
-        if plan.lark is not None or plan.kind == "native":
+        # a vision model's own multimodal template writes its image token for each image part (flattened, the
+        # parts would reach it as one string it cannot loop over)
+        images_native = self.images is not None and has_image_parts(messages) and self.templates.reads_parts(plan.tools)
+        if plan.lark is not None or plan.kind == "native" or images_native:
             return self.templates.render(
                 messages, plan.tools, req.chat_template_kwargs, req.documents, native=True
             ), False
@@ -205,7 +208,7 @@ class Processor:
                 raise validation.ValidationError("this model does not take images (it is a text-only model)")
             return text, None
         try:
-            text, urls = self.images.placeholders(text)
+            text, urls = self.images.placeholders(text, template_image_urls(req.messages, text))
             images = self.images.process(urls) if urls else None
         except ImageError as e:
             raise validation.ValidationError(str(e)) from None

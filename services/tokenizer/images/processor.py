@@ -74,12 +74,27 @@ class ImageProcessor:
         limits = ImageLimits(fetch, max_pixels=settings.max_image_pixels, max_images=settings.max_images_per_request)
         return cls(settings.model_path, limits)
 
-    def placeholders(self, text: str) -> tuple[str, list[str]]:
-        """`text` with each markdown image replaced by the model's image token, and the images' URLs."""
-        urls = MARKDOWN_IMAGE.findall(text)
+    def placeholders(self, text: str, part_urls: list[str] = ()) -> tuple[str, list[str]]:
+        """`text` with each markdown image replaced by the model's image token, and the images' URLs in prompt
+        order. `part_urls`: image parts the model's own chat template wrote as its image token, in message order;
+        each such token takes the next of them."""
+        pending = list(part_urls)
+        urls: list[str] = []
+
+        def image(match: re.Match) -> str:
+            if match.group(1) is not None:
+                urls.append(match.group(1))
+            elif pending:
+                urls.append(pending.pop(0))
+            return self.image_token
+
+        pattern = re.compile(f"{MARKDOWN_IMAGE.pattern}|{re.escape(self.image_token)}")
+        text = pattern.sub(image, text) if part_urls else MARKDOWN_IMAGE.sub(image, text)
+        if pending:
+            raise ImageError(f"the chat template did not place {len(pending)} of the request's images")
         if len(urls) > self.limits.max_images:
             raise ImageError(f"a request may hold at most {self.limits.max_images} images, this one has {len(urls)}")
-        return MARKDOWN_IMAGE.sub(lambda _: self.image_token, text), urls
+        return text, urls
 
     def process(self, urls: list[str]) -> Images:
         """Fetch, decode and preprocess each image (ImageError with the reason for the first that fails)."""
@@ -130,6 +145,21 @@ def _model_processor(model_path: str):
     if model_store.read_config(model_path).get("model_type") in QWEN_FAMILIES:
         return QwenImageProcessor(model_path)
     return AutoProcessor.from_pretrained(model_path)
+
+
+def template_image_urls(messages: list[dict] | None, text: str) -> list[str]:
+    """The URLs of the messages' image parts that the rendered prompt does not hold as markdown images: those the
+    model's own template wrote as its image token."""
+    from services.tokenizer.chat_template import image_part_url
+
+    urls = []
+    for m in messages or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else ():
+            url = image_part_url(part)
+            if url is not None and f"![]({url})" not in text:
+                urls.append(url)
+    return urls
 
 
 def has_image_parts(messages: list[dict]) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import http.server
+import io
 import socket
 import threading
 
@@ -151,3 +152,49 @@ def test_a_text_only_model_refuses_image_parts(processor_text):
 @pytest.fixture(scope="module")
 def processor_text(settings):
     return Processor.from_settings(settings.replace(max_input_tokens=200, max_total_tokens=300))
+
+
+# llava-hf/llava-1.5-7b-hf's chat template: it loops over content parts and writes `<image>` for an image part
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def test_image_parts_through_the_models_own_template(llava):
+    """LLaVA's template writes its image token for each image part: each becomes that image's tokens, as
+    transformers' processor.apply_chat_template and the processor give them."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    pics = [image(7), image(8)]
+    parts = [
+        {"type": "image_url", "image_url": {"url": uri(pics[0])}},
+        {"type": "text", "text": "Compare"},
+        {"type": "image_url", "image_url": {"url": uri(pics[1])}},
+    ]
+    vlm = processor(llava, chat_template=LLAVA_TEMPLATE)
+    out = vlm.process(request("", messages=[{"role": "user", "content": parts}], max_new_tokens=4))
+    assert isinstance(out, TokenizedRequest), out
+    hf = AutoProcessor.from_pretrained(str(llava))
+    hf_parts = [{"type": "image"}, {"type": "text", "text": "Compare"}, {"type": "image"}]
+    text = hf.apply_chat_template(
+        [{"role": "user", "content": hf_parts}], chat_template=LLAVA_TEMPLATE, add_generation_prompt=True
+    )
+    assert text == "USER: <image>\n<image>\nCompare ASSISTANT:"
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in pics]
+    want = hf(text=text, images=pil, add_special_tokens=False, return_tensors="np")
+    assert out.input_ids.tolist() == want["input_ids"][0].tolist()
+    assert [im.tokens for im in out.images] == [IMAGE_TOKENS] * 2  # the feature fired: two images placed
+    assert np.array_equal(out.pixel_values, want["pixel_values"].ravel())
+    # a template that drops image parts is refused, not served without the image
+    blind = processor(
+        llava,
+        chat_template="{% for m in messages %}{% for c in m['content'] %}{{ c.get('text', '') }}"
+        "{% endfor %}{% endfor %}",
+    )
+    assert "did not place 2" in error(
+        blind.process(request("", messages=[{"role": "user", "content": parts}], max_new_tokens=4))
+    )
