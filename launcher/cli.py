@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     flag("hostname", default="0.0.0.0")
     flag("port", type=int, default=3000)
     flag("max-concurrent-requests", type=int, default=128)
+    flag(
+        "graceful-termination-timeout",
+        type=float,
+        default=90.0,
+        help="seconds running requests may finish after SIGTERM",
+    )
     flag("max-best-of", type=int, default=2)
     flag("max-stop-sequences", type=int, default=4)
     flag("max-input-tokens", type=int, help="default: max-total-tokens − 1")

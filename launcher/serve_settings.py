@@ -127,6 +127,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         hostname=hostname,
         port=args.port,
         max_concurrent_requests=args.max_concurrent_requests,
+        graceful_termination_timeout=args.graceful_termination_timeout,
         max_best_of=args.max_best_of,
         max_stop_sequences=args.max_stop_sequences,
         max_input_tokens=max_input,

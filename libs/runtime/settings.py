@@ -42,6 +42,8 @@ class Settings:
     hostname: str = "0.0.0.0"
     port: int = 3000
     max_concurrent_requests: int = 128
+    # seconds an http process lets running requests finish after SIGTERM, refusing new ones (TGI's flag)
+    graceful_termination_timeout: float = 90.0
     max_best_of: int = 2
     max_stop_sequences: int = 4
     max_input_tokens: int = 4095
