@@ -11,6 +11,7 @@ from aiohttp import web
 from libs.runtime import logs
 from libs.runtime.settings import Settings
 from services.http.anthropic.routes import AnthropicRoutes
+from services.http.drain import Drain
 from services.http.generation import Permits
 from services.http.ingress import Ingress
 from services.http.middleware import middlewares
@@ -19,12 +20,16 @@ from services.http.responses_api.routes import ResponsesRoutes
 from services.http.tgi.routes import Routes
 
 ROLE = "http"
+TIMEOUT_MESSAGE = "the server is shutting down: the request did not finish within the graceful termination timeout"
 
 
-def build_app(settings: Settings, ingress) -> web.Application:
-    """The app with every route and TGI's layers (CORS, API key, payload limit)."""
+def build_app(settings: Settings, ingress, drain: Drain | None = None) -> web.Application:
+    """The app with every route and TGI's layers (CORS, API key, payload limit), and the drain's when given."""
+    layers = middlewares(settings)
+    if drain is not None:  # inside CORS, so a refusal carries its headers too
+        layers.insert(1, drain.middleware)
     # aiohttp stops reading a body past client_max_size; the payload middleware turns that into TGI's 413
-    app = web.Application(client_max_size=settings.payload_limit, middlewares=middlewares(settings))
+    app = web.Application(client_max_size=settings.payload_limit, middlewares=layers)
     permits = Permits(settings.max_concurrent_requests)  # one semaphore for both APIs, as TGI's
     openai = OpenAIRoutes(settings, ingress, permits)
     Routes(settings, ingress, permits, openai).install(app)
@@ -37,7 +42,8 @@ def build_app(settings: Settings, ingress) -> web.Application:
 async def serve(settings: Settings, log: logging.Logger) -> None:
     ingress = Ingress(settings.bus, settings.index)
     await ingress.start()
-    app = build_app(settings, ingress)
+    drain = Drain()
+    app = build_app(settings, ingress, drain)
     # a client that disconnects cancels its handler, which aborts its request (Ingress.generate)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
@@ -51,6 +57,16 @@ async def serve(settings: Settings, log: logging.Logger) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    # drain: readiness 503 and new requests refused at once; running ones finish up to the timeout, then get
+    # their stream's error event (not a cut connection)
+    drain.begin()
+    timeout = settings.graceful_termination_timeout
+    log.info("draining: %d requests running, up to %gs", drain.in_flight, timeout)
+    if not await drain.wait_idle(timeout):
+        ended = await ingress.end_all(TIMEOUT_MESSAGE, "unavailable")
+        log.warning("drain timeout: %d requests ended with an error", ended)
+        await drain.wait_idle(5.0)  # their error events written
+    log.info("drained")
     await runner.cleanup()
     await ingress.stop()
 

@@ -78,6 +78,11 @@ class Drain:
     @web.middleware
     async def middleware(self, request: web.Request, handler):
         path = request.path
+        if request.method == "GET" and path == "/metrics":  # the drain's own lines after the others
+            response = await handler(request)
+            if isinstance(response, web.Response) and isinstance(response.body, bytes):
+                response.body = response.body + self.metrics_text().encode()
+            return response
         if request.method == "GET" and path in HEALTH_PATHS and self.draining:
             return refusal(path)
         if request.method != "POST" or path not in GENERATION_PATHS:

@@ -240,6 +240,16 @@ class Ingress:
             raise Failure(event.message, event.error_type)
         return event
 
+    async def end_all(self, message: str, error_type: str) -> int:
+        """End every request still open with `message`, its stream's final error event, and abort its work
+        (a drain past its timeout); returns how many were ended."""
+        for rid, q in list(self.queues.items()):
+            replica = self.replica_of.get(rid)
+            for r in range(self.replicas) if replica is None else (replica,):
+                await self.publish(topics.ctl(r), Abort(request_id=rid))
+            q.put_nowait(RequestError(request_id=rid, message=message, error_type=error_type))
+        return len(self.queues)
+
     def ready(self, request_id: str) -> bool:
         """Whether more of this request's rows already wait (the rest of a step's): a writer may hold its events
         until they are in. Rows only: an Accepted keepalive next would leave held events waiting for the next step

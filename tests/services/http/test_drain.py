@@ -24,7 +24,12 @@ async def _client(drain: Drain, release: asyncio.Event, started: asyncio.Event) 
     app.router.add_post("/generate", slow)
     app.router.add_post("/v1/chat/completions", slow)
     app.router.add_post("/v1/messages", slow)
+
+    async def metrics(request):
+        return web.Response(body=b"tgi_queue_size 0\n", content_type="text/plain")
+
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     client = TestClient(TestServer(app))
     await client.start_server()
     return client
@@ -53,7 +58,9 @@ def test_running_request_finishes_new_ones_refused_in_their_shape():
             assert anthropic.status == 503
             assert json.loads(await anthropic.read())["error"]["type"] == "overloaded_error"
             assert drain.refused == 3
-            assert "switchyard_drain_refused_total 3" in drain.metrics_text()
+            scraped = await (await client.get("/metrics")).text()
+            assert "tgi_queue_size 0" in scraped and "switchyard_draining 1" in scraped
+            assert "switchyard_drain_refused_total 3" in scraped
             assert not await drain.wait_idle(0.05)  # the first request still runs
             release.set()
             assert await drain.wait_idle(5)
