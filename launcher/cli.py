@@ -386,6 +386,7 @@ def serve(args: argparse.Namespace) -> int:
             lock_fd=lock_fd,
             health_url=f"{url}/health" if counts["http"] else None,
             ready_message=ready,
+            drain_timeout=settings.graceful_termination_timeout,
         )
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

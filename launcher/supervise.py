@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 import xmlrpc.client
@@ -27,6 +28,7 @@ from supervisor.xmlrpc import SupervisorTransport
 
 log = logging.getLogger("switchyard.launcher")
 POLL_S = 2.0
+DRAIN_MARGIN_S = 5.0  # beyond the graceful termination timeout: http's last error events and its exit
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -53,6 +55,30 @@ def stop_all_programs(socket_path: Path) -> None:
         rpc.supervisor.stopAllProcesses(False)
     except (OSError, xmlrpc.client.Error):
         pass  # not answering (starting, or gone): its own shutdown stops them in order
+    finally:
+        transport.close()
+
+
+def drain_http(socket_path: Path, timeout: float) -> None:
+    """Send every http process SIGTERM, which drains it (readiness 503, new requests refused, running streams
+    finish up to `timeout`, then it exits), and wait until all have exited. The rest of the pipeline keeps
+    running meanwhile: the streams need it."""
+    transport = SupervisorTransport(None, None, f"unix://{socket_path}")
+    try:
+        rpc = xmlrpc.client.ServerProxy("http://localhost", transport=transport)
+        try:
+            rpc.supervisor.signalProcessGroup("http", "TERM")
+        except xmlrpc.client.Fault:  # no http program here (--only), or none running
+            return
+        deadline = time.monotonic() + timeout + DRAIN_MARGIN_S
+        while time.monotonic() < deadline:
+            states = [p["statename"] for p in rpc.supervisor.getAllProcessInfo() if p["group"] == "http"]
+            if not any(state in ("STARTING", "RUNNING", "STOPPING") for state in states):
+                return
+            time.sleep(0.1)
+        log.warning("http did not drain within %gs; stopping everything", timeout + DRAIN_MARGIN_S)
+    except (OSError, xmlrpc.client.Error):
+        pass  # not answering (starting, or gone): the plain stop follows
     finally:
         transport.close()
 
@@ -105,10 +131,12 @@ def run(
     lock_fd: int | None = None,
     health_url: str | None = None,
     ready_message: str = "",
+    drain_timeout: float = 0.0,
 ) -> int:
     """Run supervisord until it exits. `lock_fd` (the run directory's lock) is inherited by supervisord so
     the lock outlives us until supervisord has stopped everything; once `health_url` answers 200,
-    `ready_message` is logged."""
+    `ready_message` is logged. SIGTERM drains http first (up to `drain_timeout`), then stops the rest; Ctrl-C
+    (SIGINT), or a second signal, stops everything at once."""
     cmd = [sys.executable, "-m", "supervisor.supervisord", "-n", "-c", str(conf)]
     preexec = die_with_parent()
     if preexec is None:
@@ -130,7 +158,18 @@ def run(
     failed: list[str] = []
     waiting = health_url is not None
 
+    draining: list[threading.Thread] = []
+
+    def drain_then_stop() -> None:
+        drain_http(run_dir / "supervisor.sock", drain_timeout)
+        stop()
+
     def stop(signum=None, frame=None):
+        if signum == signal.SIGTERM and not draining and not failed and proc.poll() is None:
+            log.info("SIGTERM: draining http (up to %gs), then stopping", drain_timeout)
+            draining.append(threading.Thread(target=drain_then_stop, daemon=True))
+            draining[0].start()
+            return
         if proc.poll() is None:
             # every program signalled at once first (a thread: a hung supervisord must not hang Ctrl-C), then
             # supervisord itself, which waits for them and exits

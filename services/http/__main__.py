@@ -20,7 +20,7 @@ from services.http.responses_api.routes import ResponsesRoutes
 from services.http.tgi.routes import Routes
 
 ROLE = "http"
-TIMEOUT_MESSAGE = "the server is shutting down: the request did not finish within the graceful termination timeout"
+TIMEOUT_MESSAGE = "the server is shutting down: the request did not finish before it stopped"
 
 
 def build_app(settings: Settings, ingress, drain: Drain | None = None) -> web.Application:
@@ -52,19 +52,31 @@ async def serve(settings: Settings, log: logging.Logger) -> None:
     site = web.TCPSite(runner, settings.hostname, settings.port, reuse_port=True)
     await site.start()
     log.info("listening on http://%s:%d (ingress %d)", settings.hostname, settings.port, settings.index)
+    # SIGTERM drains for the graceful termination timeout; SIGINT (supervisord's stop signal for http, or a
+    # second signal) ends what still runs at once, each stream with its error event
     stop = asyncio.Event()
+    timeout = settings.graceful_termination_timeout
+    cut = asyncio.Event()
+
+    def on_signal(sig: int) -> None:
+        if sig == signal.SIGINT or stop.is_set():
+            cut.set()
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     await stop.wait()
-    # drain: readiness 503 and new requests refused at once; running ones finish up to the timeout, then get
-    # their stream's error event (not a cut connection)
     drain.begin()
-    timeout = settings.graceful_termination_timeout
-    log.info("draining: %d requests running, up to %gs", drain.in_flight, timeout)
-    if not await drain.wait_idle(timeout):
+    log.info("draining: %d requests running, up to %gs", drain.in_flight, 0 if cut.is_set() else timeout)
+    idle = asyncio.ensure_future(drain.wait_idle(timeout))
+    cutting = asyncio.ensure_future(cut.wait())
+    await asyncio.wait([idle, cutting], return_when=asyncio.FIRST_COMPLETED)
+    cutting.cancel()
+    if not (idle.done() and idle.result()):
+        idle.cancel()
         ended = await ingress.end_all(TIMEOUT_MESSAGE, "unavailable")
-        log.warning("drain timeout: %d requests ended with an error", ended)
+        log.warning("drain cut short: %d requests ended with an error", ended)
         await drain.wait_idle(5.0)  # their error events written
     log.info("drained")
     await runner.cleanup()
