@@ -117,3 +117,14 @@ def test_the_bus_is_curve_with_the_allowed_client_keys_mounted_from_a_secret(doc
             assert volume["secret"]["secretName"] == "switchyard-bus-clients"
         else:
             assert "SWITCHYARD_CURVE_ALLOWED_KEYS" not in env
+
+
+def test_http_pods_drain_within_their_grace_period(docs):
+    """SIGTERM drains http for the graceful termination timeout: the grace period covers the preStop pause and it."""
+    from libs.runtime.settings import Settings
+
+    pod = find(docs, "StatefulSet", "switchyard-http")["spec"]["template"]["spec"]
+    [http] = pod["containers"]
+    pause = float(http["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] > pause + Settings().graceful_termination_timeout
+    assert http["readinessProbe"]["httpGet"]["path"] == "/health"
