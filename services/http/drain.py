@@ -16,7 +16,7 @@ import json
 from aiohttp import web
 
 MESSAGE = "the server is shutting down"
-HEALTH_PATHS = frozenset({"/health", "/ping"})
+HEALTH_PATHS = frozenset({"/health", "/ping", "/"})  # GET / is TGI's health too
 TGI_PATHS = frozenset({"/generate", "/generate_stream", "/", "/invocations", "/vertex"})
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 ANTHROPIC_PATHS = frozenset({"/v1/messages"})
