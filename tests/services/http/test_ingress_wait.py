@@ -31,7 +31,7 @@ def settings():
         try:
             yield settings
         finally:
-            for sock in (r.admit, *r.replicas):
+            for sock in (r.admit, *r.replicas.values()):
                 sock.close()
 
 
