@@ -25,7 +25,7 @@ def addresses():
         try:
             yield Addresses.parse(settings.bus)
         finally:
-            for sock in (r.admit, *r.replicas):
+            for sock in (r.admit, *r.replicas.values()):
                 sock.close()
 
 
