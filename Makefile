@@ -34,7 +34,13 @@ serve: model
 	$(VENV)/bin/switchyard serve
 
 test: model model-gemma
-	$(PY) -m pytest -q -ra --durations=40
+	$(PY) -m pytest -q -ra --durations=40 --ignore=tests/bench
+
+# the benchmarks' own tests (bench/ is a wing of its own: smoke runs of each benchmark, its tables and plots);
+# CI runs them after `make test`
+.PHONY: test-bench
+test-bench: model
+	$(PY) -m pytest -q -ra --durations=10 tests/bench
 
 # fault and soak tests that take minutes (tests/faults: 1,000 random client disconnects, an overload
 # flood, kill -9 of each role under load, a soak of SWITCHYARD_SOAK_MINUTES, default 3); `make test` skips them
