@@ -32,17 +32,20 @@ class VisionEncoder:
             by_shape.setdefault(tuple(px.shape), []).append(i)
         for idx in by_shape.values():
             batch = torch.stack([pixels[i] for i in idx]).to(self.device, self.dtype)
-            feats = self.model.model.get_image_features(
-                pixel_values=batch,
-                vision_feature_layer=self.feature_layer,
-                vision_feature_select_strategy=self.select,
-                return_dict=True,
-            ).pooler_output
-            for i, f in zip(idx, feats):
+            for i, f in zip(idx, self.features(batch)):
                 out[i] = f
         self.images += len(pixels)
         self.seconds += time.perf_counter() - started
         return out
+
+    def features(self, batch: torch.Tensor) -> torch.Tensor:
+        """A batch of same-shaped images' placeholder embeddings, [images, tokens, hidden]."""
+        return self.model.model.get_image_features(
+            pixel_values=batch,
+            vision_feature_layer=self.feature_layer,
+            vision_feature_select_strategy=self.select,
+            return_dict=True,
+        ).pooler_output
 
 
 def for_model(model: torch.nn.Module):

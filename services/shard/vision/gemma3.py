@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
@@ -17,22 +15,9 @@ FAMILIES = {"gemma3"}
 
 
 class Gemma3VisionEncoder(VisionEncoder):
-    @torch.inference_mode()
-    def encode(self, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each image's pooled embeddings, [mm_tokens_per_image, hidden]; images of one shape run as one batch."""
-        started = time.perf_counter()
-        out: list[torch.Tensor | None] = [None] * len(pixels)
-        by_shape: dict[tuple, list[int]] = {}
-        for i, px in enumerate(pixels):
-            by_shape.setdefault(tuple(px.shape), []).append(i)
-        for idx in by_shape.values():
-            batch = torch.stack([pixels[i] for i in idx]).to(self.device, self.dtype)
-            feats = self.model.model.get_image_features(pixel_values=batch, return_dict=True).pooler_output
-            for i, f in zip(idx, feats):
-                out[i] = f
-        self.images += len(pixels)
-        self.seconds += time.perf_counter() - started
-        return out
+    def features(self, batch: torch.Tensor) -> torch.Tensor:
+        """Pooled to mm_tokens_per_image per image; Gemma 3 takes no feature layer or select strategy."""
+        return self.model.model.get_image_features(pixel_values=batch, return_dict=True).pooler_output
 
 
 def image_spans(cache: EncoderCache, seqs: np.ndarray, context_lens: np.ndarray, num_tokens: np.ndarray) -> dict:
