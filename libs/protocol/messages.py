@@ -59,6 +59,9 @@ class ImageInput(msgspec.Struct, kw_only=True, array_like=True):
     start: int  # prompt position of its first placeholder token
     tokens: int  # placeholder tokens it fills (the vision encoder's output rows)
     shape: list[int]  # pixel tensor shape, as the model's processor made it
+    # the picture's (height, width) before preprocessing, where the model needs it (LLaVA-Next's tiling); last, so a
+    # peer without the field still reads the rest
+    image_size: list[int] = []
 
     @property
     def size(self) -> int:

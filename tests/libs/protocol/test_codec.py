@@ -16,6 +16,7 @@ from libs.protocol.messages import (
     GenerateRequest,
     Heartbeat,
     Hello,
+    ImageInput,
     RequestError,
     Resync,
     StopHit,
@@ -202,6 +203,23 @@ def test_arrays_travel_as_raw_frames_not_msgpack():
     assert bytes(ids) == np.array([1, 2, 3, 70000], "<i4").tobytes()
     assert bytes(pixels) == b""  # a text-only request: no images' pixels
     assert msgspec.msgpack.decode(body)["input_ids"] is None
+
+
+def test_image_size_is_optional_both_ways():
+    """A peer without ImageInput's trailing image_size reads a message that has it, and one that has it reads a
+    message without it (an empty size)."""
+
+    class Older(msgspec.Struct, kw_only=True, array_like=True):
+        digest: str
+        start: int
+        tokens: int
+        shape: list[int]
+
+    sized = ImageInput(digest="d", start=1, tokens=2, shape=[5, 3, 4, 4], image_size=[30, 40])
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(sized), type=Older).shape == [5, 3, 4, 4]
+    older = msgspec.msgpack.encode(Older(digest="d", start=1, tokens=2, shape=[3]))
+    assert msgspec.msgpack.decode(older, type=ImageInput).image_size == []
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(sized), type=ImageInput) == sized
 
 
 BAD = [
