@@ -35,13 +35,17 @@ class Images:
 
     token_ids: list[np.ndarray] = field(default_factory=list)  # per image: the tokens its placeholder becomes
     pixels: list[np.ndarray] = field(default_factory=list)  # per image: float32 pixel values
+    sizes: list[list[int]] = field(default_factory=list)  # per image: (height, width) where the processor gives it
     seconds: float = 0.0  # fetching, decoding and preprocessing them
 
 
-def digest(pixels: np.ndarray) -> str:
-    """The content hash of an image's preprocessed pixels (shape included): equal pixels, equal embeddings."""
+def digest(pixels: np.ndarray, image_size: list[int] = ()) -> str:
+    """The content hash of an image's preprocessed pixels (shape included) and, where the model reads it, its size
+    before preprocessing (LLaVA-Next unpads its tiles by it): equal inputs, equal embeddings."""
     h = hashlib.blake2b(digest_size=16)
     h.update(np.asarray(pixels.shape, "<i8").tobytes())
+    if len(image_size):
+        h.update(np.asarray(image_size, "<i8").tobytes())
     h.update(np.ascontiguousarray(pixels, "<f4").tobytes())
     return h.hexdigest()
 
@@ -105,6 +109,8 @@ class ImageProcessor:
             got = self.processor(text=self.image_token, images=[img], add_special_tokens=False, return_tensors="np")
             out.token_ids.append(np.asarray(got["input_ids"][0], np.int32))
             out.pixels.append(np.ascontiguousarray(got["pixel_values"][0], np.float32))
+            sizes = got.get("image_sizes")  # LLaVA-Next's: the model tiles and unpads the image by it
+            out.sizes.append([] if sizes is None else [int(x) for x in sizes[0]])
         out.seconds = time.perf_counter() - started
         return out
 
@@ -117,13 +123,21 @@ class ImageProcessor:
                 f"the prompt holds {len(at)} image placeholders ({self.image_token!r}) for {len(images.pixels)} images"
             )
         out, placed, prev = [], [], 0
-        for pos, tokens, pixels in zip(at, images.token_ids, images.pixels):
+        for pos, tokens, pixels, size in zip(at, images.token_ids, images.pixels, images.sizes, strict=True):
             out += ids[prev:pos]
             marks = np.flatnonzero(tokens == self.placeholder_id)  # e.g. Gemma 3's frame: the placeholders within
             start = len(out) + int(marks[0])
             if len(marks) != marks[-1] - marks[0] + 1:
                 raise ImageError("the processor's placeholder tokens for an image are not contiguous")
-            placed.append(ImageInput(digest=digest(pixels), start=start, tokens=len(marks), shape=list(pixels.shape)))
+            placed.append(
+                ImageInput(
+                    digest=digest(pixels, size),
+                    start=start,
+                    tokens=len(marks),
+                    shape=list(pixels.shape),
+                    image_size=size,
+                )
+            )
             out += tokens.tolist()
             prev = pos + 1
         return out + ids[prev:], placed
