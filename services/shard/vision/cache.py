@@ -101,8 +101,10 @@ class EncoderCache:
             if p.image.digest not in self.outputs:
                 missing.setdefault(p.image.digest, p)
         if missing:
-            for digest, out in zip(missing, self.encoder.encode([p.pixels for p in missing.values()])):
-                self.outputs[digest] = out
+            pending = list(missing.values())
+            self.outputs.update(
+                zip(missing, self.encoder.encode([p.pixels for p in pending], [p.image for p in pending]))
+            )
 
     def _release(self) -> None:
         """Drop the outputs no pending image needs, then the least recently used past the bound."""

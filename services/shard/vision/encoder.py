@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from libs.protocol.messages import ImageInput
 from services.shard.vision import qwen2_vl
 
 
@@ -23,8 +24,9 @@ class VisionEncoder:
         self.seconds = 0.0  # time spent encoding them
 
     @torch.inference_mode()
-    def encode(self, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each image's placeholder embeddings, [tokens, hidden]; images of one shape run as one batch."""
+    def encode(self, pixels: list[torch.Tensor], images: list[ImageInput] | None = None) -> list[torch.Tensor]:
+        """Each image's placeholder embeddings, [tokens, hidden]; images of one shape run as one batch. `images`:
+        each one's ImageInput, for a family whose features read more than the pixels (LLaVA-Next: its size)."""
         started = time.perf_counter()
         out: list[torch.Tensor | None] = [None] * len(pixels)
         by_shape: dict[tuple, list[int]] = {}
@@ -32,14 +34,14 @@ class VisionEncoder:
             by_shape.setdefault(tuple(px.shape), []).append(i)
         for idx in by_shape.values():
             batch = torch.stack([pixels[i] for i in idx]).to(self.device, self.dtype)
-            for i, f in zip(idx, self.features(batch)):
+            for i, f in zip(idx, self.features(batch, None if images is None else [images[i] for i in idx])):
                 out[i] = f
         self.images += len(pixels)
         self.seconds += time.perf_counter() - started
         return out
 
-    def features(self, batch: torch.Tensor) -> torch.Tensor:
-        """A batch of same-shaped images' placeholder embeddings, [images, tokens, hidden]."""
+    def features(self, batch: torch.Tensor, images: list[ImageInput] | None = None) -> torch.Tensor:
+        """A batch of same-shaped images' placeholder embeddings, [images, tokens, hidden] (or a list of them)."""
         return self.model.model.get_image_features(
             pixel_values=batch,
             vision_feature_layer=self.feature_layer,

@@ -15,7 +15,7 @@ FAMILIES = {"gemma3"}
 
 
 class Gemma3VisionEncoder(VisionEncoder):
-    def features(self, batch: torch.Tensor) -> torch.Tensor:
+    def features(self, batch: torch.Tensor, images=None) -> torch.Tensor:
         """Pooled to mm_tokens_per_image per image; Gemma 3 takes no feature layer or select strategy."""
         return self.model.model.get_image_features(pixel_values=batch, return_dict=True).pooler_output
 

@@ -38,7 +38,7 @@ class QwenVisionEncoder:
         self.seconds = 0.0  # time spent encoding them
 
     @torch.inference_mode()
-    def encode(self, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
+    def encode(self, pixels: list[torch.Tensor], images: list[ImageInput] | None = None) -> list[torch.Tensor]:
         """Each image's placeholder embeddings, [tokens, hidden]; every image in one call (the tower attends within
         each image only, by its grid)."""
         started = time.perf_counter()
