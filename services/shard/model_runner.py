@@ -32,11 +32,9 @@ from services.shard.sampling.counter import DrawKeys
 from services.shard.sampling.sampler import Choice, choose
 from services.shard.step_batch import Batch, History, SequenceState
 from services.shard.verify import PickGenerators, accept, expand_picks, kept_positions, select
-from services.shard.vision import encoder as vision_encoder
-from services.shard.vision import gemma3 as vision_gemma3
 from services.shard.vision import loader as vision_loader
-from services.shard.vision.cache import EncoderCache, merge
-from services.shard.vision.mrope import MRopePositions
+from services.shard.vision.cache import merge
+from services.shard.vision.image_state import ImageState
 
 
 class ModelRunner:
@@ -100,14 +98,11 @@ class ModelRunner:
         self.lora.check_hooks()
         # a vision model: its encoder outputs merged at the placeholders of the language model, which runs as a text
         # model (None: a text model)
-        self.vision: EncoderCache | None = None
-        self.mrope: MRopePositions | None = None  # the image layouts of an M-RoPE model's sequences (None: 1-D)
+        self.vision: ImageState | None = None
         self.text_model = self.model
         if vision_loader.is_vision_model(self.model):
-            self.vision = EncoderCache(vision_encoder.for_model(self.model))
+            self.vision = ImageState(self.model)
             self.text_model = vision_loader.text_model(self.model, ATTN_IMPLEMENTATION)
-            if vision_loader.uses_mrope(self.model):
-                self.mrope = MRopePositions()
         # the direct decoder walk, or None (transformers' forward) and why
         self.walk, self.walk_reason = walk_module.build(self.text_model, tp, decoder_walk)
         # the walk's body compiled (bf16 on oneDNN), or None and why (float32 stays eager: model/compiled.py)
@@ -247,21 +242,13 @@ class ModelRunner:
         self.grammars.discard(seq)
         if self.vision is not None:
             self.vision.drop(seq)
-        if self.mrope is not None:
-            self.mrope.drop(seq)
 
     def _open_images(self, plan: StepPlan) -> None:
-        """The new sequences' images, their pixels sliced from the plan's frame in order."""
-        at = 0
-        for new in plan.new:
-            if new.images:
-                if self.vision is None:
-                    raise ValueError("plan sends images to a model without a vision tower")
-                size = sum(im.size for im in new.images)
-                self.vision.open(new.seq, new.images, plan.pixel_values[at : at + size])
-                at += size
-            if self.mrope is not None:
-                self.mrope.open(new.seq, new.cached_images + new.images)
+        """The new sequences' images (services/shard/vision/image_state.py)."""
+        if self.vision is not None:
+            self.vision.open(plan)
+        elif any(new.images for new in plan.new):
+            raise ValueError("plan sends images to a model without a vision tower")
 
     def reset(self) -> None:
         """Drop every sequence (a new scheduler's probe)."""
@@ -269,8 +256,6 @@ class ModelRunner:
         self.grammars.clear()
         if self.vision is not None:
             self.vision.clear()
-        if self.mrope is not None:
-            self.mrope.clear()
 
     def _seq(self, seq: int) -> SequenceState:
         try:
@@ -348,13 +333,10 @@ class ModelRunner:
             draw_positions = np.repeat(draw_positions - picks, picks) + _ranks(picks) + 1
         if any(st.adapter for st in states):  # rows grouped by adapter once per step; base-only steps skip this
             self.lora.set_step([st.adapter for st in states], num_tokens)
-        if self.vision is not None and vision_loader.attends_images_both_ways(self.model):
-            paged.spans = vision_gemma3.image_spans(self.vision, seqs, context_lens, num_tokens)
-            if paged.spans:  # the torch ops carry the spans (on any device; the Triton kernel is causal only)
-                paged.backend = "torch"
-        images = None if self.vision is None else self.vision.step(seqs, context_lens, num_tokens, cu)
-        # the rotary's positions: the tokens' own, or an M-RoPE model's (shifted past images; [3, T] in an image)
-        rope_positions = positions if self.mrope is None else self.mrope.positions(seqs, cu, positions)
+        # a vision model's step: its placeholders' embeddings and its rotary positions (M-RoPE's, shifted past images)
+        images, rope_positions = None, positions
+        if self.vision is not None:
+            images, rope_positions = self.vision.step(seqs, context_lens, num_tokens, cu, positions, paged)
         return Batch(
             images=images,
             seqs=seqs,
@@ -380,7 +362,7 @@ class ModelRunner:
             return self.forward_packed(batch.input_ids, batch.position_ids, batch.keep, batch.paged, embeds)
         # a pure-decode step in a bucket: its graph's replay (None: run it eagerly); a graph places each token at
         # its index, so not while an M-RoPE model holds sequences with images (their positions are shifted)
-        if self.graphs is not None and not (self.mrope is not None and self.mrope.layouts):
+        if self.graphs is not None and not (self.vision is not None and self.vision.shifts_positions):
             logits = self.graphs.step(batch)
             if logits is not None:
                 return logits

@@ -101,7 +101,7 @@ def test_concurrent_mixed(gemma3):
     out = engine.run()
     for i, (text, seeds) in enumerate(PROMPTS):
         assert out[f"r{i}"].tokens == gemma3_reference_generate(gemma3, text, [image(s) for s in seeds], MAX_NEW), i
-    assert not r.vision.pending and not r.vision.outputs
+    assert not r.vision.cache.pending and not r.vision.cache.outputs
 
 
 def test_concurrent_chunked_keeps_each_image_whole(gemma3):

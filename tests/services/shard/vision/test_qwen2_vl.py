@@ -105,8 +105,8 @@ def test_alone_equals_transformers_and_the_image_matters(qwen, walk):
         outputs[seed] = engine.run()[f"a{seed}"].tokens
         assert outputs[seed] == expected(qwen, "Look at <image> and say", [image(seed)]), seed
     assert outputs[1] != outputs[2]  # the image, not only the text, decides the answer
-    assert r.vision.encoder.images == 2 and not r.vision.outputs  # once per image, dropped after its prefill
-    assert set(r.mrope.layouts) <= set(r.seqs)  # a finished sequence's layout goes with it
+    assert r.vision.encoder.images == 2 and not r.vision.cache.outputs  # once per image, dropped after its prefill
+    assert set(r.vision.mrope.layouts) <= set(r.seqs)  # a finished sequence's layout goes with it
 
 
 def test_concurrent_mixed_chunked(qwen):
@@ -120,7 +120,7 @@ def test_concurrent_mixed_chunked(qwen):
     for i, (text, pictures) in enumerate(PROMPTS):
         assert out[f"r{i}"].tokens == expected(qwen, text, pictures), i
     assert r.vision.encoder.images <= sum(len(p) for _, p in PROMPTS)  # the same picture twice: encoded once
-    assert not r.vision.pending and not r.vision.outputs and set(r.mrope.layouts) <= set(r.seqs)
+    assert not r.vision.cache.pending and not r.vision.cache.outputs and set(r.vision.mrope.layouts) <= set(r.seqs)
 
 
 def test_after_preemption(qwen):

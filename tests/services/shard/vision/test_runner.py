@@ -74,7 +74,7 @@ def test_alone_equals_transformers_and_the_image_matters(llava, images):
         outputs[seed] = engine.run()[f"a{k}"].tokens
         assert outputs[seed] == reference_generate(llava, "Look at <image> and say", [image(seed)], MAX_NEW)
     assert outputs[1] != outputs[2]  # the image, not only the text, decides the answer
-    assert r.vision.encoder.images == 2 and not r.vision.outputs  # once per image, dropped after its prefill
+    assert r.vision.encoder.images == 2 and not r.vision.cache.outputs  # once per image, dropped after its prefill
     assert r.walk is not None  # the language model runs the same decoder walk as a text model
 
 
@@ -89,7 +89,7 @@ def test_concurrent_mixed_chunked(llava, images):
     for i, (text, seeds) in enumerate(PROMPTS):
         assert out[f"r{i}"].tokens == reference_generate(llava, text, [image(s) for s in seeds], MAX_NEW), i
     assert r.vision.encoder.images <= sum(len(s) for _, s in PROMPTS)  # the same picture twice: encoded once
-    assert not r.vision.pending and not r.vision.outputs
+    assert not r.vision.cache.pending and not r.vision.cache.outputs
 
 
 def test_after_preemption(llava, images):
