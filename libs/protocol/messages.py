@@ -49,6 +49,9 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     prompt_ids: list[int] | None = None  # a prompt given as token ids (OpenAI completions): used as is, not `inputs`
     # the `n` choices of one OpenAI request share this id: one replica prefills their prompt once ("": alone)
     group: str = ""
+    # the served model it is for, as its replicas announce it ("": the default model, the router's own); a named
+    # model's request goes to one of that model's tokenizers on tokenize.<n> instead of through intake
+    model: str = ""
 
 
 class ImageInput(msgspec.Struct, kw_only=True, array_like=True):
@@ -111,6 +114,7 @@ class TokenizedRequest(Message, tag="tokenized", kw_only=True):
     images: list[ImageInput] = []  # a vision model's images, in prompt order (their pixels: `pixel_values`)
     pixel_values: Any = None  # np.ndarray[float32], every image's pixels flattened and concatenated (raw frame)
     group: str = ""  # GenerateRequest.group: siblings whose prompt KV blocks the scheduler shares
+    model: str = ""  # GenerateRequest.model: the router places it only on replicas of that model
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,7 +329,7 @@ class Heartbeat(Message, tag="hb", kw_only=True):
     # a scheduler's announcement, so that a replica joins the router by starting: the address its intake PULL is
     # bound on (as the router connects to it), its model, adapters and capacity ("" / 0: not a scheduler)
     address: str = ""
-    model: str = ""
+    model: str = ""  # the model it serves (--model-id): schedulers, tokenizers, detokenizers and the router say it
     adapters: list[str] = []
     max_batch: int = 0
     draining: bool = False  # a replica finishing its streams before it stops: no new request is placed on it

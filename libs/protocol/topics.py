@@ -7,6 +7,7 @@ TOK = b"tok."  # token batches for one detokenizer shard
 CTL = b"ctl."  # aborts and stop-sequence hits for one scheduler (replica)
 HB = b"hb."  # heartbeats: hb.<role>.<n>
 LORA = b"lora."  # the LoRA adapters a replica serves now (libs.protocol.lora.AdapterSet)
+TOKENIZE = b"tokenize."  # a request for a named model (not the default), to one tokenizer of that model
 
 
 def _id(n: int) -> bytes:
@@ -33,3 +34,7 @@ def hb(role: str, index: int) -> bytes:
 
 def lora(replica: int) -> bytes:
     return LORA + _id(replica)
+
+
+def tokenize(tokenizer: int) -> bytes:
+    return TOKENIZE + _id(tokenizer)
