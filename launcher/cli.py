@@ -174,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="the index of this host's first replica, for a host that adds replicas to a running router",
     )
+    flag(
+        "worker-base",
+        type=int,
+        default=0,
+        help="the index of this host's first tokenizer and detokenizer, for a host that brings its own to a running "
+        "router (another model's)",
+    )
     flag("tokenizer-workers", type=int, default=1, help="tokenizer processes")
     flag("detokenizer-workers", type=int, default=1, help="detokenizer processes")
     flag("http-workers", type=int, default=1, help="http processes, all on --port (SO_REUSEPORT)")

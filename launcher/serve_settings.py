@@ -99,6 +99,8 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1")
     if args.replica_base < 0:
         raise SystemExit("error: --replica-base must be at least 0")
+    if args.worker_base < 0:
+        raise SystemExit("error: --worker-base must be at least 0")
     if args.validation_workers < 1:
         raise SystemExit("error: `validation_workers` must be > 0")
     cuda_graphs, cuda_memory_fraction = _cuda_flags(args)
@@ -145,6 +147,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         shard_stall_timeout=args.shard_stall_timeout,
         replicas=args.replicas,
         replica_base=args.replica_base,
+        worker_base=args.worker_base,
         num_shard=args.num_shard,
         tokenizer_workers=args.tokenizer_workers,
         detokenizer_workers=args.detokenizer_workers,

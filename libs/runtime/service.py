@@ -21,6 +21,8 @@ def run(role: str, body: Callable[[Settings, logging.Logger], None]) -> None:
     if settings.replica_base and role in ("scheduler", "shard"):  # supervisord counts from 0 on every host
         per_replica = max(1, settings.num_shard) if role == "shard" else 1
         settings = settings.replace(index=settings.index + settings.replica_base * per_replica)
+    if settings.worker_base and role in ("tokenizer", "detokenizer"):
+        settings = settings.replace(index=settings.index + settings.worker_base)
     log = logs.setup(role, settings.index, settings.json_output)
     if bus.configure(settings) is not None and settings.bus.startswith("tcp://"):
         log.info("bus links encrypted (CURVE)")

@@ -77,6 +77,9 @@ class Settings:
     # the index of this launcher's first replica (--replica-base): a host adding replicas to a running fleet numbers
     # its schedulers and shards after the others' (libs/runtime/service.py makes their index global)
     replica_base: int = 0
+    # the index of this launcher's first tokenizer and detokenizer (--worker-base): a host that brings its own (another
+    # model's) to a running router numbers them after the others' (libs/runtime/service.py makes their index global)
+    worker_base: int = 0
     num_shard: int = 1  # shards (tensor-parallel ranks) per replica
     tokenizer_workers: int = 1
     detokenizer_workers: int = 1

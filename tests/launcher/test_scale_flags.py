@@ -92,3 +92,11 @@ def test_replica_base_reaches_settings_and_is_not_negative(monkeypatch, model_di
     assert settings_from(parse(), model_dir).replica_base == 1
     with pytest.raises(SystemExit, match="--replica-base must be at least 0"):
         settings_from(parse("--replica-base", "-1"), model_dir)
+
+
+def test_worker_base_reaches_settings_and_is_not_negative(monkeypatch, model_dir):
+    assert settings_from(parse("--worker-base", "2"), model_dir).worker_base == 2
+    monkeypatch.setenv("WORKER_BASE", "1")
+    assert settings_from(parse(), model_dir).worker_base == 1
+    with pytest.raises(SystemExit, match="--worker-base must be at least 0"):
+        settings_from(parse("--worker-base", "-1"), model_dir)
