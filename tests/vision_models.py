@@ -372,3 +372,233 @@ def gemma3_reference_generate(model_dir, text: str, images: list[bytes], max_new
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LLaVA-Next: LLaVA's CLIP tower, projector and Llama language model with anyres tiling: an image is resized to the
+# grid resolution (LLAVA_NEXT_GRID) that best fits its size and cut into 28x28 tiles after a 28x28 base view, and
+# the tiles' features are unpadded back to its aspect with an image_newline closing each row. Its real processor
+# (LlavaNextProcessor over LLaVA-Next's PIL image processor) counts the placeholders from the image's size: a 40x30
+# picture takes 5 views and 70 tokens, 30x30 5 views and 88, 24x40 3 views and 46.
+
+LLAVA_NEXT_GRID = [[28, 56], [56, 28], [56, 56]]
+
+
+def build_llava_next(out_dir: str | Path, seed: int = 0) -> Path:
+    """Build (once) the tiny LLaVA-Next into `out_dir`; returns the folder."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextProcessor,
+        PreTrainedTokenizerFast,
+    )
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists() and (out / "processor_config.json").exists():
+        return out
+    build_tokenizer(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
+    tok.save(str(out / "tokenizer.json"))
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+        projection_dim=32,
+    )
+    text = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        head_dim=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+    config = LlavaNextConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tok.token_to_id("<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        image_grid_pinpoints=LLAVA_NEXT_GRID,
+    )
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config)  # image_newline: transformers' own init, seeded
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # peaked logits, as the tiny text models (tests/tiny_models.py); the image steers them
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * EMBED_STD)
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
+    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, do_sample=False)
+    model.save_pretrained(out, safe_serialization=True)
+    images = LlavaNextImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_grid_pinpoints=LLAVA_NEXT_GRID,
+    )
+    processor = LlavaNextProcessor(
+        image_processor=images,
+        tokenizer=PreTrainedTokenizerFast.from_pretrained(out),
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+    processor.save_pretrained(out)
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def load_llava_next(model_dir: str):
+    """(model, processor): transformers' own, float32, eager attention."""
+    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+
+    model = LlavaNextForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval(), AutoProcessor.from_pretrained(model_dir)
+
+
+def llava_next_processed(model_dir, text: str, images: list[bytes]) -> dict:
+    """The processor's tensors for `text` (with `<image>` where each image goes): input ids, and with images their
+    views (pixel_values, padded to the most views of any) and sizes (image_sizes)."""
+    from PIL import Image
+
+    _, processor = load_llava_next(str(model_dir))
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images] or None
+    return processor(text=text, images=pil, return_tensors="pt")
+
+
+def llava_next_reference_generate(model_dir, text: str, images: list[bytes], max_new_tokens: int) -> list[int]:
+    """Greedy new tokens of transformers' generate() on the processor's inputs (batch 1)."""
+    model, _ = load_llava_next(str(model_dir))
+    inputs = llava_next_processed(model_dir, text, images)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Idefics3 (SmolVLM): a SigLIP-like tower over each tile of an image, the connector's pixel shuffle and projection, and
+# a Llama language model, with its real processor (Idefics3Processor over Idefics3's PIL image processor and the tiny
+# tokenizer with its image, frame, global-image and row/column tokens). An image is split into tiles plus a global
+# image, each tile's placeholders framed by <fake_token_around_image> and its row/column marker.
+
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
+]
+IDEFICS3_TILE, IDEFICS3_PATCH, IDEFICS3_SCALE = 28, 7, 2  # 4x4 patches shuffled 2x2: 4 image tokens per tile
+IDEFICS3_TILE_TOKENS = (IDEFICS3_TILE // IDEFICS3_PATCH) ** 2 // IDEFICS3_SCALE**2
+
+
+def build_idefics3(out_dir: str | Path, seed: int = 0) -> Path:
+    """Build (once) the tiny Idefics3 into `out_dir`: an image's longest edge resized to two tiles, so a 40x30
+    picture makes 2x2 tiles and the global image (5 x 4 image tokens), a 40x12 one 1x2 tiles and the global one."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (
+        GenerationConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        PreTrainedTokenizerFast,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists() and (out / "processor_config.json").exists():
+        return out
+    build_tokenizer(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in IDEFICS3_TOKENS])
+    tok.save(str(out / "tokenizer.json"))
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IDEFICS3_TILE,
+        patch_size=IDEFICS3_PATCH,
+    )
+    text = dict(
+        model_type="llama",
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        head_dim=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+    config = Idefics3Config(
+        vision_config=vision,
+        text_config=text,
+        scale_factor=IDEFICS3_SCALE,
+        image_token_id=tok.token_to_id("<image>"),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # peaked logits, as the tiny text models (tests/tiny_models.py); the image steers them
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * EMBED_STD)
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
+    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, do_sample=False)
+    model.save_pretrained(out, safe_serialization=True)
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": 2 * IDEFICS3_TILE}, max_image_size={"longest_edge": IDEFICS3_TILE}
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=IDEFICS3_TILE_TOKENS).save_pretrained(
+        out
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def load_idefics3(model_dir: str):
+    """(model, processor): transformers' own, float32, eager attention."""
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    model = Idefics3ForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval(), AutoProcessor.from_pretrained(model_dir)
+
+
+def idefics3_processed(model_dir, text: str, images: list[bytes]) -> dict:
+    """The processor's tensors for `text` (with `<image>` where each image goes)."""
+    from PIL import Image
+
+    _, processor = load_idefics3(str(model_dir))
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images] or None
+    return processor(text=text, images=pil, return_tensors="pt")
+
+
+def idefics3_reference_generate(model_dir, text: str, images: list[bytes], max_new_tokens: int) -> list[int]:
+    """Greedy new tokens of transformers' generate() on the processor's inputs (batch 1)."""
+    model, _ = load_idefics3(str(model_dir))
+    inputs = idefics3_processed(model_dir, text, images)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
