@@ -54,8 +54,10 @@ def for_model(model: torch.nn.Module):
     """The vision encoder of the model's family."""
     if model.config.model_type in qwen2_vl.FAMILIES:
         return qwen2_vl.QwenVisionEncoder(model)
-    from services.shard.vision import gemma3  # its encoder subclasses this module's
+    from services.shard.vision import gemma3, llava_next  # their encoders subclass this module's
 
     if model.config.model_type in gemma3.FAMILIES:
         return gemma3.Gemma3VisionEncoder(model)
+    if model.config.model_type in llava_next.FAMILIES:
+        return llava_next.LlavaNextVisionEncoder(model)
     return VisionEncoder(model)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from services.shard.vision import gemma3, qwen2_vl
+from services.shard.vision import gemma3, llava_next, qwen2_vl
 
 # families whose image embeddings replace their placeholder tokens' embeddings one for one (encoder.py)
-FAMILIES = {"llava", *qwen2_vl.FAMILIES, *gemma3.FAMILIES}
+FAMILIES = {"llava", *llava_next.FAMILIES, *qwen2_vl.FAMILIES, *gemma3.FAMILIES}
 
 
 def is_vision_config(config: dict) -> bool:
