@@ -76,26 +76,35 @@ def tool_plan(
 _START = re.compile(r"^start(\[[^\]]*\])?:", re.MULTILINE)
 
 
-def budget_lark(end: str, budget: int | None, answer: str | None = None) -> str:
+def budget_lark(end: str, budget: int | None, answer: str | None = None, end_id: int | None = None) -> str:
     """Reasoning, for a prompt that leaves it open, then `end`, then the answer: free text, or `answer`'s Lark rules
     (a tool grammar, a JSON schema's) whose `start` becomes the answer's. Under a thinking budget at most `budget`
     tokens of reasoning (at the budget the grammar allows only `end`, so the server writes it).
 
     llguidance's lexer is greedy (a lexeme ends only where the next byte cannot extend it), so the model's own
     marker cannot be a lexeme of its own after free text that may go on with the marker's first character. Without
-    a budget the reasoning is one lexeme up to and with the first `end` (any text, `<` included). Under a budget
-    the reasoning may not hold the marker's first character: the lexeme that holds `end` is not cut by
-    `max_tokens`, and text cut at the budget beside it no longer hands over to the model's own marker."""
+    a budget the reasoning is one lexeme up to and with the first `end` (any text, `<` included). Under a budget,
+    where the tokenizer has `end` as one token (`end_id`), the marker is that token: the reasoning is any text
+    without the marker's text, so it ends where the model samples the marker's token (or the budget forces it), and
+    may hold `<`. Where the marker is several tokens the reasoning may not hold its first character: the lexeme
+    that holds `end` is not cut by `max_tokens`, and text cut at the budget beside it no longer hands over to the
+    model's own marker."""
     if answer is None:
         rules = ["sy_answer: /(?s:.*)/"]
     else:
         rules = [_START.sub(r"sy_answer\1:", answer)]
+    marker = re.escape(end).replace("/", "\\/")
     if budget is None:
-        marker = re.escape(end).replace("/", "\\/")
         rules += [
             "start: sy_think sy_answer",
             "sy_think: SY_ENDED",
             f"SY_ENDED: /(?s:.*){marker}/ & ~/(?s:.*){marker}(?s:.+)/",
+        ]
+    elif end_id is not None:
+        rules += [
+            f"start: sy_think <[{int(end_id)}]> sy_answer",
+            f"sy_think[max_tokens={int(budget)}]: SY_THINK",
+            f"SY_THINK: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/",
         ]
     else:
         first = re.escape(end[0]).replace("/", "\\/")
@@ -105,6 +114,13 @@ def budget_lark(end: str, budget: int | None, answer: str | None = None) -> str:
             f"SY_THINK: /[^{first}]*/",
         ]
     return "\n".join(rules) + "\n"
+
+
+def marker_token(tokenizer, marker: str) -> int | None:
+    """The id of the one token that is `marker` in this tokenizer (an added token, special or not, or a vocabulary
+    entry), else None."""
+    ids = tokenizer.encode(marker, add_special_tokens=False).ids
+    return ids[0] if len(ids) == 1 else None
 
 
 def json_answer_lark(schema: dict) -> str:

@@ -24,7 +24,14 @@ from libs.runtime.settings import Settings
 from services.http import reasoning
 from services.http.tool_parsers import ToolParser, native_parser
 from services.tokenizer import validation
-from services.tokenizer.answer_grammar import answer_schema, budget_lark, compiled, json_answer_lark, tool_plan
+from services.tokenizer.answer_grammar import (
+    answer_schema,
+    budget_lark,
+    compiled,
+    json_answer_lark,
+    marker_token,
+    tool_plan,
+)
 from services.tokenizer.chat_template import ChatTemplates, TemplateError
 from services.tokenizer.grammar import Checked, GrammarCompiler, GrammarLimits, ToolError, ToolPlan, tool_grammar
 from services.tokenizer.images.decode import ImageError
@@ -244,9 +251,9 @@ class Processor:
         if not self.reasoning.opened_in(text):
             return None
         answer = plan.lark if schema is None else json_answer_lark(schema)
-        return self.grammars.compile(
-            "reasoning", compiled(budget_lark(self.reasoning.end, req.thinking_budget, answer))
-        )
+        end = self.reasoning.end
+        lark = budget_lark(end, req.thinking_budget, answer, marker_token(self.tokenizer, end))
+        return self.grammars.compile("reasoning", compiled(lark))
 
     def _grammar(self, grammar, plan: ToolPlan) -> Checked | None:
         """The request's grammar, checked and compiled (ValidationError / ToolError with TGI's messages)."""

@@ -8,7 +8,7 @@ from llguidance import LLMatcher, LLTokenizer
 from tokenizers import Tokenizer
 
 from services.http.tool_parsers import PARSERS
-from services.tokenizer.answer_grammar import budget_lark, compiled, json_answer_lark, tool_plan
+from services.tokenizer.answer_grammar import budget_lark, compiled, json_answer_lark, marker_token, tool_plan
 from services.tokenizer.grammar import ToolError
 from tests.tiny_models import EOS, build_tokenizer
 
@@ -99,3 +99,39 @@ def test_a_json_answer_after_the_reasoning(vocab):
     assert not _accepts(vocab, grammar, 'x</think>{"n": "three"}')
     assert not _accepts(vocab, grammar, 'x</think>{"n": 3, "extra": 1}')  # extra keys closed
     assert _accepts(vocab, budget_lark("</think>", None, json_answer_lark(schema)), 'a</think>{"n": 1}')
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_under_a_budget_reasoning_may_hold_lt_where_the_marker_is_one_token(tmp_path, special):
+    # a tokenizer with `</think>` as one added token (special as some models have it, or not as Qwen3's)
+    tok, _ = _tokenizer_with(tmp_path, "</think>", special)
+    lltok = LLTokenizer(str(tmp_path / "tokenizer.json"), eos_token=[EOS])
+    end_id = marker_token(tok, "</think>")
+    assert end_id == tok.token_to_id("</think>")
+    assert marker_token(tok, "<|no such marker|>") is None
+    grammar = compiled(budget_lark("</think>", 6, None, end_id))
+
+    def run(text: str, n: int) -> tuple[list[int], LLMatcher]:
+        matcher = LLMatcher(lltok, grammar, log_level=0)
+        ids = tok.encode(text, add_special_tokens=False).ids[:n]
+        assert all(matcher.consume_token(t) for t in ids)
+        return ids, matcher
+
+    taken, matcher = run("a<b c<d e f", 6)  # `<` in the reasoning up to the budget (6 tokens)
+    assert tok.decode(taken) == "a<b c<d"
+    assert matcher.compute_ff_tokens() == [end_id]  # only the marker's token may follow: the server writes it
+    taken, matcher = run("if a < b</think>the answer < 3", 99)  # the model's own marker within the budget
+    assert end_id in taken and matcher.is_accepting()
+    # the marker's text written in pieces does not close (or hide in) the reasoning: only its token does
+    pieces = [i for ch in "x</think>" for i in tok.encode(ch, add_special_tokens=False).ids]
+    assert LLMatcher(lltok, grammar, log_level=0).validate_tokens(pieces) < len(pieces)
+
+
+def _tokenizer_with(path, marker: str, special: bool):
+    from tokenizers import AddedToken
+
+    build_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_tokens([AddedToken(marker, special=special, normalized=False)])
+    tok.save(str(path / "tokenizer.json"))
+    return tok, None
