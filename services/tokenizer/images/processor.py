@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from libs.protocol.messages import ImageInput
+from services.tokenizer.images import idefics3
 from services.tokenizer.images.decode import ImageError, decode
 from services.tokenizer.images.fetch import FetchLimits, load
 from services.tokenizer.images.qwen2_vl import FAMILIES as QWEN_FAMILIES
@@ -57,6 +58,8 @@ class ImageProcessor:
         self.image_token: str = self.processor.image_token
         self.image_token_id: int = self.processor.image_token_id
         self.placeholder_id: int = _placeholder_id(self.processor)
+        # an image cut into tiles, each its own run of placeholders and its own ImageInput (images/idefics3.py)
+        self.tiled = _model_type(model_path) in idefics3.FAMILIES
 
     @classmethod
     def for_model(cls, settings) -> ImageProcessor | None:
@@ -107,6 +110,8 @@ class ImageProcessor:
         for url in urls:
             img = decode(load(url, self.limits.fetch), self.limits.max_pixels)
             got = self.processor(text=self.image_token, images=[img], add_special_tokens=False, return_tensors="np")
+            if self.tiled:
+                idefics3.check_mask(got)
             out.token_ids.append(np.asarray(got["input_ids"][0], np.int32))
             out.pixels.append(np.ascontiguousarray(got["pixel_values"][0], np.float32))
             sizes = got.get("image_sizes")  # LLaVA-Next's: the model tiles and unpads the image by it
@@ -116,7 +121,7 @@ class ImageProcessor:
 
     def expand(self, ids: list[int], images: Images) -> tuple[list[int], list[ImageInput]]:
         """The prompt ids with each image token replaced by its image's tokens, and where each image's placeholder
-        tokens now lie."""
+        tokens now lie (a tiled image's: each tile's)."""
         at = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(at) != len(images.pixels):
             raise ImageError(
@@ -125,19 +130,23 @@ class ImageProcessor:
         out, placed, prev = [], [], 0
         for pos, tokens, pixels, size in zip(at, images.token_ids, images.pixels, images.sizes, strict=True):
             out += ids[prev:pos]
-            marks = np.flatnonzero(tokens == self.placeholder_id)  # e.g. Gemma 3's frame: the placeholders within
-            start = len(out) + int(marks[0])
-            if len(marks) != marks[-1] - marks[0] + 1:
-                raise ImageError("the processor's placeholder tokens for an image are not contiguous")
-            placed.append(
-                ImageInput(
-                    digest=digest(pixels, size),
-                    start=start,
-                    tokens=len(marks),
-                    shape=list(pixels.shape),
-                    image_size=size,
+            if self.tiled:
+                runs = idefics3.tiles(tokens, self.placeholder_id, pixels)
+            else:
+                marks = np.flatnonzero(tokens == self.placeholder_id)  # e.g. Gemma 3's frame: the placeholders within
+                if len(marks) != marks[-1] - marks[0] + 1:
+                    raise ImageError("the processor's placeholder tokens for an image are not contiguous")
+                runs = [(int(marks[0]), len(marks), pixels)]
+            for offset, count, px in runs:
+                placed.append(
+                    ImageInput(
+                        digest=digest(px, size),
+                        start=len(out) + offset,
+                        tokens=count,
+                        shape=list(px.shape),
+                        image_size=size,
+                    )
                 )
-            )
             out += tokens.tolist()
             prev = pos + 1
         return out + ids[prev:], placed
@@ -150,13 +159,17 @@ def _placeholder_id(processor) -> int:
     return inner if isinstance(inner, int) else processor.image_token_id
 
 
+def _model_type(model_path: str) -> str | None:
+    from libs.runtime import model_store
+
+    return model_store.read_config(model_path).get("model_type")
+
+
 def _model_processor(model_path: str):
     """The folder's own processor (transformers' AutoProcessor), or Qwen2-VL's image part alone (qwen2_vl.py)."""
     from transformers import AutoProcessor
 
-    from libs.runtime import model_store
-
-    if model_store.read_config(model_path).get("model_type") in QWEN_FAMILIES:
+    if _model_type(model_path) in QWEN_FAMILIES:
         return QwenImageProcessor(model_path)
     return AutoProcessor.from_pretrained(model_path)
 
