@@ -16,7 +16,7 @@ import torch
 from bench.engine import Engine, request
 from services.shard.model_runner import ModelRunner
 from services.tokenizer.images.fetch import FetchLimits
-from services.tokenizer.images.processor import ImageLimits, ImageProcessor
+from services.tokenizer.images.processor import ImageLimits, ImageProcessor, digest
 from tests.vision_models import (
     build_llava_next,
     image,
@@ -81,6 +81,9 @@ def test_placeholders_follow_the_size_and_the_encoder_packs_each_image_by_its_ow
     assert [im.image_size for im in req.images] == [sizes[0], [30, 30], [40, 24]]  # (height, width)
     assert [im.tokens for im in req.images] == [70, 88, 46]
     assert [im.shape[0] for im in req.images] == [5, 5, 3]  # the base view and the grid's tiles
+    # the size is part of the image's content hash: the same views from another size unpad to other rows
+    views = req.pixel_values[: req.images[0].size].reshape(req.images[0].shape)
+    assert req.images[0].digest == digest(views, [30, 40]) != digest(views, [40, 30]) != digest(views)
     # the 40x30 and 30x30 pictures have the same views' shape: one batch, each packed by its own size
     model, _ = load_llava_next(str(llava_next[0]))
     r = runner(llava_next)
