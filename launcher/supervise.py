@@ -28,7 +28,7 @@ from supervisor.xmlrpc import SupervisorTransport
 
 log = logging.getLogger("switchyard.launcher")
 POLL_S = 2.0
-DRAIN_MARGIN_S = 5.0  # beyond the graceful termination timeout: http's last error events and its exit
+DRAIN_MARGIN_S = 5.0  # beyond the graceful termination timeout: http's last error events, the exits
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -59,24 +59,34 @@ def stop_all_programs(socket_path: Path) -> None:
         transport.close()
 
 
-def drain_http(socket_path: Path, timeout: float) -> None:
-    """Send every http process SIGTERM, which drains it (readiness 503, new requests refused, running streams
-    finish up to `timeout`, then it exits), and wait until all have exited. The rest of the pipeline keeps
-    running meanwhile: the streams need it."""
+DRAINING = ("http", "scheduler")  # the programs SIGTERM drains; the others serve their streams meanwhile
+
+
+def drain(socket_path: Path, timeout: float) -> None:
+    """Send every http process and every scheduler SIGTERM, which drains it, and wait until all have exited. An
+    http process turns readiness 503, refuses new requests and lets its running streams finish; a scheduler says
+    `draining` (the router places nothing new on it) and runs what it holds to its end; each for up to `timeout`.
+    The rest of the pipeline keeps running meanwhile: the streams need it (a replica's shards above all)."""
     transport = SupervisorTransport(None, None, f"unix://{socket_path}")
     try:
         rpc = xmlrpc.client.ServerProxy("http://localhost", transport=transport)
-        try:
-            rpc.supervisor.signalProcessGroup("http", "TERM")
-        except xmlrpc.client.Fault:  # no http program here (--only), or none running
-            return
+        signalled = []
+        for group in DRAINING:
+            try:
+                rpc.supervisor.signalProcessGroup(group, "TERM")
+                signalled.append(group)
+            except xmlrpc.client.Fault:  # no such program here (--only), or none running
+                pass
         deadline = time.monotonic() + timeout + DRAIN_MARGIN_S
-        while time.monotonic() < deadline:
-            states = [p["statename"] for p in rpc.supervisor.getAllProcessInfo() if p["group"] == "http"]
+        while signalled and time.monotonic() < deadline:
+            states = [p["statename"] for p in rpc.supervisor.getAllProcessInfo() if p["group"] in signalled]
             if not any(state in ("STARTING", "RUNNING", "STOPPING") for state in states):
                 return
             time.sleep(0.1)
-        log.warning("http did not drain within %gs; stopping everything", timeout + DRAIN_MARGIN_S)
+        if signalled:
+            log.warning(
+                "%s did not drain within %gs; stopping everything", ", ".join(signalled), timeout + DRAIN_MARGIN_S
+            )
     except (OSError, xmlrpc.client.Error):
         pass  # not answering (starting, or gone): the plain stop follows
     finally:
@@ -161,12 +171,12 @@ def run(
     draining: list[threading.Thread] = []
 
     def drain_then_stop() -> None:
-        drain_http(run_dir / "supervisor.sock", drain_timeout)
+        drain(run_dir / "supervisor.sock", drain_timeout)
         stop()
 
     def stop(signum=None, frame=None):
         if signum == signal.SIGTERM and not draining and not failed and proc.poll() is None:
-            log.info("SIGTERM: draining http (up to %gs), then stopping", drain_timeout)
+            log.info("SIGTERM: draining http and the schedulers (up to %gs), then stopping", drain_timeout)
             draining.append(threading.Thread(target=drain_then_stop, daemon=True))
             draining[0].start()
             return

@@ -6,7 +6,7 @@ compute this one, off the model's critical path. The scheduler holds every reque
 saved from here when a process dies: a shard restart requeues the running requests for re-prefill
 (Batcher.requeue_running), a `Resync` is answered with the stream from offset 0 (recovery.StreamLog), `Accepted`
 again or `Unknown`, and a request id runs at most once (recovery.Forgotten). docs/scheduling.md tells the loop,
-docs/recovery.md the recovery.
+docs/recovery.md the recovery. SIGTERM drains the replica (drain.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from libs.runtime import bus, metrics, model_store, service
 from libs.runtime.settings import BLOCK_SIZE, Settings
 from libs.runtime.timeouts import REPLAY_EVERY
 from services.scheduler.batcher import Batcher, Emitted
+from services.scheduler.drain import Drain
 from services.scheduler.gateway_metrics import GatewayGauges
 from services.scheduler.images import keeps_images_whole
 from services.scheduler.lora import LoraControl
@@ -100,19 +101,29 @@ class SchedulerService:
         self._replayed: dict[str, float] = {}
         # a shard that dies drops its plan subscription: that is how we hear of it before it restarts
         self.shard_watch = self.plans.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.drain = Drain(settings.graceful_termination_timeout)
         self.poller = zmq.Poller()
-        for sock in (self.inbox, self.results, self.events.sub, self.shard_watch):
+        for sock in (self.inbox, self.results, self.events.sub, self.shard_watch, self.drain.wake_fd()):
             self.poller.register(sock, zmq.POLLIN)
 
     # ---- the loop -------------------------------------------------------------------------
     def run(self, log) -> None:
         self.log = log
+        self.drain.install()
         self.events.start()
         # say "here, not ready" before probing the shards: a restarted scheduler shows in /health (503) until its
         # shards answered, even when it is back before its old heartbeats go stale
         self._beat()
         while True:
             self.turn()
+            holding = len(self.batcher.waiting) + len(self.batcher.running) + bool(self.unpublished)
+            outcome = self.drain.outcome(holding)
+            if outcome == "drained":
+                log.info("drained: every request this replica held has ended; stopping")
+                return
+            if outcome == "timeout":
+                log.warning("drain cut short: %d requests still held at the timeout; stopping", holding)
+                return
 
     def turn(self) -> None:
         """receive → control → plan/send → publish (the last step's rows) → await → apply."""
@@ -136,6 +147,8 @@ class SchedulerService:
         for sock, _ in self.poller.poll(timeout_ms):
             if sock is self.events.sub:
                 self._on_event()
+            elif sock == self.drain.wake_fd():  # a signal: SIGTERM's drain is announced by the next beat
+                self.drain.woken()
             elif sock is self.shard_watch:
                 sock.recv_multipart()
                 self.log.warning("a shard dropped its connection; requeueing the running requests")
@@ -359,7 +372,14 @@ class SchedulerService:
 
     # ---- heartbeat ------------------------------------------------------------------------
     def _beat(self) -> None:
-        """When a heartbeat is due: refresh the gauges it goes with, expire ended streams, send our load."""
+        """When a heartbeat is due: refresh the gauges it goes with, expire ended streams, send our load. A drain
+        that began is announced at once, out of turn: the router must stop placing here now."""
+        announce = self.drain.active and self.drain.announced is None
+        if announce:
+            held = len(self.batcher.waiting) + len(self.batcher.running)
+            self.log.info("SIGTERM: draining (%d requests held, up to %gs)", held, self.drain.timeout)
+            self.events.publish(self.events.hb_topic, self.events.heartbeat_message(**self.load()))
+            self.drain.beat_sent()
         if not self.events.heartbeat_due():
             return
         self.observer.gauges()
@@ -384,6 +404,7 @@ class SchedulerService:
             "model": self.settings.model_id,
             "adapters": list(self.lora.accepting),
             "max_batch": self.settings.max_batch_size,
+            "draining": self.drain.active,
         }
 
 

@@ -9,11 +9,16 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
-from tests.e2e.server import Server, session_processes
+from libs.protocol.messages import Heartbeat
+from libs.runtime import bus
+from tests.e2e.server import Server, free_port_range, session_processes
+from tests.e2e.test_scale import Tap, generate, prompt
+from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e
 TIMEOUT_S = 1.5  # the short streams take a fraction of it, the long one (2000 tokens) seconds
@@ -98,10 +103,73 @@ def test_sigterm_drains_open_streams_and_leaves_nothing(tiny_model_dir, tmp_path
         assert wait_until(lambda: not session_processes(sid), 10), "processes left behind"
         assert not os.path.exists(run_dir), "run directory left behind"
         log = server.log_path.read_text(errors="replace")
-        assert "draining http" in log and "draining: 5 requests running" in log  # all were open at SIGTERM
+        assert (
+            "draining http and the schedulers" in log and "draining: 5 requests running" in log
+        )  # all were open at SIGTERM
         assert "drain cut short: 1 requests" in log
         assert "Traceback" not in log, server.tail(100)
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
         server.log.close()
+
+
+def test_sigterm_of_a_scheduler_drains_its_replica(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch):
+    """Two replicas; SIGTERM to the scheduler running a long stream: its heartbeat says `draining` at once, every
+    request that comes next is placed on the other replica (each greedy-equal to transformers'), the long stream
+    ends normally, and the drained scheduler exits on its own (0, not restarted) without waiting for the timeout."""
+    monkeypatch.setattr(bus, "_curve", None)  # the tap's sockets: plaintext on loopback, as the server's
+    monkeypatch.setattr(bus, "_plaintext_ok", True)
+    spec = f"tcp://127.0.0.1:{free_port_range(5)}?replicas=127.0.0.1:{free_port_range(6)}"
+    flags = ("--replicas", "2", "--bus-address", spec, "--bus-insecure", "--graceful-termination-timeout", "60")
+    server = Server(tiny_model_dir, tmp_path / "replica-drain.log", *flags)
+    tap = None
+    try:
+        server.wait_healthy()
+        tap = Tap(spec, prefixes=(b"hb.", b"tok."))
+        body = {"inputs": "long", "parameters": {"max_new_tokens": 2000, "details": True}}
+        long = Stream(server.url + "/generate_stream", body)
+        long.start()
+        assert long.first.wait(30) and not long.error, long.error
+        [(long_id, (replica,))] = tap.replicas_of().items()
+        other = 1 - replica
+        sent = time.monotonic()
+        os.kill(server.pid("scheduler", replica), signal.SIGTERM)
+
+        def draining() -> bool:
+            return any(isinstance(m, Heartbeat) and m.role == "scheduler" and m.index == replica and m.draining
+                       for _, m in tap.seen())  # fmt: skip
+
+        tap.wait_for(draining, timeout=5)
+        announced = time.monotonic() - sent
+        cases = [(prompt(700 + i), 5) for i in range(6)]
+        with ThreadPoolExecutor(len(cases)) as pool:  # served first, checked against transformers after
+            answers = list(pool.map(lambda case: generate(server.url, *case), cases))
+        assert long.is_alive(), "the long stream ended before the new requests were served: nothing was shown"
+        for (text, n), ids in zip(cases, answers):
+            assert ids == reference_generate(tiny_model_dir, tiny_tokenizer(text).input_ids, n), text
+        on_replica = {rid for rid, replicas in tap.replicas_of().items() if replica in replicas}
+        assert on_replica == {long_id}, "a request was placed on the draining replica"
+        assert len(tap.replicas_of()) == 7 and all(r == {other} for r in tap.replicas_of().values() if r != {replica})
+
+        long.join(60)
+        assert not long.is_alive() and long.error is None, long.error
+        assert long.events[-1]["details"]["finish_reason"] == "length", long.events[-1]
+        assert len([e for e in long.events if e.get("token")]) == 2000
+
+        def exited():
+            info = server.rpc("getProcessInfo", f"scheduler:scheduler_{replica}")
+            return info if info["statename"] == "EXITED" else None
+
+        info = tap.wait_for(exited, timeout=30)
+        assert info["exitstatus"] == 0
+        assert time.monotonic() - sent < 30, "the drained scheduler waited for its timeout"
+        log = server.log_path.read_text(errors="replace")
+        assert f"scheduler.{replica} is up" in log and "draining: nothing new is placed on it" in log
+        assert "drained: every request this replica held has ended" in log
+        assert announced < 3, announced
+        assert requests.get(server.url + "/health", timeout=5).status_code == 200  # the other replica serves
+    finally:
+        if tap is not None:
+            tap.close()
+        server.stop()
