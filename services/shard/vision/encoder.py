@@ -18,8 +18,10 @@ class VisionEncoder:
         cfg = model.config
         self.feature_layer = getattr(cfg, "vision_feature_layer", -1)
         self.select = getattr(cfg, "vision_feature_select_strategy", "default")
-        self.dtype = next(model.model.vision_tower.parameters()).dtype
-        self.device = next(model.model.vision_tower.parameters()).device
+        inner = model.model  # Idefics3 and SmolVLM call their tower vision_model
+        tower = inner.vision_tower if hasattr(inner, "vision_tower") else inner.vision_model
+        self.dtype = next(tower.parameters()).dtype
+        self.device = next(tower.parameters()).device
         self.images = 0  # images encoded (tests and metrics read it)
         self.seconds = 0.0  # time spent encoding them
 
@@ -54,10 +56,12 @@ def for_model(model: torch.nn.Module):
     """The vision encoder of the model's family."""
     if model.config.model_type in qwen2_vl.FAMILIES:
         return qwen2_vl.QwenVisionEncoder(model)
-    from services.shard.vision import gemma3, llava_next  # their encoders subclass this module's
+    from services.shard.vision import gemma3, idefics3, llava_next  # their encoders subclass this module's
 
     if model.config.model_type in gemma3.FAMILIES:
         return gemma3.Gemma3VisionEncoder(model)
     if model.config.model_type in llava_next.FAMILIES:
         return llava_next.LlavaNextVisionEncoder(model)
+    if model.config.model_type in idefics3.FAMILIES:
+        return idefics3.Idefics3VisionEncoder(model)
     return VisionEncoder(model)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from services.shard.vision import gemma3, llava_next, qwen2_vl
+from services.shard.vision import gemma3, idefics3, llava_next, qwen2_vl
 
 # families whose image embeddings replace their placeholder tokens' embeddings one for one (encoder.py)
-FAMILIES = {"llava", *llava_next.FAMILIES, *qwen2_vl.FAMILIES, *gemma3.FAMILIES}
+FAMILIES = {"llava", *llava_next.FAMILIES, *qwen2_vl.FAMILIES, *gemma3.FAMILIES, *idefics3.FAMILIES}
 
 
 def is_vision_config(config: dict) -> bool:
@@ -50,7 +50,14 @@ def uses_mrope(model: torch.nn.Module) -> bool:
 
 
 def is_vision_model(model: torch.nn.Module) -> bool:
-    return hasattr(model.config, "vision_config") and hasattr(getattr(model, "model", None), "language_model")
+    return hasattr(model.config, "vision_config") and language_model(model) is not None
+
+
+def language_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The vision model's language model (Idefics3 and SmolVLM call it text_model), or None."""
+    inner = getattr(model, "model", None)
+    found = getattr(inner, "language_model", None)
+    return found if found is not None else getattr(inner, "text_model", None)
 
 
 def text_model(model: torch.nn.Module, attn: str) -> torch.nn.Module:
@@ -60,7 +67,7 @@ def text_model(model: torch.nn.Module, attn: str) -> torch.nn.Module:
         return qwen2_vl.causal_lm(model)
     with torch.device("meta"):
         shell = AutoModelForCausalLM.from_config(model.config.get_text_config(), attn_implementation=attn)
-    shell.model = model.model.language_model
+    shell.model = language_model(model)
     shell.lm_head = model.get_output_embeddings()
     return shell
 
