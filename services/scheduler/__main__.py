@@ -122,7 +122,8 @@ class SchedulerService:
                 log.info("drained: every request this replica held has ended; stopping")
                 return
             if outcome == "timeout":
-                log.warning("drain cut short: %d requests still held at the timeout; stopping", holding)
+                log.warning("drain cut short: %d requests still held at the timeout; handing them back", holding)
+                self._hand_back()
                 return
 
     def turn(self) -> None:
@@ -369,6 +370,13 @@ class SchedulerService:
             failed.append((req.request_id, message))
             rows.append(self.batcher.finish(req.request_id, FINISH_ERROR))
         self._publish_failed(rows, failed)
+
+    def _hand_back(self) -> None:
+        """A drain past its timeout: every request held is answered `Unknown`, as a restarted scheduler would, so
+        http resubmits it at once (the router places it on another replica, not on this draining one) and drops
+        the rows it already delivered."""
+        for s in [*self.batcher.waiting, *self.batcher.running.values()]:
+            self.events.publish(topics.out(s.req.ingress), Unknown(request_id=s.req.request_id))
 
     # ---- heartbeat ------------------------------------------------------------------------
     def _beat(self) -> None:

@@ -4,7 +4,8 @@ SIGINT, or a second SIGTERM, stops it at once.
 
 A drained scheduler waits `SETTLE_S` after its draining heartbeat before it exits: a request the router placed
 just before it heard that beat is then in our inbox, and runs. A request still running at the timeout is cut by
-the exit; http's watchdog then resubmits it (docs/recovery.md), to another replica where there is one.
+the exit, which first answers it `Unknown` as a restarted scheduler would: http resubmits it (docs/recovery.md), to
+another replica where there is one.
 """
 
 from __future__ import annotations
