@@ -36,6 +36,7 @@ from libs.runtime import bus, metrics, service, tracing
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import FORGET_AFTER, RESYNC_EVERY
 from services.detokenizer.details import TokenTexts
+from services.detokenizer.formats import keeps_special_tokens
 from services.detokenizer.incremental import IncrementalDecoder
 from services.detokenizer.stops import StopMatcher
 
@@ -71,8 +72,9 @@ class Stream:
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, keep_special: bool = False):
         self.tokenizer = tokenizer
+        self.keep_special = keep_special  # the served chat format is written in special tokens (formats.py)
         self.texts = TokenTexts(tokenizer)
         self.streams: dict[str, Stream] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()
@@ -99,7 +101,7 @@ class Detokenizer:
             self.ended.pop(rid, None)
         for o in batch.opens:
             if o.request_id not in self.streams and o.request_id not in self.ended:
-                decoder = IncrementalDecoder(self.tokenizer, o.prompt_tail)
+                decoder = IncrementalDecoder(self.tokenizer, o.prompt_tail, self.keep_special)
                 span = (
                     tracing.start("detokenizer", o.traceparent, request_id=o.request_id) if tracing.enabled() else None
                 )
@@ -189,11 +191,12 @@ class Detokenizer:
 
 def main() -> None:
     def body(settings: Settings, log) -> None:
-        detok = Detokenizer(Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json")))
+        keep = keeps_special_tokens(settings)
+        detok = Detokenizer(Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json")), keep)
         events = bus.EventBus(Addresses.parse(settings.bus), ROLE, settings.index, [topics.tok(settings.index)])
         events.start()
         m = metrics.get()
-        log.info("detokenizer %d ready", settings.index)
+        log.info("detokenizer %d ready%s", settings.index, " (special tokens kept in the text)" if keep else "")
         while True:
             if events.sub.poll(500):
                 got = events.recv()
@@ -216,7 +219,8 @@ def main() -> None:
                     m.detokenized_tokens.inc(detok.tokens - tokens)
                     # one token batch (a scheduler step's rows for this shard), in and out
                     m.hop_duration.labels(hop="detokenizer").observe(time.perf_counter() - started)
-            events.heartbeat(running=len(detok.streams), counters={"tokens": detok.tokens})
+            # its model: the router gives it only that model's requests
+            events.heartbeat(running=len(detok.streams), counters={"tokens": detok.tokens}, model=settings.model_id)
 
     service.run(ROLE, body)
 

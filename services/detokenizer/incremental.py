@@ -4,6 +4,9 @@ TGI keeps two offsets into the ids: `prefix_offset` (start of the left context, 
 `read_offset` (end of what has been emitted). Each token decodes ids[prefix:read] and ids[prefix:]; the
 extra text of the second is the token's text, unless it ends in U+FFFD (an incomplete UTF-8 character,
 whose bytes are held back until a later token completes it).
+
+A model whose chat format is written in special tokens (gpt-oss's harmony: `keep_special`) keeps them in its whole
+text too; for any other model that text skips them, as TGI's generated_text does.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ class IncrementalDecoder:
     U+FFFD. The decoded window (`window` tokens: the left context plus the pending tokens) stays bounded.
     """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, prompt_tail: list[int]) -> None:
+    def __init__(self, tokenizer: tokenizers.Tokenizer, prompt_tail: list[int], keep_special: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.keep_special = keep_special
         self._special = special_ids(tokenizer)
         self._context = list(prompt_tail[-PROMPT_TAIL:])  # prompt ids before the first generated one (PROMPT_TAIL: why)
         self._ids = list(self._context)  # context + every generated id; final_text needs them all
@@ -112,10 +116,11 @@ class IncrementalDecoder:
 
     def final_text(self) -> str:
         """TGI's generated_text: the generated ids decoded with one token of left context, special tokens
-        skipped, a stop sequence kept. Unlike TGI (which returns "" when the text ends in an incomplete
-        character) it is the whole decode with U+FFFD removed, so it matches the streamed text."""
+        skipped (kept with `keep_special`), a stop sequence kept. Unlike TGI (which returns "" when the text ends
+        in an incomplete character) it is the whole decode with U+FFFD removed, so it matches the streamed text."""
         n_ctx = min(len(self._context), 1)
         ids = self._ids[len(self._context) - n_ctx :]
-        text = self._decode(ids, skip_special_tokens=True)
-        context = self._decode(ids[:n_ctx], skip_special_tokens=True)
+        skip = not self.keep_special
+        text = self._decode(ids, skip_special_tokens=skip)
+        context = self._decode(ids[:n_ctx], skip_special_tokens=skip)
         return _delta(context, text).replace(REPLACEMENT, "")

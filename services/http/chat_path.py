@@ -106,6 +106,12 @@ class AnswerStream:
         self.native = None if turn.reader is None else turn.reader.stream()
         self.tgi = None if turn.tool_mode is None else tools.ToolStream(auto=turn.tool_mode == "auto")
 
+    def piece(self, row) -> str:
+        """A token's text as the answer reads it (a special token's only where the format is written in them)."""
+        if self.native is not None:
+            return self.native.piece(row)
+        return "" if row.special else row.text
+
     def push(self, piece: str, final: bool) -> list[tuple]:
         out = []
         if self.native is not None:

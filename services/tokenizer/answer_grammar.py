@@ -15,7 +15,9 @@ from typing import Any
 
 from llguidance import LLMatcher
 
+from services.http.reasoning.harmony import CHANNEL, END, MESSAGE, START
 from services.http.tool_parsers import ToolParser
+from services.http.tool_parsers.grammar import literal
 from services.tokenizer.grammar import (
     JSON_WHITESPACE,
     GrammarLimits,
@@ -121,6 +123,35 @@ def marker_token(tokenizer, marker: str) -> int | None:
     entry), else None."""
     ids = tokenizer.encode(marker, add_special_tokens=False).ids
     return ids[0] if len(ids) == 1 else None
+
+
+def harmony_lark(specials: dict[str, int], budget: int | None, answer: str | None = None, calls: bool = False) -> str:
+    """gpt-oss's harmony answer under a thinking budget or a format: an analysis message of at most `budget` tokens
+    (free text, which cannot hold a special token, so the model's own `<|end|>` ends it and may come at any point;
+    at the budget only `<|end|>` may follow), then `<|start|>assistant` and the answer: a final message (free, or
+    `answer`'s rules: a JSON schema's) or, with `calls`, `answer`'s harmony tool grammar (its `sy_harmony_answer`)."""
+    ch, msg, end, start = (literal(m, specials) for m in (CHANNEL, MESSAGE, END, START))
+    limit = "" if budget is None else f"[max_tokens={int(budget)}]"
+    rules = [
+        f'start: {ch} "analysis" {msg} sy_think {end} {start} "assistant" sy_answer',
+        f"sy_think{limit}: SY_THINK",
+        "SY_THINK: /(?s:.*)/",
+    ]
+    if calls and answer is not None:
+        rules += [_START.sub(r"sy_tools_start\1:", answer), "sy_answer: sy_harmony_answer"]
+    elif answer is not None:
+        rules += [_START.sub(r"sy_final\1:", answer), f'sy_answer: {ch} "final" {msg} sy_final']
+    else:
+        rules.append(f'sy_answer: {ch} "final" {msg} /(?s:.*)/')
+    return "\n".join(rules) + "\n"
+
+
+def reasoning_lark(parser, tokenizer, budget: int | None, answer: str | None = None, calls: bool = False) -> str:
+    """The grammar of reasoning then the answer for `parser`'s format (budget_lark, or harmony_lark)."""
+    if getattr(parser, "name", "") == "harmony":
+        specials = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        return harmony_lark(specials, budget, answer, calls)
+    return budget_lark(parser.end, budget, answer, marker_token(tokenizer, parser.end))
 
 
 def json_answer_lark(schema: dict) -> str:

@@ -24,14 +24,7 @@ from libs.runtime.settings import Settings
 from services.http import reasoning
 from services.http.tool_parsers import ToolParser, native_parser
 from services.tokenizer import validation
-from services.tokenizer.answer_grammar import (
-    answer_schema,
-    budget_lark,
-    compiled,
-    json_answer_lark,
-    marker_token,
-    tool_plan,
-)
+from services.tokenizer.answer_grammar import answer_schema, compiled, json_answer_lark, reasoning_lark, tool_plan
 from services.tokenizer.chat_template import ChatTemplates, TemplateError
 from services.tokenizer.grammar import Checked, GrammarCompiler, GrammarLimits, ToolError, ToolPlan, tool_grammar
 from services.tokenizer.images.decode import ImageError
@@ -251,8 +244,8 @@ class Processor:
         if not self.reasoning.opened_in(text):
             return None
         answer = plan.lark if schema is None else json_answer_lark(schema)
-        end = self.reasoning.end
-        lark = budget_lark(end, req.thinking_budget, answer, marker_token(self.tokenizer, end))
+        calls = schema is None and plan.lark is not None
+        lark = reasoning_lark(self.reasoning, self.tokenizer, req.thinking_budget, answer, calls)
         return self.grammars.compile("reasoning", compiled(lark))
 
     def _grammar(self, grammar, plan: ToolPlan) -> Checked | None:

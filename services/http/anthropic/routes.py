@@ -107,7 +107,7 @@ class AnthropicRoutes:
                             writer = StepWriter(http)
                             await http.write(b"".join(events.start()))
                         final = row.final is not None
-                        out = [e for d in answer.push("" if row.special else row.text, final) for e in events.push(d)]
+                        out = [e for d in answer.push(answer.piece(row), final) for e in events.push(d)]
                         if final:
                             out += events.end(row.final)
                         # a step's events in one write (services/http/sse_writer.py)

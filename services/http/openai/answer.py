@@ -7,6 +7,9 @@ same template and settings. `ChatFormat.reader(body)` gives a request's `AnswerR
 - `stream()` → an object whose `push(piece, final)` gives deltas ("reasoning", text), ("content", text) or
   ("call", ToolDelta), assembling to exactly `read` of the same text.
 `reader.native` is False where TGI's way serves the request (services.http.openai.tools reads it then).
+A format written in special tokens (gpt-oss's harmony) reads every token's text, the special ones included
+(`piece`): its reasoning parser leaves the other messages in the format for its tool-call parser, which then reads
+every answer, with or without tools.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from libs.runtime.settings import Settings
 from services.http import reasoning as reasoning_parsers
 from services.http import tool_parsers
 from services.http.tool_parsers import ParsedCall, ToolCallStream, ToolParser, call_id
+from services.http.tool_parsers.harmony import HarmonyToolParser
 from services.tokenizer.chat_template import ChatTemplates
 
 
@@ -34,7 +38,12 @@ def _choice(tool_choice: Any) -> str:
 
 class AnswerReader:
     def __init__(self, parser: ToolParser | None, reasoning, opened: bool, tools_on: bool, native: bool) -> None:
-        self.parser = parser if tools_on else None
+        self.keeps_special = getattr(reasoning, "keeps_special_tokens", False) or getattr(
+            parser, "keeps_special_tokens", False
+        )
+        if getattr(reasoning, "keeps_special_tokens", False) and not isinstance(parser, HarmonyToolParser):
+            parser, tools_on = HarmonyToolParser(), True  # the content is still in harmony: its parser reads it
+        self.parser = parser if tools_on or getattr(parser, "keeps_special_tokens", False) else None
         self.reasoning, self.opened, self.native = reasoning, opened, native
 
     def _split(self, text: str) -> tuple[str | None, str]:
@@ -60,6 +69,11 @@ class AnswerStream:
         if reader.reasoning is not None:
             self.reasoning = reasoning_parsers.ReasoningStream(reader.reasoning, reader.opened)
         self.tools = None if reader.parser is None else ToolCallStream(reader.parser)
+        self.keeps_special = reader.keeps_special
+
+    def piece(self, row) -> str:
+        """A token's text as the answer reads it: a special token's text only where the format is written in them."""
+        return row.text if self.keeps_special or not row.special else ""
 
     @property
     def called(self) -> bool:

@@ -61,7 +61,7 @@ def _answer_chunks(env: oar.Envelope, stream: AnswerStream, row, logprobs: bool,
     the last chunk of the last token carries the finish reason (`tool_calls` when the turn ended in calls)."""
     final = row.final is not None
     chunks = []
-    for delta in stream.push("" if row.special else row.text, final):
+    for delta in stream.push(stream.piece(row), final):
         if delta[0] == "call":
             d = delta[1]
             chunk = env.tool_chunk(row, d.id or "", d.name, d.arguments, index)

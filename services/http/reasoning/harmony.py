@@ -8,9 +8,15 @@ by the text's end, cut by max_tokens). The header names the channel (`<|channel|
 - `final`, and commentary without a recipient (a preamble) → content;
 - text outside any header (a model that ignores the format) → content.
 
-The markers are special tokens of gpt-oss's tokenizer: the text read here must keep them.
-`HarmonyStream.push(piece, final)` gives deltas that assemble to exactly `parse` of the whole text: text that may
-still become a marker (a trailing `<` or `<|…` without its `|>`) is held until it is decided.
+The generation prompt ends `<|start|>assistant`, so the answer opens inside its first header (`<|channel|>…` or
+` to=functions.…`). The markers are special tokens of gpt-oss's tokenizer: the text read here must keep them
+(`HarmonyParser.keeps_special_tokens`: the detokenizer and http keep them for a model served with this format).
+
+`HarmonyParser` is the reasoning parser (services.http.reasoning's interface): its content is the answer's other
+messages, still in harmony (`<|start|>` header `<|message|>` body end), which the harmony tool-call parser
+(services.http.tool_parsers.harmony) reads into content and calls. `HarmonyStream.push(piece, final)` gives
+deltas that assemble to exactly `parse` of the whole text: text that may still become a marker (a trailing `<`
+or `<|…` without its `|>`) is held until it is decided.
 """
 
 from __future__ import annotations
@@ -18,9 +24,14 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-START, MESSAGE, CHANNEL = "<|start|>", "<|message|>", "<|channel|>"
-ENDS = ("<|end|>", "<|return|>", "<|call|>")
-HEADER_OPENS = (START, CHANNEL)
+from services.http.reasoning.think_tags import Split
+
+START, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|message|>", "<|channel|>", "<|constrain|>"
+END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
+ENDS = (END, RETURN, CALL)
+# what opens a header at a message's start: `<|start|>`, or (the prompt having written `<|start|>assistant`)
+# the channel or the recipient
+HEADER_OPENS = (START, CHANNEL, " to=", "to=")
 _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
@@ -36,12 +47,51 @@ class HarmonyAnswer(NamedTuple):
     calls: list[HarmonyCall]
 
 
+class Message(NamedTuple):
+    """One message of an answer: its header (None: text outside any header), its body so far and its end marker
+    ("" while it may go on)."""
+
+    header: str | None
+    body: str
+    end: str
+
+    @property
+    def channel(self) -> str | None:
+        found = _CHANNEL.search(self.header or "")
+        return found.group(1) if found else None
+
+    @property
+    def recipient(self) -> str | None:
+        found = _RECIPIENT.search(self.header or "")
+        return found.group(1) if found else None
+
+    @property
+    def reasoning(self) -> bool:
+        return self.channel == "analysis" and self.recipient is None
+
+    def harmony(self) -> str:
+        """The message written back in harmony (a header always opened by `<|start|>`)."""
+        if self.header is None:
+            return self.body
+        header = self.header[len(START) :] if self.header.startswith(START) else self.header
+        return f"{START}{header}{MESSAGE}{self.body}{self.end}"
+
+
 def _decided(text: str) -> str:
     """The text less a tail that may still become a marker."""
     at = text.rfind("<|")
     if at >= 0 and text.find("|>", at + 2) < 0:
         return text[:at]
     return text[:-1] if text.endswith("<") else text
+
+
+def _opens_header(rest: str, final: bool) -> bool | None:
+    """Whether the text at a message's start opens a header (None: not yet decided)."""
+    if rest.startswith(HEADER_OPENS):
+        return True
+    if not final and any(o.startswith(rest) for o in HEADER_OPENS):
+        return None
+    return False
 
 
 def _end(text: str, pos: int) -> tuple[int, int]:
@@ -54,19 +104,21 @@ def _end(text: str, pos: int) -> tuple[int, int]:
     return at, at + n
 
 
-def scan(text: str, final: bool) -> HarmonyAnswer:
-    """The answer so far → its reasoning, content and calls (a call's arguments as far as written)."""
+def messages(text: str, final: bool) -> list[Message]:
+    """The answer so far → its messages, each as far as decided (a header only once its `<|message|>` came)."""
     if not final:
         text = _decided(text)
-    reasoning: list[str] = []
-    content: list[str] = []
-    calls: list[HarmonyCall] = []
+    out: list[Message] = []
     pos = 0
     while pos < len(text):
-        if not text.startswith(HEADER_OPENS, pos):  # text outside any header: content up to a marker
-            nxt = [at for at in (text.find(m, pos) for m in (*HEADER_OPENS, *ENDS)) if at >= 0]
+        opens = _opens_header(text[pos:], final)
+        if opens is None:
+            break
+        if not opens:  # text outside any header: content up to a marker
+            nxt = [at for at in (text.find(m, pos) for m in (START, CHANNEL, *ENDS)) if at >= 0]
             stop = min(nxt) if nxt else len(text)
-            content.append(text[pos:stop])
+            if stop > pos:
+                out.append(Message(None, text[pos:stop], ""))
             pos = stop
             for e in ENDS:
                 if text.startswith(e, pos):
@@ -75,22 +127,51 @@ def scan(text: str, final: bool) -> HarmonyAnswer:
         body_at = text.find(MESSAGE, pos)
         if body_at < 0:  # a header not yet (or never) followed by its body
             break
-        header = text[pos:body_at]
-        end, pos = _end(text, body_at + len(MESSAGE))
-        body = text[body_at + len(MESSAGE) : end]
-        channel = _CHANNEL.search(header)
-        recipient = _RECIPIENT.search(header)
-        if recipient is not None:
-            calls.append(HarmonyCall(recipient.group(1), body))
-        elif channel is not None and channel.group(1) == "analysis":
-            reasoning.append(body)
+        end, nxt = _end(text, body_at + len(MESSAGE))
+        out.append(Message(text[pos:body_at], text[body_at + len(MESSAGE) : end], text[end:nxt]))
+        pos = nxt
+    return out
+
+
+def scan(text: str, final: bool) -> HarmonyAnswer:
+    """The answer so far → its reasoning, content and calls (a call's arguments as far as written)."""
+    reasoning: list[str] = []
+    content: list[str] = []
+    calls: list[HarmonyCall] = []
+    for m in messages(text, final):
+        if m.recipient is not None:
+            calls.append(HarmonyCall(m.recipient, m.body))
+        elif m.reasoning:
+            reasoning.append(m.body)
         else:
-            content.append(body)
+            content.append(m.body)
     return HarmonyAnswer("".join(reasoning) if reasoning else None, "".join(content), calls)
 
 
 def parse(text: str) -> HarmonyAnswer:
     return scan(text, final=True)
+
+
+class HarmonyParser:
+    """The reasoning parser of harmony answers: analysis messages are the reasoning, the other messages (still in
+    harmony) the content that the harmony tool-call parser reads."""
+
+    name = "harmony"
+    keeps_special_tokens = True  # the format's markers are special tokens
+    start, end = f"{CHANNEL}analysis{MESSAGE}", END
+
+    def opened_in(self, prompt: str) -> bool:
+        """Whether the rendered prompt opens the assistant's message (gpt-oss's generation prompt does)."""
+        return prompt.rstrip().endswith(f"{START}assistant")
+
+    def scan(self, text: str, opened: bool, final: bool) -> Split:
+        found = messages(text, final)
+        reasoning = [m.body for m in found if m.reasoning]
+        rest = "".join(m.harmony() for m in found if not m.reasoning)
+        return Split("".join(reasoning) if reasoning else None, rest)
+
+    def split(self, text: str, opened: bool) -> Split:
+        return self.scan(text, opened, final=True)
 
 
 class HarmonyStream:

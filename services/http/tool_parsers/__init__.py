@@ -3,7 +3,8 @@ routes use the same parsers).
 
 One parser per format, one file each: `hermes` (Hermes, Qwen2.5, Qwen3: `<tool_call>{…}</tool_call>`),
 `llama3_json` (Llama 3.1/3.2: `{"name": …, "parameters": …}`, after `<|python_tag|>` or not), `mistral`
-(`[TOOL_CALLS][{…}]`), `pythonic` (`[f(a=1), g(b=2)]`). vLLM's flag names.
+(`[TOOL_CALLS][{…}]`), `pythonic` (`[f(a=1), g(b=2)]`), `openai` (gpt-oss's harmony: a commentary message
+`to=functions.NAME`). vLLM's flag names.
 
 Interface (services.http.tool_parsers.base):
 - `native_parser(template, uses_tools, flag, tool_prompt)` → the ToolParser a request is served with, or None:
@@ -25,6 +26,7 @@ from __future__ import annotations
 import re
 
 from services.http.tool_parsers.base import Call, ParsedCall, ToolCallStream, ToolDelta, ToolParser, call_id
+from services.http.tool_parsers.harmony import HarmonyToolParser
 from services.http.tool_parsers.hermes import HermesParser
 from services.http.tool_parsers.llama3_json import Llama3JsonParser
 from services.http.tool_parsers.mistral import MistralParser
@@ -39,12 +41,15 @@ PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralParser,
     "pythonic": PythonicParser,
     "llama4_pythonic": PythonicParser,
+    "openai": HarmonyToolParser,
+    "harmony": HarmonyToolParser,
 }
 TGI = "tgi"  # the flag's value for TGI's own tool prompt and answer shape
 NAMES = (TGI, *PARSERS)
 
 # what in a template's text gives its format away, first match wins
 _SIGNS = (
+    (re.compile(r"<\|call\|>|to=functions\."), HarmonyToolParser),
     (re.compile(r"<tool_call>"), HermesParser),
     (re.compile(r"\[TOOL_CALLS\]"), MistralParser),
     (re.compile(r"\[func_name1\(|<\|python_start\|>"), PythonicParser),

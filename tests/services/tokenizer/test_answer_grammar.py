@@ -135,3 +135,28 @@ def _tokenizer_with(path, marker: str, special: bool):
     tok.add_tokens([AddedToken(marker, special=special, normalized=False)])
     tok.save(str(path / "tokenizer.json"))
     return tok, None
+
+
+def test_harmony_analysis_under_a_budget_then_the_call(tmp_path):
+    from services.http.reasoning import HarmonyParser
+    from services.tokenizer.answer_grammar import reasoning_lark
+    from tests.harmony_model import build_harmony_tokenizer
+
+    tok = build_harmony_tokenizer(tmp_path)
+    lltok = LLTokenizer(str(tmp_path / "tokenizer.json"), eos_token=[tok.token_to_id("<|call|>")])
+    specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    tools = tool_plan(PARSERS["openai"](), TOOLS, "required", specials=specials).lark
+    grammar = compiled(reasoning_lark(HarmonyParser(), tok, 4, tools, calls=True))
+    call = "<|channel|>commentary to=functions.now <|constrain|>json<|message|>{}<|call|>"
+
+    def accepts(text: str) -> bool:
+        matcher = LLMatcher(lltok, grammar, log_level=0)
+        return all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids)
+
+    assert accepts(f"<|channel|>analysis<|message|>a < b<|end|><|start|>assistant{call}")
+    assert not accepts(f"<|channel|>analysis<|message|>a < b c d e<|end|><|start|>assistant{call}")  # over budget
+    assert not accepts("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>no call")
+    matcher = LLMatcher(lltok, grammar, log_level=0)
+    ids = tok.encode("<|channel|>analysis<|message|>a < b c", add_special_tokens=False).ids
+    assert all(matcher.consume_token(t) for t in ids[:-1])  # 4 tokens of analysis: `<|end|>` is forced next
+    assert tok.decode(matcher.compute_ff_tokens(), skip_special_tokens=False).startswith("<|end|><|start|>assistant")
