@@ -25,6 +25,7 @@ from services.router.placement import Placement
 
 ROLE = "router"
 NEEDS = ("detokenizer", "scheduler")  # the roles a request is placed on
+NO_DETOK = "No detokenizer is available"
 log = logging.getLogger("switchyard.router")
 
 
@@ -129,10 +130,19 @@ class Router:
         if m is not None:
             m.hop_duration.labels(hop="router").observe(time.perf_counter() - started)
 
+    def _of_model(self, role: str, model: str) -> list[Heartbeat]:
+        """The live processes of `role` that serve `model` ("": the default, this router's own); one that names no
+        model serves the default."""
+        wanted = model or self.settings.model_id
+        return [hb for hb in self.liveness.alive(role) if (hb.model or self.settings.model_id) == wanted]
+
     def _place(self, req: TokenizedRequest) -> None:
-        # sticky per request: the whole stream goes through this one detokenizer
-        detokenizers = self.liveness.alive("detokenizer")
-        schedulers = [hb for hb in self.liveness.alive("scheduler") if hb.index in self.replicas]  # joined ones
+        # only the request's model's processes; sticky per request: the whole stream goes through one detokenizer
+        detokenizers = self._of_model("detokenizer", req.model)
+        schedulers = [hb for hb in self._of_model("scheduler", req.model) if hb.index in self.replicas]  # joined
+        named = req.model and req.model != self.settings.model_id
+        if named and not schedulers:  # the default model's request waits for a replica instead (choose_replica)
+            return self._fail(req, f"No replica of model `{req.model}` is available")
         before = self._placed_ids.get(req.request_id)
         if (
             before is not None
@@ -143,7 +153,7 @@ class Router:
         else:
             detokenizer = self.placement.choose_detokenizer(detokenizers)
             if detokenizer is None:
-                return self._fail(req, "No detokenizer is available")
+                return self._fail(req, f"No detokenizer of model `{req.model}` is available" if named else NO_DETOK)
             replica = self.placement.choose_replica(req.input_ids, schedulers, req.adapter, req.group, req.images)
             self._placed_ids[req.request_id] = (replica, detokenizer)
             if len(self._placed_ids) > 100_000:
@@ -221,7 +231,9 @@ class Router:
                 if isinstance(msg, TokenizedRequest):
                     self.place(msg)
             self._place_held()
-            self.events.heartbeat(counters={f"placed_replica_{r}": n for r, n in self.placed.items()})
+            # its model is the default one: a tokenizer of that model takes requests from intake (tokenizer's join)
+            counters = {f"placed_replica_{r}": n for r, n in self.placed.items()}
+            self.events.heartbeat(counters=counters, model=self.settings.model_id)
 
 
 def main() -> None:

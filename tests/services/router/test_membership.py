@@ -72,7 +72,8 @@ def settle(r: Router, *schedulers: Heartbeat) -> None:
 def test_a_replica_is_placed_on_from_its_first_heartbeat(fleet):
     r, seed_in, later_in, later_address = fleet
     assert list(r.replicas) == [0]
-    settle(r, beat("scheduler", 0, queue=3), beat("scheduler", 1, address=later_address, model="m", max_batch=8))
+    model = r.settings.model_id  # the router's own: the default model's requests go to it
+    settle(r, beat("scheduler", 0, queue=3), beat("scheduler", 1, address=later_address, model=model, max_batch=8))
     assert r.replica_address[1] == later_address
     for i in range(4):
         r.place(request(i))
