@@ -11,6 +11,8 @@ and with each heartbeat (a restarted http or tokenizer learns the current set wi
 
 from __future__ import annotations
 
+import time
+
 from libs.protocol.message_base import Message
 
 
@@ -61,16 +63,23 @@ class KnownAdapters:
 
     A name counts once every replica that announced a set holds it: a load answers only after all replicas
     loaded it, and an unload takes the name off a replica's set at once (new requests are refused while the
-    running ones finish). Before any announcement, the start-up list from the settings stands."""
+    running ones finish). Before any announcement, the start-up list from the settings stands. A replica announces
+    its set with every heartbeat: one not renewed for `fresh_s` is a gone replica's and no longer counts (while
+    some replica's is renewed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fresh_s: float = 3.0) -> None:
         self.by_replica: dict[int, list[str]] = {}
+        self.heard: dict[int, float] = {}  # replica → when its set was last announced (monotonic)
+        self.fresh_s = fresh_s
 
     def update(self, msg: AdapterSet) -> None:
         self.by_replica[msg.replica] = list(msg.names)
+        self.heard[msg.replica] = time.monotonic()
 
     def names(self, start: list[str]) -> list[str]:
         if not self.by_replica:
             return list(start)
-        first, *rest = self.by_replica.values()
+        now = time.monotonic()
+        live = [names for r, names in self.by_replica.items() if now - self.heard.get(r, now) < self.fresh_s]
+        first, *rest = live or list(self.by_replica.values())
         return [name for name in first if all(name in names for names in rest)]

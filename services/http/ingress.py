@@ -82,7 +82,7 @@ class Ingress:
         self.replica_of: dict[str, int] = {}
         self.abandoned: dict[str, float] = {}  # aborted before the router told us the replica → when (expires)
         self.pending: dict[str, Pending] = {}
-        self.replicas = max(1, settings.replicas)
+        self.replicas = max(1, settings.replicas)  # a seed: the replicas counted before any is heard
         self.liveness = Liveness()
         self._heard_now: dict[str, asyncio.Event] = {}  # role → set when one of it is heard (`_heard`)
         self._tasks: list[asyncio.Task] = []
@@ -153,7 +153,7 @@ class Ingress:
                 if q is not None:
                     q.put_nowait(msg)
             elif isinstance(msg, (AdapterSet, AdapterDone)):  # LoRA adapters loaded or unloaded while serving
-                lora.on_event(msg)
+                lora.on_event(msg, self)
 
     async def _submit(self, p: Pending) -> None:
         p.submitted = p.heard = time.monotonic()
@@ -189,6 +189,12 @@ class Ingress:
                         await self.resync(p)
                 except zmq.ZMQError as e:
                     log.warning("watchdog: %s", e)
+
+    def live_replicas(self) -> list[int]:
+        """Where an abort of a request not yet placed goes: every replica alive now (the live membership, from
+        heartbeats: one that joined after start included, one gone left out); the configured ones before any is
+        heard. A copy placed later is aborted when its Accepted comes (`abandoned`)."""
+        return [hb.index for hb in self.liveness.alive("scheduler")] or list(range(self.replicas))
 
     def metrics_text(self) -> str:
         """/metrics: every process's registry merged, then what heartbeats say of each process."""
@@ -245,7 +251,7 @@ class Ingress:
         (a drain past its timeout); returns how many were ended."""
         for rid, q in list(self.queues.items()):
             replica = self.replica_of.get(rid)
-            for r in range(self.replicas) if replica is None else (replica,):
+            for r in self.live_replicas() if replica is None else (replica,):
                 await self.publish(topics.ctl(r), Abort(request_id=rid))
             q.put_nowait(RequestError(request_id=rid, message=message, error_type=error_type))
         return len(self.queues)
@@ -332,7 +338,7 @@ class Ingress:
                 record.dropped()
                 if replica is None:  # abort it wherever it lands, and when its Accepted comes
                     self.abandoned[rid] = time.monotonic()
-                    for r in range(self.replicas):
+                    for r in self.live_replicas():
                         await self.publish(topics.ctl(r), Abort(request_id=rid))
                 else:
                     await self.publish(topics.ctl(replica), Abort(request_id=rid))

@@ -5,15 +5,20 @@ The names: the start-up list until the schedulers announce theirs (`AdapterSet` 
 heartbeat), then those every replica serves; a restarted http process starts from the sets the schedulers recorded
 in the run directory (services/scheduler/lora.py). OpenAI's `model` names the base model (absent, "tgi", the model
 id) or one of them, else vLLM's 404 before anything is generated; TGI's `adapter_id` is the tokenizer's to check.
-`POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` send the change to every replica's scheduler and answer
-once each answered, with vLLM's texts and errors (400 bad adapter or name taken, 404 unknown name).
+`POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` send the change to every replica's scheduler alive now (the
+live membership, from heartbeats: a replica that joined after start is included, one that is gone is not waited
+for) and answer once each answered or went away, with vLLM's texts and errors (400 bad adapter or name taken, 404
+unknown name). A replica that joins after a load, or comes back without it, is sent the load by the http process
+that made it (`catch_up`, from the replica's `AdapterSet`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -26,8 +31,14 @@ from libs.runtime.settings import Settings
 from services.http.errors import Failure, OpenAIFailure
 from services.http.openai import requests as oa
 
+log = logging.getLogger("switchyard.http")
 KNOWN = KnownAdapters()  # this process's view of the replicas' adapters
-OP_TIMEOUT_S = 300.0  # a replica that answers nothing this long (dead, or loading forever): 503
+OP_TIMEOUT_S = 300.0  # a replica that answers nothing this long (alive, but loading forever): 503
+MEMBERSHIP_CHECK_S = 0.5  # while waiting for answers, how often a replica that went away is let go
+CATCH_UP_EVERY_S = 10.0  # a replica still lacking a load we made is sent it again after this long
+LOADED: dict[str, str] = {}  # the run-time loads this process made, name → folder: a replica that joins gets them
+_catching: dict[str, tuple[int, str]] = {}  # a catch-up load's op id → (replica, name), to log its refusal
+_caught: dict[tuple[int, str], float] = {}  # (replica, name) → when its catch-up load was last sent
 ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
@@ -36,12 +47,20 @@ def names(settings: Settings) -> list[str]:
     return KNOWN.names(settings.lora_names)
 
 
+def members(ingress) -> list[int]:
+    """The replicas alive now, as this process's heartbeat view has them (the live membership)."""
+    return [hb.index for hb in ingress.liveness.alive("scheduler")]
+
+
 def seed_from_records(replicas: int, start: list[str], run_dir: str) -> bool:
     """Take each replica's recorded set (`lora-replica-<r>.json`; a replica without one serves `start`) for those
-    not announced yet; False (and nothing taken) when nothing was recorded or a record cannot be read."""
+    not announced yet: replicas 0…`replicas`-1 and any other that left a record; False (and nothing taken) when
+    nothing was recorded or a record cannot be read."""
     if not run_dir:
         return False
-    paths = {r: Path(run_dir) / f"lora-replica-{r}.json" for r in range(replicas)}
+    recorded = {p.stem.removeprefix("lora-replica-") for p in Path(run_dir).glob("lora-replica-*.json")}
+    recorded_replicas = {int(r) for r in recorded if r.isdigit()}
+    paths = {r: Path(run_dir) / f"lora-replica-{r}.json" for r in sorted(set(range(replicas)) | recorded_replicas)}
     if not any(path.exists() for path in paths.values()):
         return False
     sets = {}
@@ -70,41 +89,79 @@ def check_model(model: str | None, settings: Settings) -> str | None:
 
 
 class _Waiting:
-    def __init__(self, replicas: int) -> None:
-        self.replicas = replicas
+    def __init__(self) -> None:
         self.done: dict[int, AdapterDone] = {}
-        self.event = asyncio.Event()
+        self.event = asyncio.Event()  # set at each answer
 
 
 _waiting: dict[str, _Waiting] = {}
 
 
-def on_event(msg: AdapterSet | AdapterDone) -> None:
-    """An event from the bus (the ingress reader hands these over)."""
+def on_event(msg: AdapterSet | AdapterDone, ingress=None) -> None:
+    """An event from the bus (the ingress reader hands these over, with itself: a catch-up load goes through it)."""
     if isinstance(msg, AdapterSet):
         KNOWN.update(msg)
+        if ingress is not None:
+            catch_up(msg, ingress)
         return
     w = _waiting.get(msg.op_id)
     if w is not None:
         w.done[msg.replica] = msg
-        if len(w.done) >= w.replicas:
-            w.event.set()
+        w.event.set()
+    caught = _catching.pop(msg.op_id, None)
+    if caught is not None and msg.error:
+        log.warning("replica %d refused the LoRA adapter %s it joined without: %s", caught[0], caught[1], msg.error)
 
 
-async def _everywhere(ingress, make, replicas: list[int]) -> dict[int, AdapterDone]:
-    """Send one change to each replica's scheduler; every replica's answer."""
+def catch_up(announced: AdapterSet, ingress) -> None:
+    """A replica announced a set that lacks a run-time load this process made (it joined, or came back, after the
+    load): send it that load (again at most every CATCH_UP_EVERY_S while it still lacks it)."""
+    now = time.monotonic()
+    for name, path in LOADED.items():
+        key = (announced.replica, name)
+        if name in announced.names or now - _caught.get(key, -CATCH_UP_EVERY_S) < CATCH_UP_EVERY_S:
+            continue
+        _caught[key] = now
+        op_id = uuid.uuid4().hex
+        _catching[op_id] = key
+        if len(_catching) > 10_000:  # answers that never came (a replica gone meanwhile)
+            _catching.pop(next(iter(_catching)))
+        log.info("replica %d lacks the LoRA adapter %s: loading it there", announced.replica, name)
+        msg = LoadAdapter(op_id=op_id, ingress=ingress.index, name=name, path=path)
+        task = asyncio.get_running_loop().create_task(ingress.publish(topics.ctl(announced.replica), msg))
+        _sending.add(task)
+        task.add_done_callback(_sending.discard)
+
+
+_sending: set[asyncio.Task] = set()  # catch-up publishes under way (a task nobody holds may be collected)
+
+
+async def _everywhere(ingress, make, replicas: list[int] | None = None) -> dict[int, AdapterDone]:
+    """Send one change to each replica's scheduler (`replicas`, or every live one); the answer of each that
+    answered. A replica that leaves the live membership before it answers is not waited for."""
+    replicas = members(ingress) if replicas is None else replicas
+    if not replicas:
+        raise Failure("No model replica is available", "unavailable", 503)
     op_id = uuid.uuid4().hex
-    w = _waiting[op_id] = _Waiting(len(replicas))
+    w = _waiting[op_id] = _Waiting()
+    deadline = time.monotonic() + OP_TIMEOUT_S
     try:
         for r in replicas:
             await ingress.publish(topics.ctl(r), make(op_id, ingress.index))
-        async with asyncio.timeout(OP_TIMEOUT_S):  # not wait_for: see ingress.next_event
-            await w.event.wait()
-    except TimeoutError:
-        silent = sorted(set(replicas) - set(w.done))
-        raise Failure(f"replicas {silent} did not answer within {OP_TIMEOUT_S:.0f} s", "unavailable", 503) from None
+        while waited := [r for r in replicas if r not in w.done and r in members(ingress)]:
+            if time.monotonic() > deadline:
+                raise Failure(f"replicas {waited} did not answer within {OP_TIMEOUT_S:.0f} s", "unavailable", 503)
+            w.event.clear()
+            try:
+                async with asyncio.timeout(MEMBERSHIP_CHECK_S):  # not wait_for: see ingress.next_event
+                    await w.event.wait()
+            except TimeoutError:
+                pass
     finally:
         _waiting.pop(op_id, None)
+    gone = sorted(set(replicas) - set(w.done))
+    if gone:
+        log.info("replicas %s left before they answered a LoRA change: not waited for", gone)
     return w.done
 
 
@@ -126,8 +183,7 @@ async def _body(request: web.Request) -> dict:
 
 
 def install(app: web.Application, settings: Settings, ingress) -> None:
-    replicas = list(range(max(1, settings.replicas)))
-    seed_from_records(len(replicas), settings.lora_names, settings.run_dir)
+    seed_from_records(max(1, settings.replicas), settings.lora_names, settings.run_dir)
 
     async def load(request: web.Request) -> web.Response:
         try:
@@ -143,15 +199,18 @@ def install(app: web.Application, settings: Settings, ingress) -> None:
             return LoadAdapter(op_id=op_id, ingress=ingress_index, name=name, path=path)
 
         try:
-            done = await _everywhere(ingress, make, replicas)
+            done = await _everywhere(ingress, make)
         except Failure as e:
             return _error(e.message, e.status)
         refused = [d for d in done.values() if d.error]
-        if refused:
+        if refused or not done:
             loaded = [r for r, d in done.items() if not d.error]
             if loaded:  # all or nothing: the replicas that took it drop it again
                 await _everywhere(ingress, _unload_of(name), loaded)
+            if not done:  # every replica left before it answered
+                return _error("No model replica is available", 503)
             return _error(refused[0].error, refused[0].status)
+        LOADED[name] = path
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(request: web.Request) -> web.Response:
@@ -162,11 +221,14 @@ def install(app: web.Application, settings: Settings, ingress) -> None:
         name = body.get("lora_name")
         if not name or not isinstance(name, str):
             return _error("'lora_name' needs to be provided to unload a LoRA adapter.", 400)
+        LOADED.pop(name, None)  # a replica that joins from now on is not sent it
         try:
-            done = await _everywhere(ingress, _unload_of(name), replicas)
+            done = await _everywhere(ingress, _unload_of(name))
         except Failure as e:
             return _error(e.message, e.status)
         refused = [d for d in done.values() if d.error]
+        if not done:  # every replica left before it answered
+            return _error("No model replica is available", 503)
         if len(refused) == len(done):  # known nowhere
             return _error(refused[0].error, refused[0].status)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")

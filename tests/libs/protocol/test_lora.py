@@ -4,6 +4,7 @@ http and the tokenizers accept are those every announcing replica holds (the sta
 import pytest
 
 from libs.protocol import codec, topics
+from libs.protocol import lora as lora_module
 from libs.protocol.lora import (
     AdapterDone,
     AdapterSet,
@@ -48,3 +49,18 @@ def test_known_adapters_are_those_every_replica_holds():
     known.update(AdapterSet(replica=1, names=["s", "new"]))
     known.update(AdapterSet(replica=0, names=["new"]))  # "s" being unloaded on replica 0: refused at once
     assert known.names(["s"]) == ["new"]
+
+
+def test_a_replica_that_stopped_announcing_no_longer_counts(monkeypatch):
+    known = KnownAdapters(fresh_s=3.0)
+    now = [100.0]
+    monkeypatch.setattr(lora_module.time, "monotonic", lambda: now[0])
+    known.update(AdapterSet(replica=0, names=["s", "new"]))
+    known.update(AdapterSet(replica=1, names=["s"]))  # a replica about to go away, without "new"
+    assert known.names(["s"]) == ["s"]
+    now[0] += 2.0
+    known.update(AdapterSet(replica=0, names=["s", "new"]))  # replica 0 keeps announcing, replica 1 is silent
+    now[0] += 1.5
+    assert known.names(["s"]) == ["s", "new"]  # replica 1's set is 3.5 s old: a gone replica's
+    now[0] += 10.0
+    assert known.names(["s"]) == ["s"]  # every set stale: all of them stand, as nothing better is known
