@@ -11,7 +11,7 @@ from aiohttp import web
 
 from libs.protocol.messages import GenerateRequest, TextRow
 from libs.protocol.params import Parameters
-from services.http import telemetry
+from services.http import models, telemetry
 from services.http.errors import Failure
 from services.http.timing import Timing
 
@@ -37,14 +37,15 @@ class Permits:
 
 
 def bus_request(request: web.Request, ingress: int, parameters: Parameters, **fields) -> GenerateRequest:
-    """The GenerateRequest for `request`: a fresh id of ours, this ingress, the client's trace context;
-    `fields` are the rest (inputs, mode, stream, and the chat's messages, tools…)."""
+    """The GenerateRequest for `request`: a fresh id of ours, this ingress, the client's trace context, the served
+    model it chose (services/http/models.py); `fields` are the rest (inputs, mode, stream, the chat's messages…)."""
     return GenerateRequest(
         request_id=uuid.uuid4().hex,
         ingress=ingress,
         parameters=parameters,
         received_at=time.time(),
         traceparent=request.headers.get("traceparent"),
+        model=models.choose(request, parameters),
         **fields,
     )
 

@@ -39,7 +39,7 @@ from libs.runtime.async_bus import AsyncEventBus
 from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import ABANDONED_KEEP_S, ADMIT_TIMEOUT, GIVE_UP_S, STALL_S
-from services.http import lora, telemetry
+from services.http import lora, models, telemetry
 from services.http.errors import LOST, Failure
 from services.http.timing import Timing
 
@@ -84,6 +84,7 @@ class Ingress:
         self.pending: dict[str, Pending] = {}
         self.replicas = max(1, settings.replicas)  # a seed: the replicas counted before any is heard
         self.liveness = Liveness()
+        models.FLEET.attach(self.liveness, settings.model_id)  # the served models, from the same heartbeats
         self._heard_now: dict[str, asyncio.Event] = {}  # role → set when one of it is heard (`_heard`)
         self._tasks: list[asyncio.Task] = []
         # request ids not to count as requests of their own (best_of's other sequences, as TGI)
@@ -155,10 +156,23 @@ class Ingress:
             elif isinstance(msg, (AdapterSet, AdapterDone)):  # LoRA adapters loaded or unloaded while serving
                 lora.on_event(msg, self)
 
+    async def _send(self, req: GenerateRequest) -> None:
+        """To a tokenizer: the default model's through intake, another model's to one of its own by name."""
+        if not req.model:
+            await self.push.send_multipart(codec.encode(req), copy=False)
+            return
+        n = models.FLEET.tokenizer_for(req.model)
+        if n is None:
+            raise Failure(f"No tokenizer of model `{req.model}` is available", "unavailable")
+        await self.publish(topics.tokenize(n), req)
+
     async def _submit(self, p: Pending) -> None:
         p.submitted = p.heard = time.monotonic()
         p.replica = None
-        await self.push.send_multipart(codec.encode(p.req), copy=False)
+        try:
+            await self._send(p.req)
+        except Failure as e:  # none of its model's tokenizers is alive now: the watchdog tries again, then gives up
+            log.info("resubmitting: %s", e.message, extra={"request_id": p.req.request_id})
 
     async def resync(self, p: Pending) -> None:
         p.asked = time.monotonic()
@@ -235,7 +249,7 @@ class Ingress:
         q: asyncio.Queue = asyncio.Queue()
         self.queues[req.request_id] = q
         try:
-            await self.push.send_multipart(codec.encode(req), copy=False)
+            await self._send(req)
             try:
                 event = await next_event(q, ADMIT_TIMEOUT)
             except TimeoutError:
@@ -283,6 +297,10 @@ class Ingress:
         if not heard:
             record.failure("No tokenizer is available", "unavailable")
             raise Failure("No tokenizer is available", "unavailable")
+        if req.model and models.FLEET.tokenizer_for(req.model) is None:
+            message = f"No tokenizer of model `{req.model}` is available"
+            record.failure(message, "unavailable")
+            raise Failure(message, "unavailable")
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
         now = time.monotonic()
@@ -292,7 +310,7 @@ class Ingress:
             # one turn of the loop first: a client already gone (it sent and closed) cancels us before any work
             for _ in range(3):
                 await asyncio.sleep(0)
-            await self.push.send_multipart(codec.encode(req), copy=False)
+            await self._send(req)
             try:
                 first = await next_event(q, ADMIT_TIMEOUT)
             except TimeoutError:

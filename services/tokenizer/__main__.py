@@ -2,6 +2,10 @@
 
 It keeps nothing across requests: a request lost with it is resubmitted by http, and one that comes while it
 restarts waits in http (docs/recovery.md).
+
+Several models behind one router: a tokenizer of the router's own model (the default) takes requests from intake,
+as the only kind did before; one of another model never joins intake (it would get the default model's requests)
+and takes only those http addresses to it by name on `tokenize.<n>`. Which one it is, the router's heartbeat says.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 
 # one process = one core's worth of tokenizing: the Rust pool would fight the shard for cores
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
@@ -19,7 +24,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from libs.protocol import Addresses, topics
 from libs.protocol.lora import AdapterSet
-from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest
+from libs.protocol.messages import GenerateRequest, Heartbeat, RequestError, TokenizedRequest
 from libs.runtime import bus, metrics, service, tracing
 from libs.runtime.settings import Settings
 from services.tokenizer.processor import Processor
@@ -34,10 +39,17 @@ class TokenizerService:
         self.settings = settings
         addresses = Addresses.parse(settings.bus)
         self.processor = Processor.from_settings(settings)
-        self.inbox = bus.socket(zmq.PULL, connect=addresses.tokenize)
+        self.addresses = addresses
+        self.inbox: zmq.Socket | None = None  # intake's requests, once the router says its model is ours (_join)
         self.admit = bus.socket(zmq.PUSH, connect=addresses.admit)
-        # the LoRA adapters the schedulers serve now (loaded and unloaded while serving)
-        self.events = bus.EventBus(addresses, ROLE, settings.index, subscribe=[topics.LORA])
+        # the LoRA adapters the schedulers serve now (loaded and unloaded while serving), requests for our model by
+        # name, and the router's heartbeat (its model)
+        subscribe = [topics.LORA, topics.tokenize(settings.index), topics.HB + b"router."]
+        self.events = bus.EventBus(addresses, ROLE, settings.index, subscribe=subscribe)
+        self.named: deque[GenerateRequest] = deque()  # requests heard on tokenize.<n>, in order
+        self.poller = zmq.Poller()
+        self.poller.register(self.events.sub, zmq.POLLIN)
+        self._apart = False  # said once: the router serves another model
         self.handled = self.rejected = self.tokenized = 0
         self.processor.grammars.on_wait = self._heartbeat  # a long grammar compile still beats
 
@@ -52,6 +64,7 @@ class TokenizerService:
         self._record(result, time.perf_counter() - started)
         if isinstance(result, TokenizedRequest):
             self.handled += 1
+            result.model = req.model  # the router places it on a replica of that model
             bus.send(self.admit, result)
             return
         # a TokenizeResult or a RequestError: either ends the request, on its http process's topic
@@ -82,25 +95,52 @@ class TokenizerService:
         wait = adapter and not self.processor.adapters.by_replica and adapter not in known
         deadline = time.monotonic() + ANNOUNCE_WAIT_S
         while self.events.sub.poll(max(0, int(1000 * (deadline - time.monotonic()))) if wait else 0):
-            got = self.events.recv()  # LoRA adapter sets, and our own heartbeats
-            if got and isinstance(got[1], AdapterSet):
-                self.processor.adapters.update(got[1])
+            got = self.events.recv()  # LoRA adapter sets, requests by name, heartbeats (the router's, our own)
+            if got is None:
+                continue
+            msg = got[1]
+            if isinstance(msg, AdapterSet):
+                self.processor.adapters.update(msg)
                 wait = False
+            elif isinstance(msg, GenerateRequest):
+                self.named.append(msg)
+            elif isinstance(msg, Heartbeat) and msg.role == "router" and self.inbox is None:
+                self._join(msg)
+
+    def _join(self, router: Heartbeat) -> None:
+        """Take intake's requests when the router's model is ours (a router that names none: it is)."""
+        if router.model and router.model != self.settings.model_id:
+            if not self._apart:
+                self._apart = True
+                log.info(
+                    "serving model %s beside the router's %s: taking only requests that name it",
+                    self.settings.model_id,
+                    router.model,
+                )
+            return
+        self.inbox = bus.socket(zmq.PULL, connect=self.addresses.tokenize)
+        self.poller.register(self.inbox, zmq.POLLIN)
 
     def run(self) -> None:
         self.events.start()
         while True:
-            if self.inbox.poll(500):
+            ready = dict(self.poller.poll(500))
+            if self.inbox is not None and self.inbox in ready:
                 msg = bus.recv(self.inbox)
                 if isinstance(msg, GenerateRequest):
                     self._drain_events(msg)  # an adapter announced just before this request counts
                     self.handle(msg)
             self._drain_events()
+            while self.named:
+                req = self.named.popleft()
+                self._drain_events(req)
+                self.handle(req)
             self._heartbeat()
 
     def _heartbeat(self) -> None:
         self.events.heartbeat(
-            counters={"handled": self.handled, "rejected": self.rejected, "tokenized": self.tokenized}
+            counters={"handled": self.handled, "rejected": self.rejected, "tokenized": self.tokenized},
+            model=self.settings.model_id,
         )
 
 

@@ -28,7 +28,7 @@ from services.http.anthropic.schemas import (
 from services.http.chat_path import AnswerStream, chat_turn, read_answer
 from services.http.errors import Failure
 from services.http.generation import Permits, collect
-from services.http.lora import check_model
+from services.http.models import check_model
 from services.http.openai.answer import ChatFormat
 from services.http.responses import json_response, open_stream
 from services.http.sse_writer import StepWriter

@@ -19,7 +19,7 @@ from libs.protocol.messages import GenerateRequest
 from libs.runtime.settings import Settings
 from services.http.errors import Failure, OpenAIFailure, error_response, openai_error_response, openai_stream_error
 from services.http.generation import Permits, bus_request
-from services.http.lora import check_model
+from services.http.models import check_model
 from services.http.openai import choices, tools
 from services.http.openai import requests as oa
 from services.http.openai import responses as oar

@@ -17,7 +17,7 @@ from libs.runtime.settings import Settings
 from services.http.chat_path import AnswerStream, chat_turn, read_answer
 from services.http.errors import Failure, OpenAIFailure, openai_error_response
 from services.http.generation import Permits, collect
-from services.http.lora import check_model
+from services.http.models import check_model
 from services.http.openai.answer import ChatFormat
 from services.http.responses import json_response, open_stream
 from services.http.responses_api import translate

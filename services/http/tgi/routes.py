@@ -15,7 +15,7 @@ from aiohttp import web
 from libs.protocol.messages import GenerateRequest
 from libs.runtime import metrics, model_store
 from libs.runtime.settings import Settings
-from services.http import lora, openapi
+from services.http import lora, models, openapi
 from services.http.errors import DEPTH, Failure, error_body, error_response
 from services.http.generation import Permits, bus_request, collect
 from services.http.ingress import Ingress
@@ -250,7 +250,12 @@ class Routes:
             tgi.ModelInfo(id=n, object="model", created=0, owned_by=base, parent=base)
             for n in lora.names(self.settings)
         ]
-        return json_response(tgi.ModelsInfo(object="list", data=[model, *loras]))
+        others = []  # the other models live replicas announce, each with its adapters (services/http/models.py)
+        for name, adapters in models.FLEET.served().items():
+            if name != base:
+                others.append(tgi.ModelInfo(id=name, object="model", created=0, owned_by=name))
+                others += [tgi.ModelInfo(id=n, object="model", created=0, owned_by=name, parent=name) for n in adapters]
+        return json_response(tgi.ModelsInfo(object="list", data=[model, *loras, *others]))
 
     async def metrics(self, request: web.Request) -> web.Response:
         render = getattr(self.ingress, "metrics_text", local_metrics)

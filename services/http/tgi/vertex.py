@@ -17,7 +17,7 @@ from aiohttp import web
 from libs.protocol.params import Parameters
 from services.http.errors import Failure, error_response
 from services.http.generation import bus_request
-from services.http.lora import check_model
+from services.http.models import check_model
 from services.http.openai import choices
 from services.http.openai import requests as oa
 from services.http.responses import json_response

@@ -1,0 +1,103 @@
+"""Two models behind one router: a second launcher, as on another host, brings a different model's tokenizer,
+detokenizer, scheduler and shard (`serve --model-id B --only tokenizer,detokenizer,scheduler,shard --replica-base 1
+--worker-base 1`) to a running server of model A. Requests choose B by OpenAI's `model` field or by the
+`X-Gateway-Model-Name` header on TGI's routes, and get B's own greedy output; requests that choose nothing get A's,
+as with one model. Each model's requests go through its own tokenizer and replica only (their heartbeat counters,
+read through a tap); /v1/models lists both; an unknown model is a 404 in the route's own error shape."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from libs.protocol.messages import Heartbeat
+from libs.runtime import bus
+from tests.e2e.server import Server, free_port_range
+from tests.e2e.test_scale import LIMITS, Tap, prompt
+from tests.reference import reference_generate
+from tests.tiny_models import build_model
+
+pytestmark = pytest.mark.e2e
+
+HEADER = "X-Gateway-Model-Name"
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama")
+
+
+def generate(url: str, text: str, headers: dict | None = None) -> list[int]:
+    body = {"inputs": text, "parameters": {"max_new_tokens": NEW, "details": True}}
+    r = requests.post(url + "/generate", json=body, headers=headers or {}, timeout=60)
+    assert r.status_code == 200, r.text
+    return [t["id"] for t in r.json()["details"]["tokens"]]
+
+
+def complete(url: str, model: str, text: str) -> str:
+    body = {"model": model, "prompt": text, "max_tokens": NEW, "temperature": 0}
+    r = requests.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_two_models_behind_one_router_are_each_answered_by_their_own_replicas(
+    tiny_model_dir, other_model_dir, tiny_tokenizer, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(bus, "_curve", None)  # the tap's sockets: plaintext on loopback, as the servers'
+    monkeypatch.setattr(bus, "_plaintext_ok", True)
+    a, b = str(tiny_model_dir), str(other_model_dir)
+    spec = f"tcp://127.0.0.1:{free_port_range(5)}?replicas=127.0.0.1:{free_port_range(6)}"  # room for replica 1
+    common = (*LIMITS, "--bus-address", spec, "--bus-insecure")
+    first = Server(a, tmp_path / "a.log", *common)  # every program, model A: the default model
+    only = ("--only", "tokenizer,detokenizer,scheduler,shard", "--replica-base", "1", "--worker-base", "1")
+    second = Server(b, tmp_path / "b.log", *common, *only)
+    tap = None
+    try:
+        first.wait_healthy()
+        tap = Tap(spec, prefixes=(b"hb.",))
+
+        def b_ready() -> bool:
+            beats = [m for _, m in tap.seen() if isinstance(m, Heartbeat) and m.model == b]
+            return any(m.role == "scheduler" and m.index == 1 and m.ready for m in beats) and any(
+                m.role == "tokenizer" and m.index == 1 for m in beats
+            )
+
+        tap.wait_for(b_ready, timeout=180)
+        listed = requests.get(first.url + "/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in listed] == [a, b]
+
+        texts = [prompt(700 + i) for i in range(3)]
+        ids = [tiny_tokenizer(t).input_ids for t in texts]
+        ref_a = [reference_generate(a, x, NEW) for x in ids]
+        ref_b = [reference_generate(b, x, NEW) for x in ids]
+        assert ref_a != ref_b, "the two models must answer differently for this test to tell them apart"
+        # TGI's route: no header is the default model, as with one model; the header picks the other one
+        assert [generate(first.url, t) for t in texts] == ref_a
+        assert [generate(first.url, t, {HEADER: b}) for t in texts] == ref_b
+        assert [generate(first.url, t, {HEADER: a}) for t in texts[:1]] == ref_a[:1]
+        # OpenAI's route: the `model` field
+        assert complete(first.url, b, texts[0]) == tiny_tokenizer.decode(ref_b[0])
+        assert complete(first.url, "tgi", texts[0]) == tiny_tokenizer.decode(ref_a[0])
+
+        # each model's requests went through its own tokenizer and replica only: 3 + 1 + 1 on A's, 3 + 1 on B's
+        def settled():
+            placed = tap.counters("router").get(0, {})
+            handled = {n: c.get("handled", 0) for n, c in tap.counters("tokenizer").items()}
+            want = ({"placed_replica_0": 5, "placed_replica_1": 4}, {0: 5, 1: 4})
+            return (placed, handled) if (placed, handled) == want else None
+
+        tap.wait_for(settled)
+
+        unknown = requests.post(first.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=10)
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        body = {"inputs": "x", "parameters": {"max_new_tokens": 2}}
+        unknown = requests.post(first.url + "/generate", json=body, headers={HEADER: "nope"}, timeout=10)
+        assert unknown.status_code == 404
+        assert unknown.json() == {"error": "The model `nope` does not exist.", "error_type": "model_not_found"}
+    finally:
+        if tap is not None:
+            tap.close()
+        second.stop()
+        first.stop()
