@@ -1,0 +1,135 @@
+"""gpt-oss's harmony format served end to end: a tiny random gpt-oss-shaped model (tests/harmony_model.py: the
+harmony markers as special tokens, gpt-oss's own chat template, `<|return|>` / `<|call|>` its EOS tokens). Random
+weights never write harmony on their own, so a thinking budget and tool_choice force its messages (the grammar
+writes the markers as their tokens); what the model writes inside them is its own. The markers never reach the
+client: the analysis channel is reasoning_content (the Responses API's reasoning item, Anthropic's thinking block),
+the final channel content, a commentary message to=functions.NAME a tool call."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import pytest
+from openai import OpenAI
+from tokenizers import Tokenizer
+
+from tests.e2e.server import Server
+from tests.harmony_model import MARKERS, build_harmony_model
+
+pytestmark = pytest.mark.e2e
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {  # an enum: a random model's string would run to max_tokens
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+    folder = build_harmony_model(tmp_path_factory.mktemp("models") / "tiny-harmony")
+    log = tmp_path_factory.mktemp("logs") / "harmony.log"
+    s = Server(folder, log, "--max-total-tokens", "1024")
+    try:
+        s.wait_healthy()
+        yield s, Tokenizer.from_file(str(folder / "tokenizer.json")), log
+    finally:
+        s.stop()
+
+
+def _clean(*texts):
+    for text in texts:
+        assert not any(m in (text or "") for m in MARKERS), text
+
+
+def _streamed(client, **kw) -> tuple[str, str, dict, str | None]:
+    reasoning = content = ""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model="tgi", messages=ASK, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            got = calls.setdefault(call.index, ["", ""])
+            got[0] += call.function.name or ""
+            got[1] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return reasoning, content, {i: tuple(c) for i, c in calls.items()}, finish
+
+
+def test_analysis_under_a_budget_is_reasoning_and_may_hold_lt(harmony):
+    server, tok, log = harmony
+    client = OpenAI(base_url=server.url + "/v1", api_key="-")
+    lt = tok.token_to_id("<")
+    # the model is pushed to write `<` (and the budget of 4 tokens then forces `<|end|>`, the final channel follows)
+    kw = dict(max_tokens=24, temperature=0, logit_bias={str(lt): 30}, extra_body={"thinking_token_budget": 4})
+    choice = client.chat.completions.create(model="tgi", messages=ASK, **kw).choices[0]
+    reasoning, content = choice.message.reasoning_content, choice.message.content
+    assert reasoning and "<" in reasoning, reasoning  # `<` in reasoning under a budget
+    assert content, "no final message after the analysis: the budget's end was not forced"
+    _clean(reasoning, content)
+    assert _streamed(client, **kw)[:2] == (reasoning, content)
+    assert "special tokens kept in the text" in log.read_text()  # the detokenizer was told so by the format
+
+
+def test_a_forced_call_is_a_tool_call(harmony):
+    server, _, _ = harmony
+    client = OpenAI(base_url=server.url + "/v1", api_key="-")
+    kw = dict(
+        max_tokens=96, temperature=0, tools=TOOLS, tool_choice="required", extra_body={"thinking_token_budget": 3}
+    )
+    choice = client.chat.completions.create(model="tgi", messages=ASK, **kw).choices[0]
+    assert choice.finish_reason == "tool_calls", choice  # `<|call|>` ended the turn
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    assert choice.message.reasoning_content and not choice.message.content
+    _clean(choice.message.reasoning_content, call.function.arguments)
+    reasoning, content, calls, finish = _streamed(client, **kw)
+    assert (reasoning, calls, finish) == (
+        choice.message.reasoning_content,
+        {0: ("get_weather", call.function.arguments)},
+        "tool_calls",
+    )
+    # the call and its result go back through gpt-oss's own template, and the next turn answers
+    follow = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'},
+    ]
+    done = client.chat.completions.create(
+        model="tgi", messages=follow, tools=TOOLS, max_tokens=40, temperature=0, extra_body={"thinking_token_budget": 2}
+    ).choices[0]
+    assert done.message.reasoning_content and done.message.content and not done.message.tool_calls
+    _clean(done.message.reasoning_content, done.message.content)
+
+
+def test_responses_and_anthropic_read_the_channels(harmony):
+    server, _, _ = harmony
+    response = OpenAI(base_url=server.url + "/v1", api_key="-").responses.create(
+        model="tgi", input="Why is the sky blue?", max_output_tokens=20, temperature=0, reasoning={"effort": "low"}
+    )
+    kinds = [item.type for item in response.output]
+    assert kinds[0] == "reasoning"
+    _clean(response.output_text, response.output[0].content[0].text)
+    message = anthropic.Anthropic(base_url=server.url, api_key="-").messages.create(
+        model="tgi",
+        max_tokens=20,
+        messages=[{"role": "user", "content": "Why is the sky blue?"}],
+        thinking={"type": "enabled", "budget_tokens": 3},
+    )
+    assert [b.type for b in message.content][0] == "thinking"
+    _clean(*(getattr(b, "thinking", None) or getattr(b, "text", "") for b in message.content))
