@@ -4,8 +4,10 @@ termination timeout passes.
 
 `Drain.middleware` sits in front of every route: it counts generation requests in flight (a streamed one is in
 flight until its handler returns, i.e. its final event is written) and, once `begin()` was called, answers
-/health and new generation requests itself. `wait_idle(timeout)` returns when nothing is in flight or the
-timeout passed, and says which.
+/health and new generation requests itself. It also answers `GET /livez`, 200 whenever the process serves HTTP,
+draining or not: an orchestrator's liveness probe, which must not restart a pod that drains or whose model replica
+is restarting (`/health`, `/ping` and `GET /` are TGI's readiness: 503 then). `wait_idle(timeout)` returns when
+nothing is in flight or the timeout passed, and says which.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from aiohttp import web
 
 MESSAGE = "the server is shutting down"
 HEALTH_PATHS = frozenset({"/health", "/ping", "/"})  # GET / is TGI's health too
+LIVENESS_PATH = "/livez"  # Kubernetes' name for it; TGI's /ping is its /health, so it cannot be this
 TGI_PATHS = frozenset({"/generate", "/generate_stream", "/", "/invocations", "/vertex"})
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 ANTHROPIC_PATHS = frozenset({"/v1/messages"})
@@ -83,6 +86,8 @@ class Drain:
             if isinstance(response, web.Response) and isinstance(response.body, bytes):
                 response.body = response.body + self.metrics_text().encode()
             return response
+        if request.method == "GET" and path == LIVENESS_PATH:
+            return web.Response(status=200)
         if request.method == "GET" and path in HEALTH_PATHS and self.draining:
             return refusal(path)
         if request.method != "POST" or path not in GENERATION_PATHS:

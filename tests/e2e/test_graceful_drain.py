@@ -80,6 +80,7 @@ def test_sigterm_drains_open_streams_and_leaves_nothing(tiny_model_dir, tmp_path
         server.proc.send_signal(signal.SIGTERM)
 
         assert wait_until(lambda: requests.get(server.url + "/health", timeout=5).status_code == 503, 5)
+        assert requests.get(server.url + "/livez", timeout=5).status_code == 200  # liveness: not to be restarted
         refused = requests.post(server.url + "/generate", json={"inputs": "late"}, timeout=5)
         assert refused.status_code == 503
         assert refused.json() == {"error": "the server is shutting down", "error_type": "unavailable"}

@@ -76,8 +76,9 @@ def test_scaled_roles_have_their_own_replica_counts_and_unique_indices(docs):
 
 def test_http_is_probed_on_health_and_exposed(docs):
     c, _ = containers(docs)["http"]
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+    for probe in ("readinessProbe", "startupProbe"):
         assert c[probe]["httpGet"]["path"] == "/health"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/livez"  # the process alone: 200 while it drains
     port = int(env_of(docs, c)["SWITCHYARD_PORT"])
     assert c["ports"][0]["containerPort"] == port
     service = find(docs, "Service", "switchyard")
@@ -128,3 +129,15 @@ def test_http_pods_drain_within_their_grace_period(docs):
     pause = float(http["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["terminationGracePeriodSeconds"] > pause + Settings().graceful_termination_timeout
     assert http["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_replica_pods_drain_with_their_shard_serving(docs):
+    """SIGTERM drains a replica's scheduler for the graceful termination timeout; its shard's preStop hook waits for
+    the scheduler to exit (which it must see: one process namespace), and the grace period covers the timeout."""
+    from libs.runtime.settings import Settings
+
+    pod = find(docs, "StatefulSet", "switchyard-replica")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > Settings().graceful_termination_timeout
+    assert pod["shareProcessNamespace"] is True
+    shard = {c["name"]: c for c in pod["containers"]}["shard"]
+    assert shard["lifecycle"]["preStop"]["exec"]["command"] == ["python", "-m", "services.scheduler.exited"]

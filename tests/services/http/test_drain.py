@@ -84,3 +84,18 @@ def test_idle_drain_returns_at_once_and_counts_nothing():
         assert drain.refused == 0
 
     asyncio.run(go())
+
+
+def test_liveness_stays_200_while_readiness_turns_503():
+    async def go():
+        drain, release, started = Drain(), asyncio.Event(), asyncio.Event()
+        client = await _client(drain, release, started)
+        try:
+            assert (await client.get("/livez")).status == 200
+            drain.begin()
+            assert (await client.get("/health")).status == 503  # readiness: out of the Service
+            assert (await client.get("/livez")).status == 200  # liveness: not restarted while it drains
+        finally:
+            await client.close()
+
+    asyncio.run(go())
