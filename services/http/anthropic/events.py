@@ -1,13 +1,16 @@
 """A Message's content, built whole or streamed as the Messages API's events, in their documented order:
 
     message_start, ping,
-    per content block: content_block_start, content_block_delta… (text_delta | input_json_delta),
-        content_block_stop,
+    per content block: content_block_start, content_block_delta… (thinking_delta then one signature_delta |
+        text_delta | input_json_delta), content_block_stop,
     message_delta (stop_reason, stop_sequence, usage), message_stop.
 
 The prompt's token count is known once generation ends, so message_start says 0 input tokens and message_delta
 carries the count (the SDK's accumulator takes it from there). A tool_use block's input streams as the arguments
 text the model writes; its pieces add up to the JSON of the non-streamed block's input.
+
+A thinking block's signature (services.http.anthropic.signature) is the same whole and streamed: the streamed
+block's comes as its last delta, as Anthropic sends it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from services.http.anthropic.schemas import (
     ThinkingBlock,
     ToolUseBlock,
 )
+from services.http.anthropic.signature import sign
 from services.http.chat_path import Answer, Call
 from services.http.errors import Failure
 
@@ -64,7 +68,7 @@ def tool_input(call: Call) -> msgspec.Raw:
 def whole_content(answer: Answer) -> list[ContentBlock]:
     """A non-streamed answer's blocks: its thinking (when any), its text (when it has one, or no call), then its
     tool_use blocks."""
-    blocks: list[ContentBlock] = [ThinkingBlock(answer.reasoning)] if answer.reasoning else []
+    blocks: list[ContentBlock] = [ThinkingBlock(answer.reasoning, sign(answer.reasoning))] if answer.reasoning else []
     if answer.text or not answer.calls:
         blocks.append(TextBlock(answer.text))
     return blocks + [ToolUseBlock(new_id("toolu"), c.name, tool_input(c)) for c in answer.calls]
@@ -83,6 +87,10 @@ class InputJsonDelta(msgspec.Struct, tag_field="type", tag="input_json_delta"):
     partial_json: str
 
 
+class SignatureDelta(msgspec.Struct, tag_field="type", tag="signature_delta"):
+    signature: str
+
+
 class MessageStart(msgspec.Struct, tag_field="type", tag="message_start"):
     message: Message
 
@@ -98,7 +106,7 @@ class BlockStart(msgspec.Struct, tag_field="type", tag="content_block_start"):
 
 class BlockDelta(msgspec.Struct, tag_field="type", tag="content_block_delta"):
     index: int
-    delta: TextDelta | ThinkingDelta | InputJsonDelta
+    delta: TextDelta | ThinkingDelta | SignatureDelta | InputJsonDelta
 
 
 class BlockStop(msgspec.Struct, tag_field="type", tag="content_block_stop"):
@@ -138,6 +146,7 @@ class EventStream:
         self.open: str | None = None  # "thinking" | "text" | "tool_use" | None
         self.texts = False  # whether a text or tool_use block was sent
         self.called = False
+        self.thinking = ""  # the open thinking block's text, signed when it closes
 
     def start(self) -> list[bytes]:
         return [event("message_start", MessageStart(self.message)), event("ping", Ping())]
@@ -148,6 +157,8 @@ class EventStream:
             if self.open != "thinking":
                 out += self._close()
                 out += self._open("thinking", ThinkingBlock(""))
+                self.thinking = ""
+            self.thinking += delta[1]
             out.append(event("content_block_delta", BlockDelta(self.index, ThinkingDelta(delta[1]))))
             return out
         self.texts = True
@@ -174,8 +185,11 @@ class EventStream:
     def _close(self) -> list[bytes]:
         if self.open is None:
             return []
+        out = []
+        if self.open == "thinking":
+            out.append(event("content_block_delta", BlockDelta(self.index, SignatureDelta(sign(self.thinking)))))
         self.open = None
-        return [event("content_block_stop", BlockStop(self.index))]
+        return [*out, event("content_block_stop", BlockStop(self.index))]
 
     def end(self, final: FinalInfo) -> list[bytes]:
         out = []

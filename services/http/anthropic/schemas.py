@@ -45,7 +45,7 @@ class ToolUseBlock(msgspec.Struct, tag_field="type", tag="tool_use"):
 
 class ThinkingBlock(msgspec.Struct, tag_field="type", tag="thinking"):
     thinking: str
-    signature: str = ""  # no signature: the reasoning is the served model's own, sent back as it is
+    signature: str = ""  # services.http.anthropic.signature ("" only on a streamed block's start)
 
 
 ContentBlock = TextBlock | ToolUseBlock | ThinkingBlock

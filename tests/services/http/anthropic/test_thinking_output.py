@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from services.http.anthropic.signature import sign
 from tests.services.http.fakes import FakeIngress, client, run
 from tests.services.http.responses_api.test_reasoning_output import TEMPLATE, answer
 
@@ -20,7 +21,7 @@ def test_thinking_block_then_text():
 
     whole, streamed = run(scenario())
     assert whole["content"] == [
-        {"type": "thinking", "thinking": "weigh it", "signature": ""},
+        {"type": "thinking", "thinking": "weigh it", "signature": sign("weigh it")},
         {"type": "text", "text": "Paris."},
     ]
     assert whole["stop_reason"] == "end_turn" and whole["usage"]["output_tokens"] == 5
@@ -34,6 +35,10 @@ def test_thinking_block_then_text():
     deltas = [d["delta"] for d in data if d["type"] == "content_block_delta"]
     assert "".join(d.get("thinking", "") for d in deltas) == "weigh it"
     assert "".join(d.get("text", "") for d in deltas) == "Paris."
+    # the thinking block's last delta is its signature, the non-streamed block's; then the block stops
+    at = next(i for i, d in enumerate(data) if d.get("delta", {}).get("type") == "signature_delta")
+    assert data[at]["delta"]["signature"] == sign("weigh it") and data[at + 1]["type"] == "content_block_stop"
+    assert data[at - 1]["delta"]["type"] == "thinking_delta"
     assert data[-2]["delta"]["stop_reason"] == "end_turn"
 
 
