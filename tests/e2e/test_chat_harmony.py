@@ -14,6 +14,7 @@ import pytest
 from openai import OpenAI
 from tokenizers import Tokenizer
 
+from services.http.anthropic.signature import sign
 from tests.e2e.server import Server
 from tests.harmony_model import MARKERS, build_harmony_model
 
@@ -125,11 +126,31 @@ def test_responses_and_anthropic_read_the_channels(harmony):
     kinds = [item.type for item in response.output]
     assert kinds[0] == "reasoning"
     _clean(response.output_text, response.output[0].content[0].text)
-    message = anthropic.Anthropic(base_url=server.url, api_key="-").messages.create(
-        model="tgi",
-        max_tokens=20,
-        messages=[{"role": "user", "content": "Why is the sky blue?"}],
-        thinking={"type": "enabled", "budget_tokens": 3},
+    client = anthropic.Anthropic(base_url=server.url, api_key="-")
+    ask = [{"role": "user", "content": "Why is the sky blue?"}]
+    greedy = {"temperature": 0}  # (this SDK version's create takes no temperature argument)
+    kw = dict(
+        model="tgi", max_tokens=40, messages=ask, thinking={"type": "enabled", "budget_tokens": 3}, extra_body=greedy
     )
-    assert [b.type for b in message.content][0] == "thinking"
+    message = client.messages.create(**kw)
+    thinking = message.content[0]
+    assert thinking.type == "thinking" and thinking.signature == sign(thinking.thinking)
     _clean(*(getattr(b, "thinking", None) or getattr(b, "text", "") for b in message.content))
+    # streamed: the SDK assembles the same block, its signature from the signature_delta event
+    with client.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in message.content]
+    # Claude Code sends the blocks back in the next turn (signed, or redacted): accepted, left out of the prompt
+    turn = ask + [
+        {"role": "assistant", "content": [b.model_dump() for b in message.content]},
+        {"role": "user", "content": "And at sunset?"},
+    ]
+    plain = ask + [
+        {"role": "assistant", "content": [b.model_dump() for b in message.content if b.type != "thinking"]},
+        {"role": "user", "content": "And at sunset?"},
+    ]
+    redacted = [{**turn[1], "content": [{"type": "redacted_thinking", "data": "opaque"}, *turn[1]["content"][1:]]}]
+    for messages in (turn, ask + redacted + turn[2:]):
+        assert client.messages.create(**{**kw, "messages": messages, "max_tokens": 4}).usage.output_tokens > 0
+        counted = client.messages.count_tokens(model="tgi", messages=messages).input_tokens
+        assert counted == client.messages.count_tokens(model="tgi", messages=plain).input_tokens
