@@ -89,6 +89,7 @@ def test_two_models_behind_one_router_are_each_answered_by_their_own_replicas(
             return (placed, handled) if (placed, handled) == want else None
 
         tap.wait_for(settled)
+        assert "taking only requests that name it" in (tmp_path / "b.log").read_text()  # B's tokenizer kept off intake
 
         unknown = requests.post(first.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=10)
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
