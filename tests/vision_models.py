@@ -568,7 +568,7 @@ def build_idefics3(out_dir: str | Path, seed: int = 0) -> Path:
     images = Idefics3ImageProcessorPil(
         size={"longest_edge": 2 * IDEFICS3_TILE}, max_image_size={"longest_edge": IDEFICS3_TILE}
     )
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(out)  # its config's BOS/EOS, which the chat template reads
     Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=IDEFICS3_TILE_TOKENS).save_pretrained(
         out
     )
