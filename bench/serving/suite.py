@@ -33,6 +33,7 @@ WORKLOADS = {
     "quantize": "bench.workloads.quantize",
     "long-prompt": "bench.workloads.long_prompt",
     "speculative": "bench.workloads.speculative",
+    "vision": "bench.workloads.vision",
 }
 
 
