@@ -12,11 +12,11 @@ The generation prompt ends `<|start|>assistant`, so the answer opens inside its 
 ` to=functions.…`). The markers are special tokens of gpt-oss's tokenizer: the text read here must keep them
 (`HarmonyParser.keeps_special_tokens`: the detokenizer and http keep them for a model served with this format).
 
-`HarmonyParser` is the reasoning parser (services.http.reasoning's interface): its content is the answer's other
-messages, still in harmony (`<|start|>` header `<|message|>` body end), which the harmony tool-call parser
-(services.http.tool_parsers.harmony) reads into content and calls. `HarmonyStream.push(piece, final)` gives
-deltas that assemble to exactly `parse` of the whole text: text that may still become a marker (a trailing `<`
-or `<|…` without its `|>`) is held until it is decided.
+`messages(text, final)` reads the answer so far into its messages; text that may still become a marker (a trailing
+`<` or `<|…` without its `|>`) is held until it is decided, so what it gives for a longer text extends what it gave
+for a shorter one. `HarmonyParser` is the reasoning parser (services.http.reasoning's interface): its content is
+the answer's other messages, still in harmony (`<|start|>` header `<|message|>` body end), which the harmony
+tool-call parser (services.http.tool_parsers.harmony) reads into content and calls.
 """
 
 from __future__ import annotations
@@ -34,17 +34,6 @@ ENDS = (END, RETURN, CALL)
 HEADER_OPENS = (START, CHANNEL, " to=", "to=")
 _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
-
-
-class HarmonyCall(NamedTuple):
-    name: str
-    arguments: str
-
-
-class HarmonyAnswer(NamedTuple):
-    reasoning: str | None  # None: no analysis message
-    content: str
-    calls: list[HarmonyCall]
 
 
 class Message(NamedTuple):
@@ -133,25 +122,6 @@ def messages(text: str, final: bool) -> list[Message]:
     return out
 
 
-def scan(text: str, final: bool) -> HarmonyAnswer:
-    """The answer so far → its reasoning, content and calls (a call's arguments as far as written)."""
-    reasoning: list[str] = []
-    content: list[str] = []
-    calls: list[HarmonyCall] = []
-    for m in messages(text, final):
-        if m.recipient is not None:
-            calls.append(HarmonyCall(m.recipient, m.body))
-        elif m.reasoning:
-            reasoning.append(m.body)
-        else:
-            content.append(m.body)
-    return HarmonyAnswer("".join(reasoning) if reasoning else None, "".join(content), calls)
-
-
-def parse(text: str) -> HarmonyAnswer:
-    return scan(text, final=True)
-
-
 class HarmonyParser:
     """The reasoning parser of harmony answers: analysis messages are the reasoning, the other messages (still in
     harmony) the content that the harmony tool-call parser reads."""
@@ -172,32 +142,3 @@ class HarmonyParser:
 
     def split(self, text: str, opened: bool) -> Split:
         return self.scan(text, opened, final=True)
-
-
-class HarmonyStream:
-    """A stream's text pieces → ("reasoning", text), ("content", text) and ("call", index, name or None, arguments
-    piece) deltas; a call's first delta carries its name. They assemble to `parse` of the whole text."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.sent_reasoning = self.sent_content = 0
-        self.sent_calls: list[int] = []  # per call: the arguments' length sent
-
-    def push(self, piece: str, final: bool = False) -> list[tuple]:
-        self.text += piece
-        answer = scan(self.text, final)
-        out: list[tuple] = []
-        if answer.reasoning is not None and len(answer.reasoning) > self.sent_reasoning:
-            out.append(("reasoning", answer.reasoning[self.sent_reasoning :]))
-            self.sent_reasoning = len(answer.reasoning)
-        if len(answer.content) > self.sent_content:
-            out.append(("content", answer.content[self.sent_content :]))
-            self.sent_content = len(answer.content)
-        for i, call in enumerate(answer.calls):
-            if i == len(self.sent_calls):
-                self.sent_calls.append(len(call.arguments))
-                out.append(("call", i, call.name, call.arguments))
-            elif len(call.arguments) > self.sent_calls[i]:
-                out.append(("call", i, None, call.arguments[self.sent_calls[i] :]))
-                self.sent_calls[i] = len(call.arguments)
-        return out
