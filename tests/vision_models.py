@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -493,11 +494,14 @@ def llava_next_reference_generate(model_dir, text: str, images: list[bytes], max
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Idefics3 (SmolVLM): a SigLIP-like tower over each tile of an image, the connector's pixel shuffle and projection, and
-# a Llama language model, with its real processor (Idefics3Processor over Idefics3's PIL image processor and the tiny
-# tokenizer with its image, frame, global-image and row/column tokens). An image is split into tiles plus a global
-# image, each tile's placeholders framed by <fake_token_around_image> and its row/column marker.
+# Idefics3 and SmolVLM2: a SigLIP-like tower over each tile of an image, the connector's pixel shuffle and projection,
+# and a Llama language model, with Idefics3's real processor (Idefics3Processor over its PIL image processor and the
+# tiny tokenizer with its image, frame, global-image and row/column tokens). An image is split into tiles plus a global
+# image, each tile's placeholders framed by <fake_token_around_image> and its row/column marker. SmolVLMProcessor
+# cannot be built here (its video part needs torchvision): SmolVLM2's reference runs its PIL image processor and
+# expands each image by transformers' get_image_prompt_string, as SmolVLMProcessor does.
 
+IDEFICS3_FAMILIES = ("idefics3", "smolvlm")
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
     f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
 ]
@@ -505,18 +509,20 @@ IDEFICS3_TILE, IDEFICS3_PATCH, IDEFICS3_SCALE = 28, 7, 2  # 4x4 patches shuffled
 IDEFICS3_TILE_TOKENS = (IDEFICS3_TILE // IDEFICS3_PATCH) ** 2 // IDEFICS3_SCALE**2
 
 
-def build_idefics3(out_dir: str | Path, seed: int = 0) -> Path:
-    """Build (once) the tiny Idefics3 into `out_dir`: an image's longest edge resized to two tiles, so a 40x30
-    picture makes 2x2 tiles and the global image (5 x 4 image tokens), a 40x12 one 1x2 tiles and the global one."""
+def build_idefics3(out_dir: str | Path, seed: int = 0, family: str = "idefics3") -> Path:
+    """Build (once) the tiny Idefics3 (`family` "idefics3") or SmolVLM2 ("smolvlm") into `out_dir`: an image's
+    longest edge resized to two tiles, so a 40x30 picture makes 2x2 tiles and the global image (5 x 4 image tokens),
+    a 40x12 one 1x2 tiles and the global one."""
     from tokenizers import AddedToken, Tokenizer
     from transformers import (
+        AutoConfig,
+        AutoModelForImageTextToText,
         GenerationConfig,
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
         Idefics3Processor,
         PreTrainedTokenizerFast,
     )
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
     out = Path(out_dir)
     if (out / "model.safetensors").exists() and (out / "processor_config.json").exists():
@@ -547,7 +553,8 @@ def build_idefics3(out_dir: str | Path, seed: int = 0) -> Path:
         eos_token_id=EOS,
         pad_token_id=PAD,
     )
-    config = Idefics3Config(
+    config = AutoConfig.for_model(
+        family,
         vision_config=vision,
         text_config=text,
         scale_factor=IDEFICS3_SCALE,
@@ -555,7 +562,7 @@ def build_idefics3(out_dir: str | Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config)
+    model = AutoModelForImageTextToText.from_config(config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # peaked logits, as the tiny text models (tests/tiny_models.py); the image steers them
         for name, p in model.named_parameters():
@@ -565,24 +572,27 @@ def build_idefics3(out_dir: str | Path, seed: int = 0) -> Path:
                 p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, do_sample=False)
     model.save_pretrained(out, safe_serialization=True)
-    images = Idefics3ImageProcessorPil(
-        size={"longest_edge": 2 * IDEFICS3_TILE}, max_image_size={"longest_edge": IDEFICS3_TILE}
-    )
+    sizes = dict(size={"longest_edge": 2 * IDEFICS3_TILE}, max_image_size={"longest_edge": IDEFICS3_TILE})
+    if family == "smolvlm":  # its image processor and tokenizer only (SmolVLMProcessor needs torchvision)
+        SmolVLMImageProcessorPil(**sizes).save_pretrained(out)
+        PreTrainedTokenizerFast.from_pretrained(out).save_pretrained(out)
+        (out / "processor_config.json").write_text(json.dumps({"image_seq_len": IDEFICS3_TILE_TOKENS}))
+        return out
     tokenizer = PreTrainedTokenizerFast.from_pretrained(out)  # its config's BOS/EOS, which the chat template reads
-    Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=IDEFICS3_TILE_TOKENS).save_pretrained(
-        out
-    )
+    Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(**sizes), tokenizer=tokenizer, image_seq_len=IDEFICS3_TILE_TOKENS
+    ).save_pretrained(out)
     return out
 
 
 @functools.lru_cache(maxsize=2)
 def load_idefics3(model_dir: str):
-    """(model, processor): transformers' own, float32, eager attention."""
-    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+    """(model, processor or, for SmolVLM2, (image processor, tokenizer)): transformers' own, float32, eager."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-    model = Idefics3ForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
-    )
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    if model.config.model_type == "smolvlm":
+        return model.eval(), (AutoImageProcessor.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir))
     return model.eval(), AutoProcessor.from_pretrained(model_dir)
 
 
@@ -592,7 +602,23 @@ def idefics3_processed(model_dir, text: str, images: list[bytes]) -> dict:
 
     _, processor = load_idefics3(str(model_dir))
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images] or None
-    return processor(text=text, images=pil, return_tensors="pt")
+    if not isinstance(processor, tuple):
+        return processor(text=text, images=pil, return_tensors="pt")
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    image_processor, tokenizer = processor
+    got = {}
+    if pil:
+        got = image_processor(images=[pil], return_row_col_info=True, return_tensors="pt")
+        parts = text.split("<image>")
+        text = parts[0] + "".join(
+            get_image_prompt_string(
+                rows, cols, IDEFICS3_TILE_TOKENS, "<fake_token_around_image>", "<image>", "<global-img>"
+            )
+            + rest
+            for rows, cols, rest in zip(got.pop("rows")[0], got.pop("cols")[0], parts[1:])
+        )
+    return dict(tokenizer(text, return_tensors="pt"), **got)
 
 
 def idefics3_reference_generate(model_dir, text: str, images: list[bytes], max_new_tokens: int) -> list[int]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from libs.protocol.messages import ImageInput
-from services.tokenizer.images import idefics3
+from services.tokenizer.images import idefics3, smolvlm
 from services.tokenizer.images.decode import ImageError, decode
 from services.tokenizer.images.fetch import FetchLimits, load
 from services.tokenizer.images.qwen2_vl import FAMILIES as QWEN_FAMILIES
@@ -166,11 +166,14 @@ def _model_type(model_path: str) -> str | None:
 
 
 def _model_processor(model_path: str):
-    """The folder's own processor (transformers' AutoProcessor), or Qwen2-VL's image part alone (qwen2_vl.py)."""
+    """The folder's own processor (transformers' AutoProcessor), or Qwen2-VL's or SmolVLM2's image part alone
+    (qwen2_vl.py, smolvlm.py)."""
     from transformers import AutoProcessor
 
     if _model_type(model_path) in QWEN_FAMILIES:
         return QwenImageProcessor(model_path)
+    if _model_type(model_path) in smolvlm.FAMILIES:
+        return smolvlm.SmolVLMImageProcessor(model_path)
     return AutoProcessor.from_pretrained(model_path)
 
 

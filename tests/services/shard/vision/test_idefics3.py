@@ -1,6 +1,7 @@
-"""A tiny Idefics3 served by the scheduler's Batcher and the shard's ModelRunner (the in-process engine, plans and
-results encoded as on the bus): the tokenizer's expansion of an image into tiles (rows x columns plus the global
-image, each a run of placeholders framed by its markers) equals Idefics3Processor's, and greedy output is
+"""A tiny Idefics3 and a tiny SmolVLM2 served by the scheduler's Batcher and the shard's ModelRunner (the in-process
+engine, plans and results encoded as on the bus): the tokenizer's expansion of an image into tiles (rows x columns
+plus the global image, each a run of placeholders framed by its markers) equals Idefics3Processor's (SmolVLM2: its
+image processor and transformers' get_image_prompt_string, as SmolVLMProcessor expands), and greedy output is
 token-identical to transformers' generate() on the processor's inputs: alone, 8 mixed with text-only rows and chunked
 inside the tiles, after preemption, and from a prefix-cache hit on the same image."""
 
@@ -19,6 +20,7 @@ from services.tokenizer.images.fetch import FetchLimits
 from services.tokenizer.images.idefics3 import check_mask
 from services.tokenizer.images.processor import ImageLimits, ImageProcessor
 from tests.vision_models import (
+    IDEFICS3_FAMILIES,
     IDEFICS3_TILE_TOKENS,
     build_idefics3,
     idefics3_processed,
@@ -30,9 +32,9 @@ MAX_NEW = 8
 WIDE, NARROW = (40, 30), (40, 12)  # 2x2 tiles and 1x2 tiles, each with the global image
 
 
-@pytest.fixture(scope="module")
-def idefics3(tmp_path_factory):
-    return build_idefics3(tmp_path_factory.mktemp("idefics3"))
+@pytest.fixture(scope="module", params=IDEFICS3_FAMILIES)
+def idefics3(request, tmp_path_factory):
+    return build_idefics3(tmp_path_factory.mktemp(request.param), family=request.param)
 
 
 @pytest.fixture(scope="module")
