@@ -188,6 +188,7 @@ class Ingress:
             for rid, t in list(self.abandoned.items()):  # Accepted never came: nothing left to abort
                 if now - t > ABANDONED_KEEP_S:
                     del self.abandoned[rid]
+            live = {hb.index for hb in self.liveness.alive("scheduler")}
             for p in list(self.pending.values()):
                 quiet = now - p.heard
                 try:
@@ -199,6 +200,11 @@ class Ingress:
                         if now - p.submitted < ADMIT_TIMEOUT:  # after it, generate() fails the request
                             log.info("no answer: resubmitting", extra={"request_id": p.req.request_id})
                             await self._submit(p)
+                    elif p.replica is not None and quiet > STALL_S and live and p.replica not in live:
+                        # its replica is gone (silent for a heartbeat lifetime, or it left) while others live: no
+                        # one would answer a resync, so it goes where the router places it now (same id)
+                        log.info("replica %d is gone: resubmitting", p.replica, extra={"request_id": p.req.request_id})
+                        await self._submit(p)
                     elif p.replica is not None and quiet > STALL_S and now - p.asked > STALL_S:
                         await self.resync(p)
                 except zmq.ZMQError as e:
