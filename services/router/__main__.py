@@ -132,9 +132,11 @@ class Router:
 
     def _of_model(self, role: str, model: str) -> list[Heartbeat]:
         """The live processes of `role` that serve `model` ("": the default, this router's own); one that names no
-        model serves the default."""
-        wanted = model or self.settings.model_id
-        return [hb for hb in self.liveness.alive(role) if (hb.model or self.settings.model_id) == wanted]
+        model serves the default, and so does every one for a router that names none (started without one)."""
+        alive, default = self.liveness.alive(role), self.settings.model_id
+        if model and model != default:
+            return [hb for hb in alive if hb.model == model]
+        return alive if not default else [hb for hb in alive if hb.model in ("", default)]
 
     def _place(self, req: TokenizedRequest) -> None:
         # only the request's model's processes; sticky per request: the whole stream goes through one detokenizer

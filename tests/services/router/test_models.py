@@ -77,3 +77,21 @@ def test_a_named_model_without_a_replica_or_a_detokenizer_fails_at_once(two_mode
     r.place(named(1, OTHER))
     assert failed[1:] == [f"No detokenizer of model `{OTHER}` is available"]
     assert drain(a_in) == [] and drain(b_in) == []
+
+
+def test_a_router_that_names_no_model_places_the_default_on_every_replica():
+    """Started without a model of its own (as before models were announced): nothing is filtered out."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as run_dir:
+        settings = Settings(bus=f"ipc://{run_dir}", model_id="")
+        replica_in = bus.socket(zmq.PULL, bind=Addresses.parse(settings.bus).replica(0, "in"))
+        r = Router(settings)
+        r._fail = lambda req, message: pytest.fail(message)
+        try:
+            r.liveness.since -= 60
+            r.heard(beat("detokenizer", 0, model=OTHER))
+            r.heard(beat("scheduler", 0, model=OTHER))
+            r.place(request(0))
+            assert placed_on(replica_in) == [("req-0", 0)]
+        finally:
+            for sock in (replica_in, r.admit, *r.replicas.values()):
+                sock.close()
