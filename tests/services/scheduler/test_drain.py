@@ -1,0 +1,79 @@
+"""A replica's drain as its scheduler runs it (services/scheduler/drain.py): SIGTERM wakes the loop at once and the
+next heartbeat says `draining` out of turn; an idle replica stops once the router has had its time to hear it; one
+still holding requests at the timeout answers each `Unknown` (http resubmits it elsewhere) before it stops; a second
+SIGTERM stops at once. The real SchedulerService on an ipc bus of its own, no model, no router."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from libs.protocol import codec, topics
+from libs.protocol.messages import Heartbeat, Unknown
+from services.scheduler.drain import SETTLE_S
+from tests.services.scheduler.service_bus import scheduler_on_own_bus
+from tests.services.scheduler.test_abort_order import step, subscribed
+from tests.services.scheduler.test_batcher import req
+
+
+@pytest.fixture
+def service():
+    with scheduler_on_own_bus(topics.out(0), topics.hb("scheduler", 0)) as (svc, events):
+        yield svc, events
+
+
+def received(events, kind, timeout_ms: int = 5000) -> list:
+    """Every message of `kind` that arrives until none has come for a while (the first waited for)."""
+    got = []
+    while events.poll(timeout_ms if not got else 300):
+        _, msg = codec.decode_pub(events.recv_multipart())
+        if isinstance(msg, kind):
+            got.append(msg)
+    return got
+
+
+def test_sigterm_announces_the_drain_at_once_and_hands_back_what_it_holds_at_the_timeout(service):
+    svc, events = service
+    subscribed(svc, events)
+    running, waiting = req("running", 5, 50), req("waiting", 5, 50)
+    svc.batcher.add(running)
+    step(svc, 1, 40)  # `running` has its first token
+    svc.batcher.add(waiting)
+    svc._beat()  # the regular beat, not draining
+    assert [hb.draining for hb in received(events, Heartbeat)] == [False]
+
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        svc.drain.install()
+        started = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+        svc._receive(5000)  # the signal's byte wakes the poll: no waiting for a message
+        assert time.monotonic() - started < 1.0
+        assert svc.drain.active
+        svc._beat()  # out of turn: the last beat was just now
+        assert [hb.draining for hb in received(events, Heartbeat)] == [True]
+        assert svc.drain.outcome(holding=2) is None  # within the timeout: the requests go on
+        svc.drain.since -= svc.drain.timeout  # the timeout passed
+        assert svc.drain.outcome(holding=2) == "timeout"
+        svc._hand_back()
+        assert sorted(m.request_id for m in received(events, Unknown)) == ["running", "waiting"]
+        with pytest.raises(KeyboardInterrupt):  # a second SIGTERM stops at once (its handler runs as os.kill returns)
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        signal.set_wakeup_fd(-1)
+
+
+def test_an_idle_replica_stops_once_the_router_had_time_to_hear_its_drain(service):
+    svc, _ = service
+    assert svc.drain.outcome(holding=0) is None  # not draining
+    svc.drain._on_sigterm(signal.SIGTERM, None)
+    assert svc.drain.outcome(holding=0) is None  # not announced yet
+    svc._beat()
+    assert svc.drain.outcome(holding=0) is None  # announced just now: a request placed meanwhile may still come
+    svc.drain.announced -= SETTLE_S
+    assert svc.drain.outcome(holding=1) is None  # it holds one: it runs to its end
+    assert svc.drain.outcome(holding=0) == "drained"
