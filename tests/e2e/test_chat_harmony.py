@@ -45,7 +45,7 @@ def harmony(tmp_path_factory):
     s = Server(folder, log, "--max-total-tokens", "1024")
     try:
         s.wait_healthy()
-        yield s, Tokenizer.from_file(str(folder / "tokenizer.json")), log
+        yield s, Tokenizer.from_file(str(folder / "tokenizer.json")), log, folder
     finally:
         s.stop()
 
@@ -74,7 +74,7 @@ def _streamed(client, **kw) -> tuple[str, str, dict, str | None]:
 
 
 def test_analysis_under_a_budget_is_reasoning_and_may_hold_lt(harmony):
-    server, tok, log = harmony
+    server, tok, log, _ = harmony
     client = OpenAI(base_url=server.url + "/v1", api_key="-")
     lt = tok.token_to_id("<")
     # the model is pushed to write `<` (and the budget of 4 tokens then forces `<|end|>`, the final channel follows)
@@ -89,7 +89,7 @@ def test_analysis_under_a_budget_is_reasoning_and_may_hold_lt(harmony):
 
 
 def test_a_forced_call_is_a_tool_call(harmony):
-    server, _, _ = harmony
+    server, *_ = harmony
     client = OpenAI(base_url=server.url + "/v1", api_key="-")
     kw = dict(
         max_tokens=96, temperature=0, tools=TOOLS, tool_choice="required", extra_body={"thinking_token_budget": 3}
@@ -119,7 +119,7 @@ def test_a_forced_call_is_a_tool_call(harmony):
 
 
 def test_responses_and_anthropic_read_the_channels(harmony):
-    server, _, _ = harmony
+    server, *_ = harmony
     response = OpenAI(base_url=server.url + "/v1", api_key="-").responses.create(
         model="tgi", input="Why is the sky blue?", max_output_tokens=20, temperature=0, reasoning={"effort": "low"}
     )
@@ -154,3 +154,20 @@ def test_responses_and_anthropic_read_the_channels(harmony):
         assert client.messages.create(**{**kw, "messages": messages, "max_tokens": 4}).usage.output_tokens > 0
         counted = client.messages.count_tokens(model="tgi", messages=messages).input_tokens
         assert counted == client.messages.count_tokens(model="tgi", messages=plain).input_tokens
+
+
+def test_greedy_tokens_equal_generate(harmony):
+    # the tiny model with the markers added to its vocabulary serves exactly: /generate's greedy tokens are generate()'s
+    import requests
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    server, tok, _, folder = harmony
+    prompt = AutoTokenizer.from_pretrained(folder).apply_chat_template(ASK, add_generation_prompt=True, tokenize=False)
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 12, "details": True}}
+    got = requests.post(server.url + "/generate", json=body, timeout=60).json()
+    ids = [t["id"] for t in got["details"]["tokens"]]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    prompt_ids = torch.tensor([tok.encode(prompt).ids])  # as /generate tokenizes it (its <bos> added)
+    want = model.generate(prompt_ids, max_new_tokens=12, do_sample=False)[0, prompt_ids.shape[1] :].tolist()
+    assert ids == want
