@@ -12,6 +12,7 @@ import requests
 
 from libs.protocol.messages import Heartbeat
 from libs.runtime import bus
+from tests.e2e.conftest import sse_events
 from tests.e2e.server import Server, free_port_range
 from tests.e2e.test_scale import LIMITS, Tap, prompt
 from tests.reference import reference_generate
@@ -80,12 +81,21 @@ def test_two_models_behind_one_router_are_each_answered_by_their_own_replicas(
         # OpenAI's route: the `model` field
         assert complete(first.url, b, texts[0]) == tiny_tokenizer.decode(ref_b[0])
         assert complete(first.url, "tgi", texts[0]) == tiny_tokenizer.decode(ref_a[0])
+        # a streamed chat: B's tokenizer renders the template, B's detokenizer streams the answer
+        messages = [{"role": "user", "content": texts[1]}]
+        rendered = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        chat_ids = tiny_tokenizer(rendered, add_special_tokens=False).input_ids  # the template holds the specials
+        body = {"model": b, "messages": messages, "max_tokens": NEW, "temperature": 0, "stream": True}
+        r = requests.post(first.url + "/v1/chat/completions", json=body, timeout=60)
+        deltas = [e["choices"][0]["delta"].get("content") or "" for e in sse_events(r.text)[:-1] if e["choices"]]
+        want = tiny_tokenizer.decode(reference_generate(b, chat_ids, NEW), skip_special_tokens=True)
+        assert "".join(deltas) == want.replace("\ufffd", "")  # a stream never sends U+FFFD (README, API)
 
-        # each model's requests went through its own tokenizer and replica only: 3 + 1 + 1 on A's, 3 + 1 on B's
+        # each model's requests went through its own tokenizer and replica only: 3 + 1 + 1 on A's, 3 + 1 + 1 on B's
         def settled():
             placed = tap.counters("router").get(0, {})
             handled = {n: c.get("handled", 0) for n, c in tap.counters("tokenizer").items()}
-            want = ({"placed_replica_0": 5, "placed_replica_1": 4}, {0: 5, 1: 4})
+            want = ({"placed_replica_0": 5, "placed_replica_1": 5}, {0: 5, 1: 5})
             return (placed, handled) if (placed, handled) == want else None
 
         tap.wait_for(settled)
