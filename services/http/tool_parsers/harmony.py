@@ -4,9 +4,9 @@ before the channel). `<|call|>` ends the turn, so a turn holds at most one call.
 services.http.reasoning.harmony; here a call becomes a Call and every other message's body content (an analysis
 message too, where no reasoning parser takes it out first).
 
-The grammar writes the markers as their special tokens: the answer may open with an analysis message (free text,
-which cannot hold a special token, up to `<|end|>`), then comes the call (`required`, a named function), or the
-call or a final message (`auto`). vLLM names this parser `openai`.
+The grammar writes the markers as their special tokens: the answer may open with analysis messages and commentary
+preambles (free text, which cannot hold a special token, up to `<|end|>`), then comes the call (`required`, a named
+function), or the call or a final message (`auto`). vLLM names this parser `openai`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class HarmonyToolParser(ToolParser):
 
     def grammar(self, functions: list[dict[str, Any]], mode: str, parallel: bool, specials: dict[str, int]) -> str:
         """`sy_harmony_answer` is what follows the reasoning (a thinking budget's grammar puts it after its own
-        analysis message); `start` lets the answer open with an analysis message."""
+        analysis message); `start` lets the answer open with analysis and preamble messages."""
         ch, msg, end, start, call, constrain = (
             literal(m, specials) for m in (CHANNEL, MESSAGE, END, START, CALL, CONSTRAIN)
         )
@@ -50,8 +50,9 @@ class HarmonyToolParser(ToolParser):
         else:
             lines.append("sy_harmony_answer: sy_harmony_call")
         lines += [
-            f'sy_analysis: {ch} "analysis" {msg} SY_ANALYSIS {end} {start} "assistant"',
-            "SY_ANALYSIS: /(?s:.*)/",
-            "start: sy_analysis? sy_harmony_answer",
+            f'sy_lead: {ch} sy_lead_channel {msg} SY_LEAD {end} {start} "assistant"',
+            'sy_lead_channel: "analysis" | "commentary"',
+            "SY_LEAD: /(?s:.*)/",
+            "start: sy_lead* sy_harmony_answer",
         ]
         return "\n".join(lines) + "\n"

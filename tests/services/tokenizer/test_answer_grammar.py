@@ -154,6 +154,13 @@ def test_harmony_analysis_under_a_budget_then_the_call(tmp_path):
         return all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids)
 
     assert accepts(f"<|channel|>analysis<|message|>a < b<|end|><|start|>assistant{call}")
+    # without a budget the answer may open with analysis and a commentary preamble, then the call
+    free = compiled(tools)
+    lead = "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary<|message|>Let me see.<|end|>"
+    for text, ok in ((f"{lead}<|start|>assistant{call}", True), (call, True), (lead, False)):
+        matcher = LLMatcher(lltok, free, log_level=0)
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert (all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()) == ok, text
     assert not accepts(f"<|channel|>analysis<|message|>a < b c d e<|end|><|start|>assistant{call}")  # over budget
     assert not accepts("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>no call")
     matcher = LLMatcher(lltok, grammar, log_level=0)
