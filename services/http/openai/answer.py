@@ -38,12 +38,13 @@ def _choice(tool_choice: Any) -> str:
 
 class AnswerReader:
     def __init__(self, parser: ToolParser | None, reasoning, opened: bool, tools_on: bool, native: bool) -> None:
+        if getattr(reasoning, "keeps_special_tokens", False) and not isinstance(parser, HarmonyToolParser):
+            parser = HarmonyToolParser()  # the content the harmony reasoning parser leaves is still in harmony
         self.keeps_special = getattr(reasoning, "keeps_special_tokens", False) or getattr(
             parser, "keeps_special_tokens", False
         )
-        if getattr(reasoning, "keeps_special_tokens", False) and not isinstance(parser, HarmonyToolParser):
-            parser, tools_on = HarmonyToolParser(), True  # the content is still in harmony: its parser reads it
-        self.parser = parser if tools_on or getattr(parser, "keeps_special_tokens", False) else None
+        # a format written in special tokens is read by its own parser with tools or without
+        self.parser = parser if tools_on or self.keeps_special else None
         self.reasoning, self.opened, self.native = reasoning, opened, native
 
     def _split(self, text: str) -> tuple[str | None, str]:
