@@ -167,3 +167,27 @@ def test_harmony_analysis_under_a_budget_then_the_call(tmp_path):
     ids = tok.encode("<|channel|>analysis<|message|>a < b c", add_special_tokens=False).ids
     assert all(matcher.consume_token(t) for t in ids[:-1])  # 4 tokens of analysis: `<|end|>` is forced next
     assert tok.decode(matcher.compute_ff_tokens(), skip_special_tokens=False).startswith("<|end|><|start|>assistant")
+
+
+def test_the_processor_names_a_one_token_marker_by_id(tmp_path):
+    # a Qwen3-like tokenizer (`</think>` one added token, not special) and DeepSeek-R1's template (the prompt opens
+    # the reasoning): the budget's grammar lets the reasoning hold `<`, and forces the marker's token at the budget
+    from pathlib import Path
+
+    from libs.runtime.settings import Settings
+    from services.tokenizer.processor import Processor
+    from tests.services.tokenizer.conftest import request
+
+    tok, _ = _tokenizer_with(tmp_path, "</think>", special=False)
+    template = Path(__file__).parents[2] / "data" / "chat_templates" / "deepseek_r1.jinja"
+    (tmp_path / "chat_template.jinja").write_text(template.read_text(encoding="utf-8"), encoding="utf-8")
+    processor = Processor.from_settings(Settings(model_path=str(tmp_path), max_total_tokens=400))
+    try:
+        req = request(messages=[{"role": "user", "content": "Why?"}], max_new_tokens=20)
+        req.thinking_budget = 3
+        grammar = processor.process(req).grammar
+    finally:
+        processor.close()
+    matcher = LLMatcher(LLTokenizer(str(tmp_path / "tokenizer.json"), eos_token=[EOS]), grammar, log_level=0)
+    assert all(matcher.consume_token(t) for t in tok.encode("a<b", add_special_tokens=False).ids)
+    assert matcher.compute_ff_tokens()[:1] == [tok.token_to_id("</think>")]
