@@ -153,6 +153,8 @@ class Ingress:
                 q = self.queues.get(msg.request_id)
                 if q is not None:
                     q.put_nowait(msg)
+            elif isinstance(msg, AdapterSet) and models.FLEET.foreign(msg.replica):
+                continue  # another model's adapters: its own tokenizers check its requests' names
             elif isinstance(msg, (AdapterSet, AdapterDone)):  # LoRA adapters loaded or unloaded while serving
                 lora.on_event(msg, self)
 

@@ -43,6 +43,11 @@ class Fleet:
             models.setdefault(hb.model or self.default, set()).update(hb.adapters)
         return {name: sorted(adapters) for name, adapters in models.items()}
 
+    def foreign(self, replica: int) -> bool:
+        """Whether `replica` serves another model than the local one (known from its heartbeats)."""
+        hbs = [hb for hb in self.liveness.alive("scheduler") if hb.index == replica] if self.liveness else []
+        return any(hb.model and hb.model != self.default for hb in hbs)
+
     def other(self, name: str | None) -> bool:
         """Whether `name` is a served model other than the local one."""
         return bool(name) and name != self.default and name in self.served()

@@ -43,13 +43,14 @@ class TokenizerService:
         self.inbox: zmq.Socket | None = None  # intake's requests, once the router says its model is ours (_join)
         self.admit = bus.socket(zmq.PUSH, connect=addresses.admit)
         # the LoRA adapters the schedulers serve now (loaded and unloaded while serving), requests for our model by
-        # name, and the router's heartbeat (its model)
-        subscribe = [topics.LORA, topics.tokenize(settings.index), topics.HB + b"router."]
+        # name, the router's heartbeat (its model) and the schedulers' (theirs)
+        subscribe = [topics.LORA, topics.tokenize(settings.index), topics.HB + b"router.", topics.HB + b"scheduler."]
         self.events = bus.EventBus(addresses, ROLE, settings.index, subscribe=subscribe)
         self.named: deque[GenerateRequest] = deque()  # requests heard on tokenize.<n>, in order
         self.poller = zmq.Poller()
         self.poller.register(self.events.sub, zmq.POLLIN)
         self._apart = False  # said once: the router serves another model
+        self.foreign: set[int] = set()  # replicas of another model: their adapter sets are not ours
         self.handled = self.rejected = self.tokenized = 0
         self.processor.grammars.on_wait = self._heartbeat  # a long grammar compile still beats
 
@@ -99,13 +100,18 @@ class TokenizerService:
             if got is None:
                 continue
             msg = got[1]
-            if isinstance(msg, AdapterSet):
+            if isinstance(msg, AdapterSet) and msg.replica not in self.foreign:
                 self.processor.adapters.update(msg)
                 wait = False
             elif isinstance(msg, GenerateRequest):
                 self.named.append(msg)
             elif isinstance(msg, Heartbeat) and msg.role == "router" and self.inbox is None:
                 self._join(msg)
+            elif isinstance(msg, Heartbeat) and msg.role == "scheduler":
+                if msg.model and msg.model != self.settings.model_id:
+                    self.foreign.add(msg.index)
+                else:
+                    self.foreign.discard(msg.index)
 
     def _join(self, router: Heartbeat) -> None:
         """Take intake's requests when the router's model is ours (a router that names none: it is)."""

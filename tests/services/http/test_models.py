@@ -81,3 +81,8 @@ def test_without_a_fleet_only_the_local_model_is_known(monkeypatch):
     assert models.FLEET.served() == {}
     assert choose() == ("", None)
     assert choose(adapter="an-adapter") == ("", "an-adapter")  # the tokenizer checks adapter names, as before
+
+
+def test_another_models_replica_is_foreign(fleet):
+    """Its adapter sets are not agreed with the local model's (ingress drops them)."""
+    assert fleet.foreign(1) and not fleet.foreign(0) and not fleet.foreign(7)
