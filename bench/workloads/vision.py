@@ -56,13 +56,15 @@ def add_arguments(p) -> None:
     p.add_argument("--vision-output-tokens", type=int, default=32, help="vision workload: new tokens per request")
     p.add_argument("--vision-turn", type=int, default=4, help="vision workload: at least this many requests per "
                    "turn (a whole number of waves of c)")  # fmt: skip
-    p.add_argument("--vision-rounds", type=int, default=2, help="vision workload: turns per kind and level, and "
-                   "flood/alone rounds of the flood check (ABBA order)")  # fmt: skip
+    p.add_argument("--vision-rounds", type=int, default=2, help="vision workload: turns per kind and level (ABBA "
+                   "order)")  # fmt: skip
     p.add_argument("--vision-image-size", default="640x480", help="vision workload: WIDTHxHEIGHT of the pictures")
     p.add_argument("--vision-streams", type=int, default=16, help="vision workload: text streams of the flood check "
                    "(the server's --max-batch-size; no level may exceed it)")  # fmt: skip
-    p.add_argument("--vision-stream-tokens", type=int, default=128, help="vision workload: new tokens per stream "
+    p.add_argument("--vision-stream-tokens", type=int, default=256, help="vision workload: new tokens per stream "
                    "of the flood check")  # fmt: skip
+    p.add_argument("--vision-flood-rounds", type=int, default=4, help="vision workload: rounds of the flood check, "
+                   "alone and with the flood in turn (ABBA order)")  # fmt: skip
     p.add_argument("--vision-flood-rate", type=float, default=16.0, help="vision workload: image requests per "
                    "second arriving during the flood (0 skips the flood check)")  # fmt: skip
 
@@ -198,24 +200,20 @@ async def _metrics(session, url: str) -> dict[str, float]:
         return loadgen.parse_metrics(await resp.text())
 
 
-GENERATED = "switchyard_scheduler_generated_total"  # tokens the schedulers appended, from their heartbeats
-
-
 class Ledger:
-    """The image metrics against what this run has sent: every request is counted by a tokenizer (images per
-    request, 0 for text), and its tokens and encoder steps by a scheduler in the step results that carry them, all
-    arriving with heartbeats, a beat late. `counted` polls /metrics until all sent so far is there, so a snapshot
-    between two turns splits them exactly."""
+    """The image metrics against what this run has sent. A tokenizer counts every request (the images it carried, 0
+    for text, and their preprocessing time: one snapshot of its metrics), a scheduler every encoder step; both reach
+    /metrics in the metrics texts that heartbeats carry, a beat or more late. `counted` polls until every request
+    sent and every encoder step known to be due is there, so that a snapshot between two turns splits them. Encoder
+    steps are known exactly only for images that come one at a time (c=1): several at once share steps."""
 
     def __init__(self, url: str):
         self.url, self.base = url, None
         self.requests = 0  # requests sent
-        self.tokens = 0  # the tokens they generate (every request runs to its max_new_tokens: a no-EOS model)
-        self.encodes = 0  # encoder steps they must have taken (exact while each step encodes one image, c=1)
+        self.encodes = 0  # encoder steps they must have taken (at least)
 
-    def sent(self, requests: int, tokens: int, encodes: int = 0) -> None:
+    def sent(self, requests: int, encodes: int = 0) -> None:
         self.requests += requests
-        self.tokens += tokens
         self.encodes += encodes
 
     async def counted(self, timeout: float = 30) -> dict[str, float]:
@@ -226,16 +224,17 @@ class Ledger:
             while True:
                 m = await _metrics(session, self.url)
                 now = {f"{n}_{s}": m.get(f"{n}_{s}", 0.0) for n in IMAGE_METRICS for s in ("count", "sum")}
-                now[GENERATED] = m.get(GENERATED, 0.0)
                 if self.base is None:
                     self.base = now
                 seen = _delta(now, self.base)
-                requests, tokens = seen["switchyard_request_images_count"], seen[GENERATED]
-                encodes = seen["switchyard_image_encode_seconds_count"]
-                if requests >= self.requests and tokens >= self.tokens and encodes >= self.encodes:
+                requests, encodes = (
+                    seen["switchyard_request_images_count"],
+                    seen["switchyard_image_encode_seconds_count"],
+                )
+                if requests >= self.requests and encodes >= self.encodes:
                     return now
                 if time.monotonic() > deadline:
-                    self.requests, self.tokens, self.encodes = int(requests), int(tokens), int(encodes)
+                    self.requests, self.encodes = int(requests), int(encodes)
                     return now
                 await asyncio.sleep(0.1)
 
@@ -250,7 +249,7 @@ async def _level(url: str, ledger: Ledger, jobs: Jobs, c: int, rounds: int, turn
     shared host's speed hits every kind alike (a turn starts once the last one's requests have all ended)."""
     for kind in KINDS:  # unmeasured: first use of this batch shape
         await loadgen.drive(url, DIALECT, jobs.make(kind, c, 2), c)
-        ledger.sent(c, 2 * c, int(kind == "image"))  # images that come together are encoded in one step or more
+        ledger.sent(c, int(kind == "image"))  # images that come together are encoded in one step or more
     per = {k: {"samples": [], "wall": 0.0, "metrics": None} for k in KINDS}
     for r in range(rounds):
         for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
@@ -258,7 +257,7 @@ async def _level(url: str, ledger: Ledger, jobs: Jobs, c: int, rounds: int, turn
             before = await ledger.counted()
             samples, started, ended = await loadgen.drive(url, DIALECT, todo, c)
             encodes = (len(todo) if c == 1 else 1) if kind == "image" else 0  # c=1: one step each
-            ledger.sent(len(todo), sum(j.max_new_tokens for j in todo), encodes)
+            ledger.sent(len(todo), encodes)
             moved = _delta(await ledger.counted(), before)
             acc = per[kind]
             acc["samples"] += samples
@@ -282,10 +281,11 @@ def _row(kind: str, c: int, acc: dict) -> dict:
            "ttft_p50_ms": _ms(ttfts, 50), "ttft_p90_ms": _ms(ttfts, 90), "itl_p50_ms": _ms(gaps, 50),
            "itl_p90_ms": _ms(gaps, 90), "counted_requests": requests,
            "images_per_request": images / requests if requests else None,
-           "preprocess_ms_per_image": 1000 * m["switchyard_image_preprocess_seconds_sum"] / images if images else None,
-           "encoder_steps": m["switchyard_image_encode_seconds_count"]}  # fmt: skip
-    if c == 1 and images:  # one image per encoder step: the tower and projector's time per image
-        row["encode_ms_per_image"] = 1000 * m["switchyard_image_encode_seconds_sum"] / images
+           "preprocess_ms_per_image": 1000 * m["switchyard_image_preprocess_seconds_sum"] / images
+           if images else None}  # fmt: skip
+    if c == 1:  # one image per encoder step, each turn's steps counted (Ledger): the tower and projector per image
+        row["encoder_steps"] = m["switchyard_image_encode_seconds_count"]
+        row["encode_ms_per_image"] = 1000 * m["switchyard_image_encode_seconds_sum"] / images if images else None
     return row
 
 
@@ -346,7 +346,7 @@ async def _streams_round(url: str, ledger: Ledger, jobs: list[loadgen.Job], floo
     process's CPU seconds over that window."""
     tasks = [asyncio.ensure_future(loadgen.drive(url, DIALECT, [job], 1)) for job in jobs]
     await _until_running(url, len(jobs), tasks)
-    ledger.sent(len(jobs), 0)
+    ledger.sent(len(jobs))
     before = await ledger.counted()
     cpu = cpu_cost.ProcessCpu(root)
     cpu.start()
@@ -360,7 +360,7 @@ async def _streams_round(url: str, ledger: Ledger, jobs: list[loadgen.Job], floo
         flooding.cancel()
         await asyncio.gather(flooding, return_exceptions=True)
     results = await asyncio.gather(*tasks)
-    ledger.sent(len(sent), sum(j.max_new_tokens for j in jobs))
+    ledger.sent(len(sent))
     after = await ledger.counted(timeout=10)  # every flood request counted (one cancelled unread: not after 10 s)
     gaps = []
     for (sample,), _, _ in results:
@@ -371,7 +371,8 @@ async def _streams_round(url: str, ledger: Ledger, jobs: list[loadgen.Job], floo
         ends = [e for e in sample.events[1:] for _ in range(k)]
         gaps += [g for g, e in zip(per, ends) if start < e <= end]
     moved = _delta(after, before)
-    return {"flood": bool(flood), "window_s": end - start, "gaps": gaps, "flood_sent": len(sent),
+    return {"flood": bool(flood), "window_s": end - start, "gaps": gaps, "itl_p50_ms": _ms(gaps, 50),
+            "load_1m": machine.load()[0], "flood_sent": len(sent),
             "flood_preprocessed": moved["switchyard_request_images_sum"],
             "preprocess_s": moved["switchyard_image_preprocess_seconds_sum"],
             "cpu_s": {role: round(s, 3) for role, s in sorted(used.items(), key=lambda kv: -kv[1])}}  # fmt: skip
@@ -380,7 +381,9 @@ async def _streams_round(url: str, ledger: Ledger, jobs: list[loadgen.Job], floo
 async def _flood_check(url: str, ledger: Ledger, jobs: Jobs, args, root: int) -> dict:
     pool = [jobs.pictures.uri() for _ in range(32)]
     prompt = jobs.prompts.make(args.vision_prompt_tokens)[0]
-    order = [False, True, True, False] * (args.vision_rounds // 2) + [False, True] * (args.vision_rounds % 2)
+    order = [False, True, True, False] * (args.vision_flood_rounds // 4) + [False, True, True][
+        : args.vision_flood_rounds % 4
+    ]
     rounds = []
     for flooded in order:
         await _until_idle(url)
@@ -407,8 +410,12 @@ async def _flood_check(url: str, ledger: Ledger, jobs: Jobs, args, root: int) ->
                      "cpu_per_s": {role: s / window for role, s in sorted(cpu.items(), key=lambda kv: -kv[1])}
                      if window else {},
                      "images_preprocessed": sum(r["flood_preprocessed"] for r in rounds if r["flood"] == flooded),
-                     "images_sent": sum(r["flood_sent"] for r in rounds if r["flood"] == flooded)}  # fmt: skip
-    for key in ("itl_p50_ms", "itl_mean_ms", "itl_p99_ms"):
+                     "images_sent": sum(r["flood_sent"] for r in rounds if r["flood"] == flooded),
+                     # the shard's CPU per model step (a step gives each stream a token): the same work per step
+                     # with less CPU to do it in, or more work per step
+                     "shard_cpu_ms_per_step": 1000 * cpu.get("shard", 0.0) * args.vision_streams / len(gaps)
+                     if gaps else None}  # fmt: skip
+    for key in ("itl_p50_ms", "itl_mean_ms", "itl_p99_ms", "shard_cpu_ms_per_step"):
         a, f = out["alone"][key], out["flood"][key]
         out[f"ratio_{key.removeprefix('itl_').removesuffix('_ms')}"] = f / a if a and f is not None else None
     return out
@@ -432,7 +439,7 @@ def _model(args) -> tuple[str, Path, str]:
 async def _image_prompt_tokens(url: str, ledger: Ledger, jobs: Jobs) -> tuple[int, int]:
     """(prompt tokens of an image request, of its text alone) as the server counts them."""
     await ledger.counted()  # the metrics before any request
-    ledger.sent(2, 2, 1)
+    ledger.sent(2, 1)
     text, _ = jobs.prompts.make(jobs.text_tokens)
     counts = []
     async with loadgen.aiohttp.ClientSession() as session:
@@ -470,7 +477,7 @@ def run(args, out: Path) -> int:
         image_tokens, text_tokens = asyncio.run(_image_prompt_tokens(srv.url, ledger, jobs))
         jobs.image_prompt_tokens = image_tokens
         results["prompt_tokens"] = {"image": image_tokens, "text": text_tokens}
-        _say(f"  an image request: {image_tokens} prompt tokens ({image_tokens - text_tokens} for its image)")
+        _say(f"  an image request: {image_tokens} prompt tokens ({image_tokens - text_tokens} more than its text)")
         for c in levels:
             turn = -(-max(args.vision_turn, c) // c) * c
             rows = asyncio.run(_level(srv.url, ledger, jobs, c, args.vision_rounds, turn))
@@ -502,7 +509,7 @@ def table(results: dict) -> str:
         p = results["prompt_tokens"]
         sizes = ", ".join(f"{fmt} {kib:.0f} KiB" for fmt, kib in results.get("image_kib_mean", {}).items())
         lines += [
-            f"An image request: {p['image']} prompt tokens, {p['image'] - p['text']} of them its image"
+            f"An image request: {p['image']} prompt tokens, {p['image'] - p['text']} more than its text alone"
             + (f" (pictures on average: {sizes})." if sizes else "."),
             "",
         ]
@@ -531,16 +538,22 @@ def table(results: dict) -> str:
         lines += [f"Flood check: {fl['streams']} text streams decoding, alone and while image requests arrive at "
                   f"{fl['rate']:g}/s (preprocessed by the tokenizers, queued behind the full batch):", "",
                   "| streams | gaps | ITL p50 ms | ITL mean ms | ITL p99 ms | images sent / preprocessed "
-                  "| CPU s per s, by process |", "|---|---:|---:|---:|---:|---|---|"]  # fmt: skip
+                  "| shard CPU ms per step | CPU s per s, by process |",
+                  "|---|---:|---:|---:|---:|---|---:|---|"]  # fmt: skip
         for name in ("alone", "flood"):
             r = fl[name]
             cpu = ", ".join(f"{role} {v:.2f}" for role, v in r["cpu_per_s"].items() if v >= 0.01)
             lines.append(
                 f"| {name} | {r['gaps']} | {_f(r['itl_p50_ms'], 1)} | {_f(r['itl_mean_ms'], 1)} "
-                f"| {_f(r['itl_p99_ms'], 1)} | {r['images_sent']} / {r['images_preprocessed']:.0f} | {cpu} |"
+                f"| {_f(r['itl_p99_ms'], 1)} | {r['images_sent']} / {r['images_preprocessed']:.0f} "
+                f"| {_f(r['shard_cpu_ms_per_step'], 1)} | {cpu} |"
             )
         lines += ["", f"Gap with the flood / alone: p50 ×{_f(fl['ratio_p50'], 3)}, mean ×{_f(fl['ratio_mean'], 3)}, "
-                  f"p99 ×{_f(fl['ratio_p99'], 3)} (within 10 %: p50 {_verdict(fl['ratio_p50'])})"]  # fmt: skip
+                  f"p99 ×{_f(fl['ratio_p99'], 3)} (within 10 %: p50 {_verdict(fl['ratio_p50'])}); the shard's CPU "
+                  f"per step ×{_f(fl['ratio_shard_cpu_ms_per_step'], 3)}",
+                  "Rounds (ITL p50 ms, load average): " + ", ".join(
+                      f"{'flood' if r['flood'] else 'alone'} {_f(r['itl_p50_ms'], 1)} ({r['load_1m']:.1f})"
+                      for r in fl["rounds"])]  # fmt: skip
     return "\n".join(lines)
 
 
