@@ -5,11 +5,11 @@ The names: the start-up list until the schedulers announce theirs (`AdapterSet` 
 heartbeat), then those every replica serves; a restarted http process starts from the sets the schedulers recorded
 in the run directory (services/scheduler/lora.py). OpenAI's `model` names the base model (absent, "tgi", the model
 id) or one of them, else vLLM's 404 before anything is generated; TGI's `adapter_id` is the tokenizer's to check.
-`POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` send the change to every replica's scheduler alive now (the
-live membership, from heartbeats: a replica that joined after start is included, one that is gone is not waited
-for) and answer once each answered or went away, with vLLM's texts and errors (400 bad adapter or name taken, 404
-unknown name). A replica that joins after a load, or comes back without it, is sent the load by the http process
-that made it (`catch_up`, from the replica's `AdapterSet`).
+`POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` send the change to the scheduler of every replica of the
+local model alive now (the live membership, from heartbeats: a replica that joined after start is included, one that
+is gone is not waited for) and answer once each answered or went away, with vLLM's texts and errors (400 bad adapter
+or name taken, 404 unknown name). A replica that joins after a load, or comes back without it, is sent the load by
+the http process that made it (`catch_up`, from the replica's `AdapterSet`).
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ def names(settings: Settings) -> list[str]:
     return KNOWN.names(settings.lora_names)
 
 
-def members(ingress) -> list[int]:
-    """The replicas alive now, as this process's heartbeat view has them (the live membership)."""
-    return [hb.index for hb in ingress.liveness.alive("scheduler")]
+def members(ingress, model: str) -> list[int]:
+    """The replicas of `model` alive now, as this process's heartbeat view has them (the live membership; a replica
+    that names no model serves the local one)."""
+    return [hb.index for hb in ingress.liveness.alive("scheduler") if not hb.model or hb.model == model]
 
 
 def seed_from_records(replicas: int, start: list[str], run_dir: str) -> bool:
@@ -136,10 +137,10 @@ def catch_up(announced: AdapterSet, ingress) -> None:
 _sending: set[asyncio.Task] = set()  # catch-up publishes under way (a task nobody holds may be collected)
 
 
-async def _everywhere(ingress, make, replicas: list[int] | None = None) -> dict[int, AdapterDone]:
-    """Send one change to each replica's scheduler (`replicas`, or every live one); the answer of each that
-    answered. A replica that leaves the live membership before it answers is not waited for."""
-    replicas = members(ingress) if replicas is None else replicas
+async def _everywhere(ingress, make, model: str, replicas: list[int] | None = None) -> dict[int, AdapterDone]:
+    """Send one change to each replica's scheduler (`replicas`, or every live one of `model`); the answer of each
+    that answered. A replica that leaves the live membership before it answers is not waited for."""
+    replicas = members(ingress, model) if replicas is None else replicas
     if not replicas:
         raise Failure("No model replica is available", "unavailable", 503)
     op_id = uuid.uuid4().hex
@@ -148,7 +149,7 @@ async def _everywhere(ingress, make, replicas: list[int] | None = None) -> dict[
     try:
         for r in replicas:
             await ingress.publish(topics.ctl(r), make(op_id, ingress.index))
-        while waited := [r for r in replicas if r not in w.done and r in members(ingress)]:
+        while waited := [r for r in replicas if r not in w.done and r in members(ingress, model)]:
             if time.monotonic() > deadline:
                 raise Failure(f"replicas {waited} did not answer within {OP_TIMEOUT_S:.0f} s", "unavailable", 503)
             w.event.clear()
@@ -199,14 +200,14 @@ def install(app: web.Application, settings: Settings, ingress) -> None:
             return LoadAdapter(op_id=op_id, ingress=ingress_index, name=name, path=path)
 
         try:
-            done = await _everywhere(ingress, make)
+            done = await _everywhere(ingress, make, settings.model_id)
         except Failure as e:
             return _error(e.message, e.status)
         refused = [d for d in done.values() if d.error]
         if refused or not done:
             loaded = [r for r, d in done.items() if not d.error]
             if loaded:  # all or nothing: the replicas that took it drop it again
-                await _everywhere(ingress, _unload_of(name), loaded)
+                await _everywhere(ingress, _unload_of(name), settings.model_id, loaded)
             if not done:  # every replica left before it answered
                 return _error("No model replica is available", 503)
             return _error(refused[0].error, refused[0].status)
@@ -223,7 +224,7 @@ def install(app: web.Application, settings: Settings, ingress) -> None:
             return _error("'lora_name' needs to be provided to unload a LoRA adapter.", 400)
         LOADED.pop(name, None)  # a replica that joins from now on is not sent it
         try:
-            done = await _everywhere(ingress, _unload_of(name))
+            done = await _everywhere(ingress, _unload_of(name), settings.model_id)
         except Failure as e:
             return _error(e.message, e.status)
         refused = [d for d in done.values() if d.error]

@@ -14,10 +14,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from libs.protocol import Addresses, codec, topics
-from libs.protocol.lora import AdapterDone, AdapterSet, LoadAdapter
+from libs.protocol.lora import AdapterDone, AdapterSet, KnownAdapters, LoadAdapter
 from libs.runtime import bus
 from libs.runtime.settings import Settings
-from services.http import lora
+from services.http import lora, models
 from services.http.__main__ import build_app
 from services.http.ingress import Ingress
 from services.router.__main__ import Router
@@ -90,7 +90,11 @@ async def until(condition, timeout: float = 10.0):
 
 
 def test_a_load_follows_the_live_replicas_and_catches_up_a_later_one(settings, monkeypatch):
-    monkeypatch.setattr(lora, "LOADED", {})
+    # this process's views, restored after: the adapters heard, the loads made, the fleet the ingress attaches to
+    for name, fresh in (("KNOWN", KnownAdapters()), ("LOADED", {}), ("_caught", {}), ("_catching", {})):
+        monkeypatch.setattr(lora, name, fresh)
+    monkeypatch.setattr(models.FLEET, "liveness", models.FLEET.liveness)
+    monkeypatch.setattr(models.FLEET, "default", models.FLEET.default)
     replicas: list[Replica] = []
 
     async def scenario():
@@ -98,7 +102,7 @@ def test_a_load_follows_the_live_replicas_and_catches_up_a_later_one(settings, m
         await ingress.start()
         # replica 0 (configured), 2 (joined: beyond the configured count), 1 (never answers, then leaves)
         replicas.extend([Replica(settings, 0), Replica(settings, 2), Replica(settings, 1, answers=False)])
-        await until(lambda: lora.members(ingress) == [0, 1, 2])
+        await until(lambda: lora.members(ingress, settings.model_id) == [0, 1, 2])
         async with TestClient(TestServer(build_app(settings, ingress))) as client:
             body = {"lora_name": "extra", "lora_path": "/adapters/extra"}
             load = asyncio.ensure_future(client.post("/v1/load_lora_adapter", json=body))
