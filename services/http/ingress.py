@@ -190,7 +190,9 @@ class Ingress:
             for rid, t in list(self.abandoned.items()):  # Accepted never came: nothing left to abort
                 if now - t > ABANDONED_KEEP_S:
                     del self.abandoned[rid]
-            live = {hb.index for hb in self.liveness.alive("scheduler")}
+            live: dict[str, set[int]] = {}  # model → its replicas alive now
+            for hb in self.liveness.alive("scheduler"):
+                live.setdefault(hb.model or models.FLEET.default, set()).add(hb.index)
             for p in list(self.pending.values()):
                 quiet = now - p.heard
                 try:
@@ -202,9 +204,14 @@ class Ingress:
                         if now - p.submitted < ADMIT_TIMEOUT:  # after it, generate() fails the request
                             log.info("no answer: resubmitting", extra={"request_id": p.req.request_id})
                             await self._submit(p)
-                    elif p.replica is not None and quiet > STALL_S and live and p.replica not in live:
-                        # its replica is gone (silent for a heartbeat lifetime, or it left) while others live: no
-                        # one would answer a resync, so it goes where the router places it now (same id)
+                    elif (
+                        p.replica is not None
+                        and quiet > STALL_S
+                        and p.replica not in (others := live.get(p.req.model or models.FLEET.default, set()))
+                        and others
+                    ):
+                        # its replica is gone (silent for a heartbeat lifetime, or it left) while others of its model
+                        # live: no one would answer a resync, so it goes where the router places it now (same id)
                         log.info("replica %d is gone: resubmitting", p.replica, extra={"request_id": p.req.request_id})
                         await self._submit(p)
                     elif p.replica is not None and quiet > STALL_S and now - p.asked > STALL_S:
