@@ -19,7 +19,7 @@ from libs.protocol.params import Parameters
 from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
 from services.http import lora
-from services.http.errors import Failure
+from services.http.errors import Failure, OpenAIFailure
 from services.http.openai.requests import BASE_MODEL_NAMES
 
 HEADER = "X-Gateway-Model-Name"
@@ -86,8 +86,8 @@ def check_model(model: str | None, settings: Settings) -> str | None:
 
 def choose(request: web.Request, parameters: Parameters) -> str:
     """The served model a request is for ("": the default), from the adapter name its `model` field became or from
-    the header; an adapter name that is another model is that model's request, with no adapter. Raises Failure
-    (404, TGI's shape) for a header naming no served model."""
+    the header; an adapter name that is another model is that model's request, with no adapter. A header naming no
+    served model is a 404: OpenAI's shape on the /v1/ routes, TGI's elsewhere."""
     if FLEET.other(parameters.adapter_id):
         model, parameters.adapter_id = parameters.adapter_id, None
         return model
@@ -100,4 +100,7 @@ def choose(request: web.Request, parameters: Parameters) -> str:
         return ""
     if FLEET.other(header):
         return header
-    raise Failure(f"The model `{header}` does not exist.", "model_not_found", 404)
+    message = f"The model `{header}` does not exist."
+    if request.path.startswith("/v1/"):  # the OpenAI-style routes answer as for an unknown `model` field
+        raise OpenAIFailure(message, 404, kind="invalid_request_error", code="model_not_found")
+    raise Failure(message, "model_not_found", 404)

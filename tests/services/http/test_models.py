@@ -57,7 +57,10 @@ def test_the_header_or_the_model_field_picks_a_served_model(fleet):
     assert choose({models.HEADER: LOCAL}, adapter=OTHER) == (OTHER, None)  # the body's choice wins
     with pytest.raises(Failure) as e:
         choose({models.HEADER: "model-c"})
-    assert (e.value.status, e.value.error_type) == (404, "model_not_found")
+    assert (e.value.status, e.value.error_type) == (404, "model_not_found") and not isinstance(e.value, OpenAIFailure)
+    with pytest.raises(OpenAIFailure) as e:
+        models.choose(make_mocked_request("POST", "/v1/completions", headers={models.HEADER: "c"}), Parameters())
+    assert (e.value.status, e.value.code) == (404, "model_not_found")
 
 
 def test_the_openai_check_passes_served_models_and_refuses_others(fleet):
