@@ -85,21 +85,24 @@ def check_model(model: str | None, settings: Settings) -> str | None:
 
 
 def choose(request: web.Request, parameters: Parameters) -> str:
-    """The served model a request is for ("": the default), from the adapter name its `model` field became or from
-    the header; an adapter name that is another model is that model's request, with no adapter. A header naming no
-    served model is a 404: OpenAI's shape on the /v1/ routes, TGI's elsewhere."""
-    if FLEET.other(parameters.adapter_id):
-        model, parameters.adapter_id = parameters.adapter_id, None
-        return model
-    if parameters.adapter_id and not FLEET.local_adapter(parameters.adapter_id):
-        owner = FLEET.owner(parameters.adapter_id)
-        if owner:
-            return owner
+    """The served model a request is for ("": the default), from the adapter name its `model` field became or, when
+    that chose nothing, from the header; an adapter name that is another model is that model's request, with no
+    adapter. The header names a model or an adapter, as OpenAI's `model` does (a gateway copies that field into it).
+    A header naming nothing served is a 404: OpenAI's shape on the /v1/ routes, TGI's elsewhere."""
+    adapter = parameters.adapter_id
+    if FLEET.other(adapter):
+        parameters.adapter_id = None
+        return adapter
+    if adapter:  # the body chose: a local adapter, another model's, or one the tokenizer will refuse
+        return "" if FLEET.local_adapter(adapter) else FLEET.owner(adapter)
     header = request.headers.get(HEADER, "").strip()
     if header in BASE_MODEL_NAMES or header == FLEET.default:
         return ""
     if FLEET.other(header):
         return header
+    if FLEET.local_adapter(header) or FLEET.owner(header):
+        parameters.adapter_id = header
+        return "" if FLEET.local_adapter(header) else FLEET.owner(header)
     message = f"The model `{header}` does not exist."
     if request.path.startswith("/v1/"):  # the OpenAI-style routes answer as for an unknown `model` field
         raise OpenAIFailure(message, 404, kind="invalid_request_error", code="model_not_found")

@@ -28,7 +28,7 @@ def beat(role: str, index: int, **kw) -> Heartbeat:
 def fleet(monkeypatch):
     liveness = Liveness()
     for hb in (
-        beat("scheduler", 0, model=LOCAL),
+        beat("scheduler", 0, model=LOCAL, adapters=["a-lora"]),
         beat("scheduler", 1, model=OTHER, adapters=["b-lora"]),
         beat("tokenizer", 0, model=LOCAL),
         beat("tokenizer", 1, model=OTHER),
@@ -48,13 +48,16 @@ def choose(headers: dict | None = None, adapter: str | None = None) -> tuple[str
 
 
 def test_the_header_or_the_model_field_picks_a_served_model(fleet):
-    assert fleet.served() == {LOCAL: [], OTHER: ["b-lora"]}
+    assert fleet.served() == {LOCAL: ["a-lora"], OTHER: ["b-lora"]}
     assert choose() == ("", None)  # nothing chosen: the default model, as with one model
     assert choose({models.HEADER: LOCAL}) == choose({models.HEADER: "tgi"}) == ("", None)
     assert choose({models.HEADER: OTHER}) == (OTHER, None)
     assert choose(adapter=OTHER) == (OTHER, None)  # OpenAI's `model: "model-b"`: the model, no adapter
     assert choose(adapter="b-lora") == (OTHER, "b-lora")  # an adapter of the other model picks that model
     assert choose({models.HEADER: LOCAL}, adapter=OTHER) == (OTHER, None)  # the body's choice wins
+    assert choose({models.HEADER: "b-lora"}) == (OTHER, "b-lora")  # the header names an adapter as `model` does
+    assert choose({models.HEADER: "a-lora"}) == ("", "a-lora")
+    assert choose({models.HEADER: "a-lora"}, adapter="a-lora") == ("", "a-lora")  # a gateway's copy of the body
     with pytest.raises(Failure) as e:
         choose({models.HEADER: "model-c"})
     assert (e.value.status, e.value.error_type) == (404, "model_not_found") and not isinstance(e.value, OpenAIFailure)
