@@ -2,8 +2,9 @@
 detokenizer, scheduler and shard (`serve --model-id B --only tokenizer,detokenizer,scheduler,shard --replica-base 1
 --worker-base 1`) to a running server of model A. Requests choose B by OpenAI's `model` field or by the
 `X-Gateway-Model-Name` header on TGI's routes, and get B's own greedy output; requests that choose nothing get A's,
-as with one model. Each model's requests go through its own tokenizer and replica only (their heartbeat counters,
-read through a tap); /v1/models lists both; an unknown model is a 404 in the route's own error shape."""
+as with one model. Each model serves a LoRA adapter the other lacks, and both stay usable (equal to peft). Each
+model's requests go through its own tokenizer and replica only (their heartbeat counters, read through a tap);
+/v1/models lists both with their adapters; an unknown model is a 404 in the route's own error shape."""
 
 from __future__ import annotations
 
