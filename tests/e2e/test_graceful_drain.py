@@ -132,7 +132,7 @@ def test_sigterm_of_a_scheduler_drains_its_replica(tiny_model_dir, tiny_tokenize
         long = Stream(server.url + "/generate_stream", body)
         long.start()
         assert long.first.wait(30) and not long.error, long.error
-        [(long_id, (replica,))] = tap.replicas_of().items()
+        [(long_id, (replica,))] = tap.wait_for(lambda: list(tap.replicas_of().items()))  # the tap's thread may lag
         other = 1 - replica
         sent = time.monotonic()
         os.kill(server.pid("scheduler", replica), signal.SIGTERM)
