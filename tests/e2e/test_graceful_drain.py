@@ -154,10 +154,15 @@ def test_sigterm_of_a_scheduler_drains_its_replica(tiny_model_dir, tiny_tokenize
 
         long.join(60)
         assert not long.is_alive() and long.error is None, long.error
+
         # the new requests ran while the long stream still ran on the draining replica (the tap's order is the bus's)
-        rows = [m for _, m in tap.seen() if isinstance(m, TokenBatch)]
-        first_new = min(i for i, b in enumerate(rows) if set(b.request_ids) - {long_id})
-        long_end = max(i for i, b in enumerate(rows) for rid, f in zip(b.request_ids, b.finish) if rid == long_id and f)
+        def order() -> tuple[int, int] | None:
+            rows = [m for _, m in tap.seen() if isinstance(m, TokenBatch)]
+            ends = [i for i, b in enumerate(rows) for rid, f in zip(b.request_ids, b.finish) if rid == long_id and f]
+            new = [i for i, b in enumerate(rows) if set(b.request_ids) - {long_id}]
+            return (new[0], ends[-1]) if ends and new else None
+
+        first_new, long_end = tap.wait_for(order)  # the tap's thread may lag the client
         assert first_new < long_end, "the long stream ended before the new requests came: nothing was shown"
         assert long.events[-1]["details"]["finish_reason"] == "length", long.events[-1]
         assert len([e for e in long.events if e.get("token")]) == 2000
