@@ -148,6 +148,7 @@ def test_sigterm_of_a_scheduler_drains_its_replica(tiny_model_dir, tiny_tokenize
             answers = list(pool.map(lambda case: generate(server.url, *case), cases))
         for (text, n), ids in zip(cases, answers):
             assert ids == reference_generate(tiny_model_dir, tiny_tokenizer(text).input_ids, n), text
+        tap.wait_for(lambda: len(tap.replicas_of()) >= 7)  # every answer's rows seen by the tap
         on_replica = {rid for rid, replicas in tap.replicas_of().items() if replica in replicas}
         assert on_replica == {long_id}, "a request was placed on the draining replica"
         assert len(tap.replicas_of()) == 7 and all(r == {other} for r in tap.replicas_of().values() if r != {replica})
