@@ -149,8 +149,9 @@ def picture(seed: int, size: tuple[int, int], fmt: str) -> bytes:
 
 
 class Pictures:
-    """Distinct pictures as data: URIs, PNG and JPEG in turn, from seeds counted up (no two requests share one, so
-    neither the prefix cache nor the encoder's batching sees the same image twice)."""
+    """Distinct pictures as data: URIs, PNG and JPEG in turn, from seeds counted up: no two measured requests share
+    one, so neither the prefix cache nor the encoder's batching sees the same image twice (the flood's requests,
+    which are never prefilled, take turns over a pool of them)."""
 
     def __init__(self, size: tuple[int, int], seed: int = 0):
         self.size, self.next = size, seed
@@ -177,13 +178,12 @@ class Jobs:
 
     def make(self, kind: str, count: int, output_tokens: int | None = None) -> list[loadgen.Job]:
         out = output_tokens or self.output_tokens
-        if kind == "text, same tokens":
-            return self.prompts.fixed(count, self.image_prompt_tokens, out)
+        length = self.image_prompt_tokens if kind == "text, same tokens" else self.text_tokens
         jobs = []
         for _ in range(count):
-            text, n = self.prompts.make(self.text_tokens)
-            while IMAGE_TOKEN in text:  # a text that names the image token would be read as a second image
-                text, n = self.prompts.make(self.text_tokens)
+            text, n = self.prompts.make(length)
+            while IMAGE_TOKEN in text:  # a text that names the image token would be read as an image
+                text, n = self.prompts.make(length)
             if kind == "image":
                 jobs.append(loadgen.Job(f"![]({self.pictures.uri()})\n{text}", self.image_prompt_tokens, out))
             else:
@@ -353,7 +353,7 @@ async def _streams_round(url: str, ledger: Ledger, jobs: list[loadgen.Job], floo
     start = clock.wall()
     sent: list[float] = []
     flooding = asyncio.ensure_future(_flood(url, **flood, sent=sent)) if flood else None
-    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     end = clock.wall()
     used = cpu.stop()
     if flooding:
@@ -379,6 +379,7 @@ async def _streams_round(url: str, ledger: Ledger, jobs: list[loadgen.Job], floo
 
 
 async def _flood_check(url: str, ledger: Ledger, jobs: Jobs, args, root: int) -> dict:
+    """The streams' gaps alone and with the flood, rounds in ABBA order; the ratios of the pooled gaps."""
     pool = [jobs.pictures.uri() for _ in range(32)]
     prompt = jobs.prompts.make(args.vision_prompt_tokens)[0]
     # unmeasured: a flood request and the streams' batch shape once, so that no round pays for a first use
@@ -473,6 +474,7 @@ def run(args, out: Path) -> int:
                "machine": machine.info(), "command": " ".join(sys.argv), "levels": [], "flood": None}  # fmt: skip
     _say(f"switchyard bench --workload vision: {results['title']}\n  model: {how}\n  CPU {results['cpu']}; "
          f"results in {out}")  # fmt: skip
+    # the flood's requests stay open in the scheduler's queue behind the full batch: room for them all
     flags = ["--dtype", dtype, "--max-batch-size", str(args.vision_streams), "--max-concurrent-requests", "4096",
              *args.serve_flag]  # fmt: skip
     with servers.switchyard(view, out / "switchyard.log", *flags) as srv:

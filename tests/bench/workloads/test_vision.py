@@ -50,7 +50,7 @@ def test_vision_bench_smoke(tmp_path):
         flood["flood"]["images_sent"] > 0 and flood["flood"]["images_preprocessed"] > 0 and flood["flood"]["gaps"] > 0
     )
     assert flood["flood"]["cpu_per_s"].get("tokenizer", 0) > 0
-    assert flood["ratio_p50"] > 0
+    assert flood["ratio_mean"] > 0  # the tiny model's tokens often share an event: its p50 gap may be 0
     md = (out / "results.md").read_text()
     assert "| 2 | image |" in md and "| 1 | text, same tokens |" in md and "Gap with the flood / alone" in md
     assert results["cpu"] in md and (out / "results.png").stat().st_size > 0
