@@ -25,6 +25,7 @@ from libs.protocol import Addresses, ProtocolError, codec, topics
 from libs.protocol.message_base import Message
 from libs.protocol.messages import Heartbeat, Hello
 from libs.runtime import bus_auth, metrics
+from libs.runtime.metrics_pacing import MetricsPacing
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import HEARTBEAT_S
 
@@ -254,7 +255,7 @@ class BusEnds:
         for topic in [*subscribe, self.hb_topic]:
             self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self._next_hb = 0.0
-        self._next_metrics = 0.0
+        self._metrics_pacing = MetricsPacing()
 
     def decode(self, frames) -> tuple[bytes, Message] | None:
         """(topic, message) of an event's frames, or None (logged) if they were malformed. A heartbeat of another
@@ -308,17 +309,17 @@ class BusEnds:
     def _beat(self, load: dict) -> Heartbeat | None:
         """The heartbeat to publish now, or None if none is due (one every HEARTBEAT_S).
 
-        It carries this process's metrics text (`metrics.exposition()`), rate-limited so that rendering it
-        takes at most ~0.1% of the time: a heartbeat without it (metrics="") means "unchanged since my last
+        It carries this process's metrics text (`metrics.exposition()`) when one is due by its pacing
+        (libs/runtime/metrics_pacing.py): a heartbeat without it (metrics="") means "unchanged since my last
         one" to the aggregator."""
         now = time.monotonic()
         if now < self._next_hb:
             return None
         self._next_hb = now + HEARTBEAT_S
-        if "metrics" not in load and now >= self._next_metrics:
+        if "metrics" not in load and self._metrics_pacing.due(now):
+            cpu = time.thread_time()
             load["metrics"] = metrics.exposition()
-            cost = time.monotonic() - now
-            self._next_metrics = now + max(1.0, cost * 1000) - 0.05  # the 0.05 s slack: one per beat when cheap
+            self._metrics_pacing.rendered(now, time.thread_time() - cpu)
         if self._first_beat is None:
             self._first_beat = now
         return self.heartbeat_message(**load)
