@@ -166,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="auto|none|LIST", help=cpu_team.BIND_HELP)  # fmt: skip
     s.add_argument("--cpu-reserved", default=_env("cpu-reserved", os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")),
                    metavar="N|auto", help=cpu_team.RESERVED_HELP)  # fmt: skip
+    s.add_argument("--cpu-busy-share", default=_env("cpu-busy-share"), metavar="F", help=cpu_team.BUSY_SHARE_HELP)
     flag("num-shard", type=int, default=1, help="tensor-parallel shards per replica (gloo on CPU, NCCL on CUDA)")
     flag("replicas", type=int, default=1, help="model replicas: a scheduler and num-shard shards each")
     flag(

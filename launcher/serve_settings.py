@@ -104,7 +104,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
     if args.validation_workers < 1:
         raise SystemExit("error: `validation_workers` must be > 0")
     cuda_graphs, cuda_memory_fraction = _cuda_flags(args)
-    cpu_threads, cpu_bind, cpu_reserved = _cpu_flags(args)
+    cpu_threads, cpu_bind, cpu_reserved, cpu_busy_share = _cpu_flags(args)
     curve_secret, curve_public = bus_flags.curve_keys(args.bus_curve_secret_key, args.bus_curve_public_key)
     lora_adapters = _lora_adapters(args)
     try:
@@ -188,6 +188,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         cpu_threads=cpu_threads,
         cpu_bind=cpu_bind,
         cpu_reserved=cpu_reserved,
+        cpu_busy_share=cpu_busy_share,
     )
 
 
@@ -236,17 +237,18 @@ def _cuda_flags(args: argparse.Namespace) -> tuple[str, float]:
     return ",".join(map(str, buckets)), args.cuda_memory_fraction
 
 
-def _cpu_flags(args: argparse.Namespace) -> tuple[str, str, str]:
-    """--cpu-threads, --cpu-bind and --cpu-reserved (or VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU),
-    checked against this process's usable cores, as Settings carries them."""
+def _cpu_flags(args: argparse.Namespace) -> tuple[str, str, str, str]:
+    """--cpu-threads, --cpu-bind, --cpu-reserved and --cpu-busy-share (or VLLM_CPU_OMP_THREADS_BIND,
+    VLLM_CPU_NUM_OF_RESERVED_CPU), checked against this process's usable cores, as Settings carries them."""
     threads = getattr(args, "cpu_threads", None) or "auto"
     bind = getattr(args, "cpu_bind", None) or "auto"
     reserved = getattr(args, "cpu_reserved", None) or "auto"
+    busy_share = getattr(args, "cpu_busy_share", None) or ""
     try:
-        cpu_team.parse_flags(threads, bind, reserved, cpu_team.usable_cpus())
+        cpu_team.parse_flags(threads, bind, reserved, cpu_team.usable_cpus(), busy_share)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    return str(threads), "none" if bind == "nobind" else bind, str(reserved)
+    return str(threads), "none" if bind == "nobind" else bind, str(reserved), str(busy_share)
 
 
 def omp_environment(settings: Settings, environ=None, others: dict[int, float] | None = None) -> dict[str, str]:

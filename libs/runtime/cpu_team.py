@@ -8,9 +8,11 @@ the whole team wait: a core that another process keeps busy costs the team more 
 - usable cores: `os.sched_getaffinity` (a container or `taskset` limit), shared by the host's shard processes;
 - others' load: each core's busy share over a short window of /proc/stat, less what this process ran there
   (its threads' CPU time by the core they last ran on), so the shard's own spinning is not taken for contention;
-- the team: the usable cores less the others' load rounded to whole cores (at least one thread), placed on the
-  least busy cores; but the whole slice when no core is free (each busy), where a smaller team would only give
-  up its per-thread share of the loaded cores;
+- the team: the usable cores less the others' load counted in whole cores (at least one thread), placed on the
+  least busy cores. A fraction of a core counts as a whole one from `--cpu-busy-share` on: a steady fraction of
+  another process on a team thread's core costs the whole team that thread's share at every barrier. But the
+  whole slice when no core is free (each busy), where a smaller team would only give up its per-thread share of
+  the loaded cores;
 - a kept core: with `--cpu-bind auto` a shard that owns 8 or more cores leaves one to the other processes (http,
   tokenizer, router, scheduler, detokenizer), as vLLM's `VLLM_CPU_NUM_OF_RESERVED_CPU` does; below that a kept
   core costs the forward more than the helpers' fraction of a core does. An explicit count overrides it;
@@ -33,6 +35,8 @@ KEEP_CORE_FROM = 8
 FREE_BELOW = 0.5
 # others' load, in cores, at start from which the team's idle threads sleep instead of spinning
 PASSIVE_FROM = 0.5
+# the fraction of a core beyond whole cores from which others' load takes a core from the team (0.5: to the nearest)
+BUSY_SHARE = 0.5
 START_WINDOW_S = 0.3  # the measurement at start: long enough to see a busy core, short beside a model's load
 THREADS_HELP = (
     "OpenMP threads of each CPU shard: a number, or auto (default: the usable cores free of other processes' "
@@ -42,6 +46,10 @@ BIND_HELP = (
     "cores of the CPU shard's threads: auto (default: the least busy usable cores, a core kept for the other "
     "processes when the shard has 8 or more), none (no pinning), or a list like 0-3,5 (env VLLM_CPU_OMP_THREADS_BIND, "
     "whose 'auto' and 'nobind' mean the same)"
+)
+BUSY_SHARE_HELP = (
+    "the fraction of a core of other processes' load (beyond whole cores) from which the auto team gives up a "
+    f"thread (default {BUSY_SHARE}; from 0.05 to 1; 0.5 rounds the load to the nearest core)"
 )
 RESERVED_HELP = (
     "cores kept for the other processes (http, tokenizer, router, scheduler, detokenizer), out of the shard's; "
@@ -56,6 +64,7 @@ class CpuFlags:
     threads: int | None = None
     bind: tuple[int, ...] | str = "auto"  # "auto", "none", or the cores
     reserved: int | None = None
+    busy_share: float = BUSY_SHARE  # --cpu-busy-share
 
 
 @dataclass(frozen=True)
@@ -84,8 +93,8 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
 
 
 def parse_flags(threads: str | int | None, bind: str | None, reserved: str | int | None,
-                usable: tuple[int, ...]) -> CpuFlags:  # fmt: skip
-    """The three flags (or their vLLM environment names) checked against the usable cores; ValueError with the
+                usable: tuple[int, ...], busy_share: str | float | None = None) -> CpuFlags:  # fmt: skip
+    """The four flags (or their vLLM environment names) checked against the usable cores; ValueError with the
     flag's name and what is wrong."""
     t = None
     if threads not in (None, "", "auto"):
@@ -121,7 +130,20 @@ def parse_flags(threads: str | int | None, bind: str | None, reserved: str | int
             raise ValueError(
                 f"--cpu-reserved must be from 0 to {len(usable) - 1} (usable cores: {len(usable)}), not {r}"
             )
-    return CpuFlags(threads=t, bind=b, reserved=r)
+    share = BUSY_SHARE
+    if busy_share not in (None, ""):
+        try:
+            share = float(busy_share)
+        except ValueError:
+            raise ValueError(f"--cpu-busy-share must be a number from 0.05 to 1, not {busy_share!r}") from None
+        if not 0.05 <= share <= 1:
+            raise ValueError(f"--cpu-busy-share must be from 0.05 to 1 (a fraction of a core), not {share}")
+    return CpuFlags(threads=t, bind=b, reserved=r, busy_share=share)
+
+
+def cores_taken(load: float, busy_share: float = BUSY_SHARE) -> int:
+    """Others' load in cores, counted in whole cores: a fraction counts once it reaches `busy_share`."""
+    return int(load + 1 - busy_share + 1e-9)
 
 
 def format_cpus(cpus: tuple[int, ...]) -> str:
@@ -172,7 +194,7 @@ def decide(usable: tuple[int, ...], others: dict[int, float] | None, flags: CpuF
     if flags.threads is not None:
         threads, why = min(flags.threads, len(mine)) if flags.bind != "none" else flags.threads, "--cpu-threads"
     else:
-        threads = max(1, min(len(mine), len(mine) - int(load + 0.5)))
+        threads = max(1, min(len(mine), len(mine) - cores_taken(load, flags.busy_share)))
         why = f"{len(mine)} cores, others' load {load:.2f} cores"
         if others and not any(others.get(c, 0.0) < FREE_BELOW for c in mine):
             # no core free to move onto: the kernel shares loaded cores per thread, so a smaller team would only
@@ -293,7 +315,7 @@ def flags_from(settings) -> CpuFlags:
     threads = settings.cpu_threads
     if threads in ("", "auto") and settings.torch_threads:
         threads = settings.torch_threads
-    return parse_flags(threads, settings.cpu_bind, settings.cpu_reserved, usable_cpus())
+    return parse_flags(threads, settings.cpu_bind, settings.cpu_reserved, usable_cpus(), settings.cpu_busy_share)
 
 
 def pin_helper(settings, log) -> None:

@@ -154,10 +154,12 @@ class Settings:
     run_dir: str = ""
     procs_shard: int = 1  # set by the launcher: the shard processes on this host, which share its cores
     # a CPU shard's OpenMP team (libs/runtime/cpu_team.py): --cpu-threads N|auto, --cpu-bind auto|none|0-3,5,
-    # --cpu-reserved N|auto (cores kept for the other processes), as given; the launcher has checked them
+    # --cpu-reserved N|auto (cores kept for the other processes), --cpu-busy-share F, as given; the launcher has
+    # checked them
     cpu_threads: str = "auto"
     cpu_bind: str = "auto"
     cpu_reserved: str = "auto"
+    cpu_busy_share: str = ""  # --cpu-busy-share: "" is cpu_team.BUSY_SHARE
     # Switches without a flag, for comparisons and benchmarks: `switchyard serve` passes on those set in its own
     # environment (SWITCHES). torch threads per shard (0: the host's cores / procs_shard)
     torch_threads: int = 0

@@ -41,6 +41,21 @@ def test_a_busy_core_leaves_the_team_and_the_team_takes_the_free_one():
     assert decide((0, 1, 2, 3), {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.1}, AUTO).cpus == (3,)
 
 
+def test_the_busy_share_decides_when_a_fraction_of_a_core_takes_a_thread():
+    """--cpu-busy-share: a steady fraction of another process's core counts as a whole core from that share on."""
+    flood = {0: 0.17, 1: 0.15}  # a third of a core of other processes, spread over both cores
+    assert decide((0, 1), flood, CpuFlags(busy_share=0.5)).threads == 2  # rounded to the nearest core: none
+    plan = decide((0, 1), flood, CpuFlags(busy_share=0.25))
+    assert (plan.threads, plan.cpus) == (1, (1,))  # a core taken: one thread, on the freer core
+    assert decide((0, 1), {0: 0.1, 1: 0.1}, CpuFlags(busy_share=0.25)).threads == 2  # below the share
+    assert decide((0, 1, 2, 3), {0: 0.7, 1: 0.6, 2: 0.0, 3: 0.0}, CpuFlags(busy_share=0.25)).threads == 2
+    assert decide((0, 1, 2, 3), {0: 0.6, 1: 0.6, 2: 0.0, 3: 0.0}, CpuFlags(busy_share=0.5)).threads == 3
+    # the count itself: whole cores, plus one once the fraction reaches the share
+    assert [cpu_team.cores_taken(x, 0.25) for x in (0.0, 0.24, 0.25, 1.0, 1.3)] == [0, 0, 1, 1, 2]
+    assert [cpu_team.cores_taken(x, 0.5) for x in (0.49, 0.5, 1.49, 1.5)] == [0, 1, 1, 2]
+    assert decide((0, 1), flood, CpuFlags(threads=2, busy_share=0.25)).threads == 2  # a fixed team stays fixed
+
+
 def test_no_free_core_keeps_the_whole_team():
     """Every core loaded (an oversubscribed host): no core to move onto, and the kernel shares the loaded cores
     per thread, so the team keeps one thread per core (unpinned share), idle threads sleeping."""
@@ -96,6 +111,11 @@ def test_flag_errors_say_what_is_wrong():
     for args, why in cases:
         with pytest.raises(ValueError, match=why):
             parse_flags(*args, usable)
+    assert parse_flags(None, None, None, usable, "0.3").busy_share == 0.3
+    assert parse_flags(None, None, None, usable, "").busy_share == cpu_team.BUSY_SHARE
+    for share, why in (("0", "from 0.05 to 1"), ("1.5", "from 0.05 to 1"), ("half", "a number")):
+        with pytest.raises(ValueError, match=f"--cpu-busy-share must be {why}"):
+            parse_flags(None, None, None, usable, share)
 
 
 STAT = """cpu  300 0 100 1600 0 0 0 0 0 0
