@@ -31,6 +31,7 @@ class ChatTurn(msgspec.Struct):
     wire: GenerateRequest
     reader: AnswerReader | None  # the model's own format (or its reasoning alone); None: TGI's tool_mode
     tool_mode: str | None  # TGI's: None plain text | "auto" text or a call | "call" a call (tools.tool_mode)
+    keeps_special: bool = False  # the answer's text holds special tokens (tools.visible_text for TGI's mode)
 
 
 def chat_turn(
@@ -61,14 +62,14 @@ def chat_turn(
         tools=body.tools,
         tool_choice=tool_choice,
         tool_prompt=body.tool_prompt,
-        chat_template_kwargs=body.chat_template_kwargs,
+        chat_template_kwargs=oa.template_kwargs(body),
         parallel_tool_calls=body.parallel_tool_calls is not False,
         thinking_budget=budget,
     )
-    reader = fmt.reader(body.tools, tool_choice, body.tool_prompt, body.chat_template_kwargs)
+    reader = fmt.reader(body.tools, tool_choice, body.tool_prompt, oa.template_kwargs(body))
     tgi = tools.tool_mode(body.tools, tool_choice)
     if not reader.native and tgi is not None:
-        return ChatTurn(body, wire, None, tgi)
+        return ChatTurn(body, wire, None, tgi, fmt.keeps_special)
     return ChatTurn(body, wire, reader if reader.native or reader.reasoning is not None else None, None)
 
 
@@ -85,11 +86,15 @@ class Answer(msgspec.Struct):
     calls: list[Call]
 
 
-def read_answer(text: str, turn: ChatTurn) -> Answer:
-    """A whole answer → its reasoning, text and calls; raises Failure (tool_error) for a call that does not parse."""
+def read_answer(rows: list, turn: ChatTurn) -> Answer:
+    """A whole answer's rows → its reasoning, text and calls; raises Failure (tool_error) for a call that does not
+    parse."""
+    text = rows[-1].final.generated_text
     if turn.reader is not None:
         answer = turn.reader.read(text)
         return Answer(answer.reasoning or "", answer.content or "", [Call(c.name, c.arguments) for c in answer.calls])
+    if turn.keeps_special:
+        text = tools.visible_text(rows)
     mode = turn.tool_mode
     if mode == "call" or (mode == "auto" and tools.is_call(text)):
         calls = tools.parse_tool_call(text)

@@ -11,7 +11,10 @@ services.http.tool_parsers) passes everything a template reads, as `transformers
 `tools` (the request's list), assistant messages with `tool_calls` (arguments as a dict: the JSON string a client
 sends is parsed, `InvalidMessage` when it is not JSON), `tool` messages with `tool_call_id` and `name`, content parts
 as a list where the template iterates over content (else their text joined, as TGI), `chat_template_kwargs`
-(e.g. `enable_thinking`) and `documents`. Keys whose value is null are dropped (a template tests `is defined`).
+(e.g. `enable_thinking`) and `documents`. An assistant turn's earlier reasoning, sent as `reasoning_content`,
+`reasoning` or `thinking`, reaches the template under all three names (Qwen3's and DeepSeek's templates read
+`reasoning_content`, gpt-oss's `thinking`, vLLM passes `reasoning`); each template decides which turns show it.
+Keys whose value is null are dropped (a template tests `is defined`).
 `native_messages` is that shaping alone; `probe(kwargs)` renders a one-message chat (its generation prompt shows
 whether reasoning opens in the prompt).
 """
@@ -169,11 +172,28 @@ def _arguments(arguments: Any, where: str) -> Any:
         raise InvalidMessage(f"{where}.function.arguments is not valid JSON: {e}") from None
 
 
+# the names an assistant turn's reasoning goes by, the first given wins (see the module docstring)
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
+def _with_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message with its reasoning (if any) under every name in REASONING_KEYS; but gpt-oss's template
+    refuses `thinking` beside content in a tool-call turn (it shows that content as the turn's analysis), so there
+    `thinking` is only what the client sent under that name."""
+    text = next((message[k] for k in REASONING_KEYS if isinstance(message.get(k), str) and message[k]), None)
+    if text is None or message.get("role") != "assistant":
+        return message
+    keys = REASONING_KEYS
+    if message.get("tool_calls") and message.get("content") and "thinking" not in message:
+        keys = REASONING_KEYS[:2]
+    return {**message, **dict.fromkeys(keys, text)}
+
+
 def native_messages(messages: list[dict[str, Any]], content_parts: bool) -> list[dict[str, Any]]:
     """Messages as transformers' templates read them (see the module docstring)."""
     out = []
     for i, message in enumerate(messages):
-        m = _no_nulls(dict(message))
+        m = _with_reasoning(_no_nulls(dict(message)))
         content = m.get("content")
         if isinstance(content, list) and not content_parts:
             m["content"] = flatten_content(m)

@@ -85,7 +85,7 @@ class AnthropicRoutes:
             with self.permits.hold():
                 rows = await collect(self.ingress, turn.wire, Timing(start=time.monotonic()))
             final = rows[-1].final
-            answer = read_answer(final.generated_text, turn)
+            answer = read_answer(rows, turn)
             message.content = whole_content(answer)
         except Failure as e:
             return error_response(e)

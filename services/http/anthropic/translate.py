@@ -2,8 +2,9 @@
 
 `system` becomes the first system message. A user turn's tool_result blocks become `tool` messages answering
 their tool_use ids (first, in order), its text and image blocks one user message after them; an assistant turn's
-text blocks its content and its tool_use blocks its `tool_calls` (the input as JSON arguments); thinking blocks
-are left out of the prompt (templates drop earlier turns' reasoning). Tools with `input_schema` become chat tools;
+text blocks its content, its tool_use blocks its `tool_calls` (the input as JSON arguments) and its thinking
+blocks its `reasoning_content` (the template decides whether that turn shows it; a redacted_thinking block, which
+nothing here can read, is left out). Tools with `input_schema` become chat tools;
 tool_choice auto / any / tool / none the chat's auto / required / named / none; `thinking` the template's
 `enable_thinking`.
 """
@@ -68,7 +69,7 @@ def _user(blocks: list, where: str, names: dict[str, str]) -> list[dict]:
 
 
 def _assistant(blocks: list, where: str, names: dict[str, str]) -> dict:
-    text, calls = [], []
+    text, calls, thinking = [], [], []
     for j, block in enumerate(blocks):
         at = f"{where}.content.{j}"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -84,13 +85,19 @@ def _assistant(blocks: list, where: str, names: dict[str, str]) -> dict:
                 {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}
             )
             names[block["id"]] = block["name"]
-        elif kind in ("thinking", "redacted_thinking"):
+        elif kind == "thinking":
+            if not isinstance(block.get("thinking"), str):
+                raise invalid(f"{at}.thinking: must be a string")
+            thinking.append(block["thinking"])
+        elif kind == "redacted_thinking":
             continue
         else:
             raise invalid(f"{at}: unsupported content block {kind!r} in an assistant message")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}
     if calls:
         message["tool_calls"] = calls
+    if any(thinking):
+        message["reasoning_content"] = "\n".join(t for t in thinking if t)
     return message
 
 

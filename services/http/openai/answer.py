@@ -109,6 +109,9 @@ class ChatFormat:
             self.templates = ChatTemplates({})
         self.tool_flag = settings.tool_call_parser
         self.reasoning = reasoning_parsers.choose(self.templates.source(tools=False), settings.reasoning_parser)
+        # the detokenizer keeps special tokens in the text (services.detokenizer.formats, the same choice)
+        tool_format = tool_parsers.choose(self.templates.source(), self.tool_flag)
+        self.keeps_special = any(getattr(p, "keeps_special_tokens", False) for p in (self.reasoning, tool_format))
 
     def parser(self, tool_prompt: str | None) -> ToolParser | None:
         t = self.templates

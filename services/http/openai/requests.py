@@ -43,12 +43,18 @@ class ImagePart(msgspec.Struct, tag_field="type", tag="image_url"):
 
 
 class ChatMessage(msgspec.Struct):
-    """A chat message; passed on to the chat template as sent."""
+    """A chat message; passed on to the chat template as sent. An assistant turn's earlier reasoning may come as
+    `reasoning_content` (DeepSeek's and vLLM's answer field), `reasoning` (vLLM's newer one) or `thinking`
+    (transformers' name for gpt-oss); the template gets it under each of those names
+    (services.tokenizer.chat_template.native_messages)."""
 
     role: str
     content: str | list[TextPart | ImagePart] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     name: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    thinking: str | None = None
 
 
 class FunctionDefinition(msgspec.Struct):
@@ -349,14 +355,22 @@ def completion_details(body: CompletionRequest) -> bool:
 REASONING_EFFORT = {"minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
 
 
+def template_kwargs(body: ChatRequest) -> dict[str, Any] | None:
+    """The chat template's extra variables: `chat_template_kwargs`, and `reasoning_effort` as the variable of that
+    name (gpt-oss's template reads it for its `Reasoning:` line), which an explicit chat_template_kwargs value
+    overrides."""
+    if body.reasoning_effort is None:
+        return body.chat_template_kwargs
+    return {"reasoning_effort": body.reasoning_effort, **(body.chat_template_kwargs or {})}
+
+
 def thinking_budget(body: ChatRequest) -> int | None:
-    """The request's thinking budget: `thinking_token_budget`, else `reasoning_effort`'s; ValueError when bad."""
+    """The request's thinking budget: `thinking_token_budget`, else `reasoning_effort`'s; ValueError when bad
+    (an unknown effort too, which would otherwise reach the template)."""
+    if body.reasoning_effort is not None and body.reasoning_effort not in REASONING_EFFORT:
+        raise ValueError(f"`reasoning_effort` must be one of {', '.join(REASONING_EFFORT)}")
     if body.thinking_token_budget is not None:
         if body.thinking_token_budget < 1:
             raise ValueError("`thinking_token_budget` must be at least 1")
         return body.thinking_token_budget
-    if body.reasoning_effort is None:
-        return None
-    if body.reasoning_effort not in REASONING_EFFORT:
-        raise ValueError(f"`reasoning_effort` must be one of {', '.join(REASONING_EFFORT)}")
-    return REASONING_EFFORT[body.reasoning_effort]
+    return None if body.reasoning_effort is None else REASONING_EFFORT[body.reasoning_effort]

@@ -133,13 +133,13 @@ class OpenAIRoutes:
             tools=body.tools,
             tool_choice=tool_choice,
             tool_prompt=body.tool_prompt,
-            chat_template_kwargs=body.chat_template_kwargs,
+            chat_template_kwargs=oa.template_kwargs(body),
             documents=body.documents,
             parallel_tool_calls=body.parallel_tool_calls is not False,
             thinking_budget=_budget(body),
         )
         # how the answer is read: the model's own format (an AnswerReader), else TGI's tool mode (None: text)
-        reader = self.format.reader(body.tools, tool_choice, body.tool_prompt, body.chat_template_kwargs)
+        reader = self.format.reader(body.tools, tool_choice, body.tool_prompt, oa.template_kwargs(body))
         tgi = tools.tool_mode(body.tools, tool_choice)
         if not reader.native and tgi is not None:
             return body, wire, tgi
@@ -165,6 +165,9 @@ class OpenAIRoutes:
                 results = await choices.collect_all(self.ingress, wires, [timing] + [None] * (n - 1))
             answers, call_id = [], tools.next_call_id(body.messages)
             for rows in results:
+                if isinstance(tool_mode, str) and self.format.keeps_special:  # TGI's tool mode reads no markers
+                    final = msgspec.structs.replace(rows[-1].final, generated_text=tools.visible_text(rows))
+                    rows = [*rows[:-1], msgspec.structs.replace(rows[-1], final=final)]
                 text, tool_calls = rows[-1].final.generated_text, None
                 if tool_mode == "call" or (tool_mode == "auto" and tools.is_call(text)):
                     tool_calls = tools.parse_tool_call(text, call_id)

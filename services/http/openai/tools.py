@@ -58,6 +58,13 @@ def next_call_id(messages: list[dict[str, Any]]) -> str:
     return str(uuid.uuid4())
 
 
+def visible_text(rows: list) -> str:
+    """The answer's text as TGI's tool mode reads it, whole as streamed: its tokens' texts without the special ones.
+    Where the detokenizer keeps special tokens in the text (a format written in them, gpt-oss's harmony), the final
+    generated_text holds them; TGI's grammar writes none, so only the end-of-turn token is left out."""
+    return "".join("" if row.special else row.text for row in rows)
+
+
 def is_call(text: str) -> bool:
     """Under `auto`: the answer is a call exactly when its first non-blank character is `{`."""
     return text.lstrip(BLANK).startswith("{")

@@ -87,7 +87,7 @@ class ResponsesRoutes:
             with self.permits.hold():
                 rows = await collect(self.ingress, turn.wire, Timing(start=time.monotonic()))
             final = rows[-1].final
-            answer = read_answer(final.generated_text, turn)
+            answer = read_answer(rows, turn)
         except Failure as e:
             return error_response(e)
         response.output = whole_output(answer)

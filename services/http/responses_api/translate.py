@@ -4,9 +4,10 @@ response's output items → the chat messages that continue a conversation (prev
 instructions become the first system message; input items become messages in order: a message item as is
 (`developer` read as `system`, input_text / output_text parts as text, input_image as an image part), the
 function_call items that follow one another as one assistant message with `tool_calls`, a function_call_output
-as a `tool` message answering its call_id; reasoning items are left out of the prompt (templates drop earlier
-turns' reasoning). Flat function tools become chat tools, `{type: function, name}` the chat's named choice, and
-`text.format` the chat's response_format.
+as a `tool` message answering its call_id; a reasoning item's text (its reasoning_text parts, else its summary)
+becomes the `reasoning_content` of the assistant message that follows it (the template decides whether that turn
+shows it; with no assistant message after it, it is left out). Flat function tools become chat tools,
+`{type: function, name}` the chat's named choice, and `text.format` the chat's response_format.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ import json
 from typing import Any
 
 from services.http.errors import OpenAIFailure
-from services.http.responses_api.schemas import FunctionCall, OutputItem, ResponseOutputMessage, ResponsesRequest
+from services.http.responses_api.schemas import (
+    FunctionCall,
+    OutputItem,
+    ReasoningItem,
+    ResponseOutputMessage,
+    ResponsesRequest,
+)
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
@@ -51,6 +58,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
     names: dict[str, str] = {}  # call_id → function name, for the tool messages
+    reasoning: list[str] = []  # reasoning items' texts, for the next assistant message
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -61,6 +69,10 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
             if role is None:
                 raise invalid(f"{where}.role must be one of user, assistant, system, developer", f"{where}.role")
             messages.append({"role": role, "content": _content(item.get("content"), where)})
+            if role == "assistant":
+                _reason(messages[-1], reasoning)
+            else:
+                reasoning.clear()  # reasoning before a user turn belongs to no assistant turn
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
@@ -71,6 +83,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            _reason(messages[-1], reasoning)
             names[call_id] = name
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
@@ -84,17 +97,42 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
                 message["name"] = names[call_id]
             messages.append(message)
         elif kind == "reasoning":
-            continue
+            reasoning.append(_reasoning_text(item, where))
         else:
             raise invalid(f"Unsupported input item type at {where}: {kind!r}", f"{where}.type")
     return messages
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its reasoning_text parts, else its summary_text parts ("" for only
+    encrypted_content, which nothing here can read)."""
+    for key in ("content", "summary"):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+            raise invalid(f"{where}.{key} must be a list of text parts", f"{where}.{key}")
+        texts = [p["text"] for p in parts if isinstance(p.get("text"), str)]
+        if texts:
+            return "\n".join(texts)
+    return ""
+
+
+def _reason(message: dict, reasoning: list[str]) -> None:
+    """The reasoning items seen since the last turn → `message`'s reasoning_content (added to any it has)."""
+    text = "\n".join(t for t in reasoning if t)
+    reasoning.clear()
+    if text:
+        previous = message.get("reasoning_content")
+        message["reasoning_content"] = f"{previous}\n{text}" if previous else text
 
 
 def output_messages(output: list[OutputItem]) -> list[dict]:
     """A response's output → the assistant turn that the next request's prompt holds."""
     items: list[dict] = []
     for item in output:
-        if isinstance(item, ResponseOutputMessage):
+        if isinstance(item, ReasoningItem):
+            parts = [{"type": "reasoning_text", "text": p.text} for p in item.content]
+            items.append({"type": "reasoning", "content": parts})
+        elif isinstance(item, ResponseOutputMessage):
             text = "".join(p.text for p in item.content)
             items.append({"type": "message", "role": "assistant", "content": text})
         elif isinstance(item, FunctionCall):

@@ -99,3 +99,73 @@ def test_documents_and_kwargs_reach_the_template():
     templates = ChatTemplates({"default": source})
     out = templates.render([{"role": "user", "content": "q"}], None, {"enable_thinking": False}, [{"title": "a"}], True)
     assert out == "[a]F"
+
+
+# an agent loop's current turn: the assistant reasoned, then called; the tool answered. Qwen3's template shows the
+# reasoning of assistant turns after the last user message, gpt-oss's the analysis of a tool-call turn with no
+# final answer after it: both must see it, under their own names.
+THOUGHT = "The user wants Paris, so call get_weather."
+CALL = {"id": "abcdefghi", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(ARGS)}}
+REASONED = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "abcdefghi", "name": "get_weather", "content": '{"temp": 21}'},
+]
+
+
+def _reference(key: str) -> list[dict]:
+    """REASONED as transformers' documentation writes it for a template that reads `key`."""
+    call = {**CALL, "function": {"name": "get_weather", "arguments": ARGS}}
+    return [REASONED[0], {"role": "assistant", key: THOUGHT, "tool_calls": [call]}, REASONED[2]]
+
+
+@pytest.mark.parametrize("name, key", [("gpt_oss", "thinking"), ("qwen3", "reasoning_content")])
+@pytest.mark.parametrize("sent_as", ["reasoning_content", "reasoning", "thinking"])
+def test_earlier_reasoning_reaches_the_template_by_its_name(tokenizer_dir, name, key, sent_as):
+    from transformers import AutoTokenizer
+
+    source = (TEMPLATES / f"{name}.jinja").read_text()
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    expected = tok.apply_chat_template(
+        _reference(key), tools=TOOLS, chat_template=source, add_generation_prompt=True, tokenize=False
+    )
+    sent = [REASONED[0], {**REASONED[1], sent_as: THOUGHT}, REASONED[2]]
+    templates = ChatTemplates({"default": source}, bos_token="<bos>", eos_token="<eos>")
+    ours = templates.render(sent, TOOLS, native=True)
+    assert ours == expected
+    assert tok(ours, add_special_tokens=False).input_ids == tok(expected, add_special_tokens=False).input_ids
+    assert THOUGHT in ours  # the template rendered it (without it the prompt lacks the reasoning)
+    assert THOUGHT not in templates.render(REASONED, TOOLS, native=True)
+
+
+@pytest.mark.parametrize("effort", ["low", "high"])
+def test_reasoning_effort_reaches_gpt_oss_template(tokenizer_dir, effort):
+    from transformers import AutoTokenizer
+
+    from services.http.openai import requests as oa
+
+    source = (TEMPLATES / "gpt_oss.jinja").read_text()
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    expected = tok.apply_chat_template(
+        REASONED[:1], chat_template=source, add_generation_prompt=True, tokenize=False, reasoning_effort=effort
+    )
+    body = oa.ChatRequest(messages=REASONED[:1], reasoning_effort=effort)
+    templates = ChatTemplates({"default": source})
+    ours = templates.render(REASONED[:1], None, oa.template_kwargs(body), native=True)
+    assert ours == expected and f"Reasoning: {effort}\n" in ours
+    # an explicit chat_template_kwargs value wins over reasoning_effort
+    body = oa.ChatRequest(
+        messages=REASONED[:1], reasoning_effort=effort, chat_template_kwargs={"reasoning_effort": "medium"}
+    )
+    assert "Reasoning: medium\n" in templates.render(REASONED[:1], None, oa.template_kwargs(body), native=True)
+
+
+def test_gpt_oss_call_turn_with_content_and_reasoning_renders():
+    # gpt-oss's template refuses `thinking` beside content in a call turn: an answer with a preamble, sent back with
+    # its reasoning_content, still renders (the content as the turn's analysis, as the template writes it)
+    templates = ChatTemplates({"default": (TEMPLATES / "gpt_oss.jinja").read_text()})
+    turn = {**REASONED[1], "content": "Checking.", "reasoning_content": THOUGHT}
+    ours = templates.render([REASONED[0], turn, REASONED[2]], TOOLS, native=True)
+    assert "<|channel|>analysis<|message|>Checking.<|end|>" in ours
+    with pytest.raises(TemplateError, match="Cannot pass both content and thinking"):  # sent as `thinking`: as sent
+        templates.render([REASONED[0], {**turn, "thinking": THOUGHT}, REASONED[2]], TOOLS, native=True)

@@ -23,6 +23,8 @@ def test_blocks_become_chat_messages():
             "role": "assistant",
             "content": [
                 {"type": "thinking", "thinking": "hmm", "signature": ""},
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "thinking", "thinking": "Oslo it is", "signature": "x"},
                 {"type": "text", "text": "checking"},
                 {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
             ],
@@ -53,6 +55,8 @@ def test_blocks_become_chat_messages():
                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
                 }
             ],
+            # the thinking blocks, for the template (a redacted one cannot be read)
+            "reasoning_content": "hmm\nOslo it is",
         },
         {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny", "name": "get_weather"},
         {"role": "user", "content": "and tomorrow?"},

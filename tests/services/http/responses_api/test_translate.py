@@ -7,7 +7,14 @@ import pytest
 
 from services.http.errors import OpenAIFailure
 from services.http.responses_api import translate
-from services.http.responses_api.schemas import FunctionCall, OutputText, ResponseOutputMessage, ResponsesRequest
+from services.http.responses_api.schemas import (
+    FunctionCall,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    ResponseOutputMessage,
+    ResponsesRequest,
+)
 
 
 def body(**fields) -> ResponsesRequest:
@@ -57,6 +64,41 @@ def test_agent_items_become_chat_messages():
         "type": "json_schema",
         "json_schema": {"name": "w", "schema": {"type": "object"}, "strict": None},
     }
+
+
+def test_reasoning_items_go_to_the_next_assistant_turn():
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "t1"}]}
+    summary = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s2"}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    messages = translate.input_messages(
+        [
+            {"role": "user", "content": "q"},
+            thought,
+            call,
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+            summary,
+            {"role": "assistant", "content": "done"},
+            {"type": "reasoning", "encrypted_content": "opaque", "summary": []},  # nothing readable: none
+            {"role": "assistant", "content": "more"},
+            thought,  # before a user turn: no assistant turn of its own
+            {"role": "user", "content": "again"},
+        ]
+    )
+    assert [m.get("reasoning_content") for m in messages] == [None, "t1", None, "s2", None, None]
+    # the items of a stored response carry their reasoning into the next request's prompt as well
+    output = [ReasoningItem("rs_2", content=[ReasoningText("t3")]), FunctionCall("fc_1", "c2", "f", "{}")]
+    assert translate.output_messages(output)[0]["reasoning_content"] == "t3"
+
+
+def test_reasoning_effort_is_a_template_variable():
+    from services.http.openai import requests as oa
+
+    chat = translate.chat_body(body(input="q", reasoning={"effort": "low"}), [])
+    assert chat["reasoning_effort"] == "low"
+    request = msgspec.convert(chat, oa.ChatRequest)
+    assert oa.template_kwargs(request) == {"reasoning_effort": "low"} and oa.thinking_budget(request) == 1024
+    chat["chat_template_kwargs"] = {"reasoning_effort": "high", "x": 1}  # an explicit value wins
+    assert oa.template_kwargs(msgspec.convert(chat, oa.ChatRequest)) == {"reasoning_effort": "high", "x": 1}
 
 
 def test_output_continues_the_conversation():
