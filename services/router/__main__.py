@@ -3,7 +3,8 @@
 What the router keeps and does across restarts, its own and its peers', is told in docs/recovery.md: placement
 is sticky per request id (a resubmitted request goes where it went), and a request that needs a detokenizer or
 a scheduler while that role is awaited (Liveness.awaited: lost less than RESTART_WAIT_S ago, or never heard by
-a router that has just started) is held until one is heard, then placed in arrival order.
+a router that has just started) is held until one is heard, then placed in arrival order. A request whose model's
+every live replica is draining is held too, until one is not (replica_wait.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from libs.runtime.liveness import Liveness
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import VIEW_STALL_S
 from services.router.placement import Placement
+from services.router.replica_wait import WAIT_S, ReplicaWait
 
 ROLE = "router"
 NEEDS = ("detokenizer", "scheduler")  # the roles a request is placed on
@@ -69,6 +71,7 @@ class Router:
         self._placed_ids: OrderedDict[str, tuple[int, int]] = OrderedDict()  # request id → (replica, detokenizer)
         # waiting for a role it needs (_awaited), by request id in arrival order → (request, since when)
         self.held: OrderedDict[str, tuple[TokenizedRequest, float]] = OrderedDict()
+        self.replica_wait = ReplicaWait()  # waiting for a replica of its model that is not draining
 
     def _connect_replica(self, r: int, address: str, seed: bool = False) -> None:
         """Our PUSH to replica r at `address`: a new one, or the seed moved to where the replica says it is."""
@@ -109,6 +112,24 @@ class Router:
             for req, _ in held.values():
                 self.place(req)
 
+    def _all_draining(self, model: str) -> bool:
+        """Whether `model` has live replicas and every one of them is draining."""
+        schedulers = [hb for hb in self._of_model("scheduler", model) if hb.index in self.replicas]
+        return bool(schedulers) and all(hb.draining for hb in schedulers)
+
+    def _place_waiting(self) -> None:
+        """Place the requests that waited for a replica that is not draining once their model has one (or no
+        longer has only draining ones); fail those that waited WAIT_S."""
+        if not self.replica_wait:
+            return
+        place, fail = self.replica_wait.release(self._all_draining, time.monotonic())
+        for req in fail:
+            model = f"`{req.model or self.settings.model_id}`"
+            self._fail(req, f"No replica of model {model} is available: every one is draining")
+        for req in place:
+            log.info("a replica of its model takes new requests: placing it", extra={"request_id": req.request_id})
+            self.place(req)
+
     def _fail(self, req: TokenizedRequest, message: str) -> None:
         log.warning("cannot place request: %s", message, extra={"request_id": req.request_id})
         error = RequestError(request_id=req.request_id, message=message, error_type="unavailable")
@@ -120,6 +141,7 @@ class Router:
         if awaited:
             return self._hold(req, awaited)
         self._place_held()  # those that came first go first
+        self._place_waiting()
         started = time.perf_counter()
         with tracing.span("router", req.traceparent, request_id=req.request_id) as sp:
             req.traceparent = tracing.traceparent_of(sp) or req.traceparent
@@ -152,7 +174,16 @@ class Router:
             and before[1] in {hb.index for hb in detokenizers}
         ):
             replica, detokenizer = before
+        elif schedulers and all(hb.draining for hb in schedulers):
+            if self.replica_wait.hold(req, time.monotonic()):
+                log.info(
+                    "every replica of its model is draining: the request waits for one (up to %g s)",
+                    WAIT_S,
+                    extra={"request_id": req.request_id},
+                )
+            return
         else:
+            self.replica_wait.forget(req.request_id)  # a resubmission of one that waited: placed now, once
             detokenizer = self.placement.choose_detokenizer(detokenizers)
             if detokenizer is None:
                 return self._fail(req, f"No detokenizer of model `{req.model}` is available" if named else NO_DETOK)
@@ -233,6 +264,7 @@ class Router:
                 if isinstance(msg, TokenizedRequest):
                     self.place(msg)
             self._place_held()
+            self._place_waiting()
             # its model is the default one: a tokenizer of that model takes requests from intake (tokenizer's join)
             counters = {f"placed_replica_{r}": n for r, n in self.placed.items()}
             self.events.heartbeat(counters=counters, model=self.settings.model_id)

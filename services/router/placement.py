@@ -48,7 +48,8 @@ class Placement:
         went while it is alive (their scheduler shares the prompt's KV blocks among them).
 
         With none ready (shards loading or restarting) any live one that is not draining will do, and with none
-        replica 0: the request then waits in that scheduler's queue (or its socket) instead of failing.
+        replica 0: the request then waits in that scheduler's queue (or its socket) instead of failing. (A request
+        whose model's every live replica is draining never comes here: the router holds it, replica_wait.py.)
         """
         known = [hb for hb in schedulers if not hb.draining]
         candidates = [hb for hb in known if hb.ready] or known
