@@ -140,7 +140,8 @@ def test_responses_and_anthropic_read_the_channels(harmony):
     with client.messages.stream(**kw) as stream:
         streamed = stream.get_final_message()
     assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in message.content]
-    # Claude Code sends the blocks back in the next turn (signed, or redacted): accepted, left out of the prompt
+    # Claude Code sends the blocks back in the next turn (signed, or redacted): accepted; gpt-oss's template drops a
+    # finished turn's reasoning (a call turn's it shows: test_earlier_reasoning_and_effort_reach_the_template)
     turn = ask + [
         {"role": "assistant", "content": [b.model_dump() for b in message.content]},
         {"role": "user", "content": "And at sunset?"},
@@ -154,6 +155,95 @@ def test_responses_and_anthropic_read_the_channels(harmony):
         assert client.messages.create(**{**kw, "messages": messages, "max_tokens": 4}).usage.output_tokens > 0
         counted = client.messages.count_tokens(model="tgi", messages=messages).input_tokens
         assert counted == client.messages.count_tokens(model="tgi", messages=plain).input_tokens
+
+
+THOUGHT = "Paris means get_weather."
+ARGS = {"city": "Paris"}
+
+
+def test_earlier_reasoning_and_effort_reach_the_template(harmony):
+    # an agent loop's call turn with its reasoning, as each API sends it back, and a reasoning effort: the prompt is
+    # apply_chat_template's with the reasoning as gpt-oss's `thinking` and the effort on its `Reasoning:` line
+    import requests
+    from transformers import AutoTokenizer
+
+    server, tok, _, folder = harmony
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(ARGS)}}
+    result = {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'}
+    reference = [
+        *ASK,
+        {
+            "role": "assistant",
+            "thinking": THOUGHT,
+            "tool_calls": [{**call, "function": {**call["function"], "arguments": ARGS}}],
+        },
+        result,
+    ]
+
+    def expected(effort: str) -> list[int]:
+        text = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+            reference, tools=TOOLS, add_generation_prompt=True, tokenize=False, reasoning_effort=effort
+        )
+        assert THOUGHT in text and f"Reasoning: {effort}\n" in text
+        return tok.encode(text, add_special_tokens=False).ids
+
+    chat = [*ASK, {"role": "assistant", "content": None, "reasoning_content": THOUGHT, "tool_calls": [call]}, result]
+    body = {"messages": chat, "tools": TOOLS, "reasoning_effort": "high"}
+    got = requests.post(server.url + "/chat_tokenize", json=body, timeout=60).json()
+    assert [t["id"] for t in got["tokenize_response"]] == expected("high")
+    items = [
+        {"role": "user", "content": ASK[0]["content"]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": THOUGHT}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": json.dumps(ARGS)},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"sky": "clear"}'},
+    ]
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    response = OpenAI(base_url=server.url + "/v1", api_key="-").responses.create(
+        model="tgi", input=items, tools=flat, reasoning={"effort": "low"}, max_output_tokens=2, store=False
+    )
+    assert response.usage.input_tokens == len(expected("low"))
+    blocks = [
+        {"type": "thinking", "thinking": THOUGHT, "signature": sign(THOUGHT)},
+        {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": ARGS},
+    ]
+    turn = [*ASK, {"role": "assistant", "content": blocks}]
+    turn.append(
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": '{"sky": "clear"}'}]}
+    )
+    tools = [
+        {
+            "name": "get_weather",
+            "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in TOOLS
+    ]
+    counted = anthropic.Anthropic(base_url=server.url, api_key="-").messages.count_tokens(
+        model="tgi", messages=turn, tools=tools
+    )
+    assert counted.input_tokens == len(expected("medium"))
+
+
+def test_tgi_tool_prompt_reads_no_markers(harmony):
+    # TGI's tool_prompt asks for TGI's tool mode: its grammar forces TGI's JSON, and the answer ends with <|call|> or
+    # <|return|>, special tokens the text keeps for this model; the call is read from the text without them
+    server, *_ = harmony
+    client = OpenAI(base_url=server.url + "/v1", api_key="-")
+    kw = dict(max_tokens=60, temperature=0, tools=TOOLS, tool_choice="required", extra_body={"tool_prompt": "Call."})
+    choice = client.chat.completions.create(model="tgi", messages=ASK, **kw).choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    _clean(call.function.arguments)
+    _, content, calls, _ = _streamed(client, **kw)
+    assert calls == {0: ("get_weather", call.function.arguments)} and not content
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's tool_prompt, the same way
+    response = client.responses.create(
+        model="tgi", input=ASK[0]["content"], tools=flat, tool_choice="required", max_output_tokens=60,
+        temperature=0, extra_body={"tool_prompt": "Call."},
+    )  # fmt: skip
+    assert [(i.type, i.name, i.arguments) for i in response.output] == [
+        ("function_call", "get_weather", call.function.arguments)
+    ]
 
 
 def test_greedy_tokens_equal_generate(harmony):
