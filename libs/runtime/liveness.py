@@ -16,17 +16,22 @@ one's beats). The newer run itself hears the old one on their shared topic and e
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from libs.protocol.messages import Heartbeat
 from libs.runtime.timeouts import RESTART_WAIT_S, STALE_AFTER
 
 __all__ = ["RESTART_WAIT_S", "STALE_AFTER", "Liveness"]
 
+# which processes of a role count (those of one model, say); None: all of them
+Which = Callable[[Heartbeat], bool] | None
+
 
 class Liveness:
     def __init__(self) -> None:
         self._seen: dict[tuple[str, int], tuple[float, Heartbeat]] = {}
         self._left: dict[tuple[str, int], float] = {}  # stopped cleanly (a leaving heartbeat) → when
+        self._left_as: dict[tuple[str, int], Heartbeat] = {}  # and its last heartbeat before (what it served)
         self._displaced: dict[tuple[str, int], tuple[float, Heartbeat]] = {}  # a run a newer one replaced
         self.refused: dict[tuple[str, int], set[str]] = {}  # runs refused for claiming a live process's identity
         self.since = time.monotonic()
@@ -56,27 +61,36 @@ class Liveness:
             if now - held[0] < STALE_AFTER:  # a newer run while the holder counts as alive: a restart, or a claimant
                 self._displaced[key] = held
         if hb.leaving:  # it stops cleanly: gone now, not STALE_AFTER from now
-            if self._seen.pop(key, None) is not None:
-                self._left[key] = now
+            gone = self._seen.pop(key, None)
+            if gone is not None:
+                self._left[key], self._left_as[key] = now, gone[1]
             return True
         self._left.pop(key, None)
+        self._left_as.pop(key, None)
         self._seen[key] = (now, hb)
         return True
 
-    def alive(self, role: str) -> list[Heartbeat]:
-        """Live processes of a role, by index."""
+    def alive(self, role: str, which: Which = None) -> list[Heartbeat]:
+        """Live processes of a role (those `which` picks), by index."""
         now = time.monotonic()
-        live = [hb for (r, _), (t, hb) in self._seen.items() if r == role and now - t < STALE_AFTER]
+        live = [
+            hb
+            for (r, _), (t, hb) in self._seen.items()
+            if r == role and now - t < STALE_AFTER and (which is None or which(hb))
+        ]
         return sorted(live, key=lambda hb: hb.index)
 
     def ready(self, role: str) -> bool:
         return any(hb.ready for hb in self.alive(role))
 
-    def lost_at(self, role: str) -> float:
-        """When (time.monotonic) the role's last process was lost: went stale or left; when this view began if
-        none was ever heard. Meaningful while none is alive."""
-        gone = [t + STALE_AFTER for (r, _), (t, _) in self._seen.items() if r == role]
-        gone += [t for (r, _), t in self._left.items() if r == role]
+    def lost_at(self, role: str, which: Which = None) -> float:
+        """When (time.monotonic) the role's last process (of those `which` picks) was lost: went stale or left;
+        when this view began if none was ever heard. Meaningful while none is alive."""
+        gone = [t + STALE_AFTER for (r, _), (t, hb) in self._seen.items() if r == role and (which is None or which(hb))]
+        for key, t in self._left.items():
+            hb = self._left_as.get(key)
+            if key[0] == role and (which is None or hb is None or which(hb)):
+                gone.append(t)
         return max([*gone, self.since])
 
     def resume(self) -> None:
@@ -84,13 +98,14 @@ class Liveness:
         as at start: a role with no live process is awaited for RESTART_WAIT_S instead of missing at once."""
         self.since = time.monotonic()
 
-    def wait_left(self, role: str) -> float:
-        """Seconds that work needing `role` should still wait for one to be heard (0.0: do not wait: one is
-        alive, or it has been missing for RESTART_WAIT_S)."""
-        if self.alive(role):
+    def wait_left(self, role: str, which: Which = None) -> float:
+        """Seconds that work needing `role` (one that `which` picks) should still wait for one to be heard (0.0: do
+        not wait: one is alive, or it has been missing for RESTART_WAIT_S)."""
+        if self.alive(role, which):
             return 0.0
-        return max(0.0, self.lost_at(role) + RESTART_WAIT_S - time.monotonic())
+        return max(0.0, self.lost_at(role, which) + RESTART_WAIT_S - time.monotonic())
 
-    def awaited(self, role: str) -> bool:
-        """No process of `role` is alive, but one is probably restarting: hold work that needs it."""
-        return self.wait_left(role) > 0.0
+    def awaited(self, role: str, which: Which = None) -> bool:
+        """No process of `role` (of those `which` picks) is alive, but one is probably restarting: hold work that
+        needs it."""
+        return self.wait_left(role, which) > 0.0

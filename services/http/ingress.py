@@ -54,6 +54,11 @@ async def next_event(q: asyncio.Queue, seconds: float):
         return await q.get()
 
 
+def no_tokenizer(model: str) -> str:
+    """The 503's message when no tokenizer of a request's model lives."""
+    return f"No tokenizer of model `{model}` is available" if model else "No tokenizer is available"
+
+
 @dataclass
 class Pending:
     """A generate request in flight, as the watchdog sees it."""
@@ -165,7 +170,7 @@ class Ingress:
             return
         n = models.FLEET.tokenizer_for(req.model)
         if n is None:
-            raise Failure(f"No tokenizer of model `{req.model}` is available", "unavailable")
+            raise Failure(no_tokenizer(req.model), "unavailable")
         await self.publish(topics.tokenize(n), req)
 
     async def _submit(self, p: Pending) -> None:
@@ -233,21 +238,24 @@ class Ingress:
         lv = self.liveness
         return bool(lv.alive("router") and lv.alive("tokenizer") and lv.alive("detokenizer") and lv.ready("scheduler"))
 
-    async def _heard(self, role: str, request_id: str) -> bool:
-        """Whether a process of `role` is alive, waiting first while one is awaited (restarting: lost less than
-        RESTART_WAIT_S ago, see Liveness.awaited), as the router waits for a detokenizer and a scheduler."""
-        if not self.liveness.awaited(role):
-            return bool(self.liveness.alive(role))
+    async def _heard(self, role: str, request_id: str, model: str = "") -> bool:
+        """Whether a process of `role` serving `model` ("": the default one) is alive, waiting first while one is
+        awaited (restarting: lost less than RESTART_WAIT_S ago, see Liveness.awaited), as the router waits for a
+        detokenizer and a scheduler. Another model's processes do not count: intake reaches only the default
+        model's tokenizers, so with none of them a default-model request would wait there for nobody."""
+        which = models.FLEET.of_model(model)
+        if not self.liveness.awaited(role, which):
+            return bool(self.liveness.alive(role, which))
         log.info("no live %s yet: the request waits for one", role, extra={"request_id": request_id})
         started = time.monotonic()
-        while (left := self.liveness.wait_left(role)) > 0.0:
+        while (left := self.liveness.wait_left(role, which)) > 0.0:
             heard = self._heard_now.setdefault(role, asyncio.Event())
             try:
                 async with asyncio.timeout(left):
                     await heard.wait()
             except TimeoutError:
                 pass
-        alive = bool(self.liveness.alive(role))
+        alive = bool(self.liveness.alive(role, which))
         waited = time.monotonic() - started
         log.info(
             "%s after %.1f s",
@@ -259,8 +267,8 @@ class Ingress:
 
     async def tokenize(self, req: GenerateRequest) -> TokenizeResult:
         """Submit a mode="tokenize" request and return its tokens; raises Failure."""
-        if not await self._heard("tokenizer", req.request_id):
-            raise Failure("No tokenizer is available", "unavailable")
+        if not await self._heard("tokenizer", req.request_id, req.model):
+            raise Failure(no_tokenizer(req.model), "unavailable")
         q: asyncio.Queue = asyncio.Queue()
         self.queues[req.request_id] = q
         try:
@@ -305,17 +313,13 @@ class Ingress:
         record = telemetry.RequestRecord(req, timing, quiet=rid in self.quiet)
         self.quiet.discard(rid)
         try:
-            heard = await self._heard("tokenizer", rid)
+            heard = await self._heard("tokenizer", rid, req.model)
         except asyncio.CancelledError:  # the client went away while it waited: nothing was sent
             record.dropped()
             raise
         if not heard:
-            record.failure("No tokenizer is available", "unavailable")
-            raise Failure("No tokenizer is available", "unavailable")
-        if req.model and models.FLEET.tokenizer_for(req.model) is None:
-            message = f"No tokenizer of model `{req.model}` is available"
-            record.failure(message, "unavailable")
-            raise Failure(message, "unavailable")
+            record.failure(no_tokenizer(req.model), "unavailable")
+            raise Failure(no_tokenizer(req.model), "unavailable")
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
         now = time.monotonic()
