@@ -11,18 +11,25 @@ from libs.runtime import bus, cpu_team, logs, metrics, tracing
 from libs.runtime.settings import Settings
 
 
+def global_index(role: str, settings: Settings) -> Settings:
+    """`settings` with its index made global: supervisord (or a StatefulSet's ordinal) counts from 0 on every host,
+    and --replica-base / --worker-base (SWITCHYARD_REPLICA_BASE, SWITCHYARD_WORKER_BASE) move a host's replicas, or
+    its tokenizers and detokenizers, after the others'."""
+    if settings.replica_base and role in ("scheduler", "shard"):
+        per_replica = max(1, settings.num_shard) if role == "shard" else 1
+        settings = settings.replace(index=settings.index + settings.replica_base * per_replica)
+    if settings.worker_base and role in ("tokenizer", "detokenizer"):
+        settings = settings.replace(index=settings.index + settings.worker_base)
+    return settings
+
+
 def run(role: str, body: Callable[[Settings, logging.Logger], None]) -> None:
     """Run `body` until SIGTERM (supervisord's stop) or Ctrl-C, then close every socket at once.
 
     Before `body`: logging (`logs.setup`), this process's metrics registry (`metrics.init`, read
     back anywhere with `metrics.get()`; the heartbeat carries it), tracing (`tracing.init`, off
     without --otlp-endpoint) and the bus key (`bus.configure`: CURVE on every tcp socket when set)."""
-    settings = Settings.from_env()
-    if settings.replica_base and role in ("scheduler", "shard"):  # supervisord counts from 0 on every host
-        per_replica = max(1, settings.num_shard) if role == "shard" else 1
-        settings = settings.replace(index=settings.index + settings.replica_base * per_replica)
-    if settings.worker_base and role in ("tokenizer", "detokenizer"):
-        settings = settings.replace(index=settings.index + settings.worker_base)
+    settings = global_index(role, Settings.from_env())
     log = logs.setup(role, settings.index, settings.json_output)
     if bus.configure(settings) is not None and settings.bus.startswith("tcp://"):
         log.info("bus links encrypted (CURVE)")

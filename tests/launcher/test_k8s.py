@@ -1,4 +1,5 @@
-"""deploy/k8s: the manifests parse, and their wiring agrees with the code (they cannot be applied here)."""
+"""deploy/k8s: the manifests parse, and their wiring agrees with the code (they cannot be applied here); so does
+deploy/k8s/second-model, a second model's tokenizers, detokenizers and replicas behind the same router."""
 
 from __future__ import annotations
 
@@ -10,14 +11,26 @@ import yaml
 from libs.protocol import Addresses
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+SECOND = K8S / "second-model"
 ROLES = ("router", "tokenizer", "detokenizer", "http", "scheduler", "shard")
+MODEL_ROLES = ("tokenizer", "detokenizer", "scheduler", "shard")  # what a second model brings
+
+
+def kustomized(folder: Path) -> list[dict]:
+    """The documents of a kustomization that lists every manifest of its folder."""
+    listed = yaml.safe_load((folder / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in folder.glob("*.yaml") if p.name != "kustomization.yaml")
+    return [d for name in listed for d in yaml.safe_load_all((folder / name).read_text()) if d]
 
 
 @pytest.fixture(scope="module")
 def docs() -> list[dict]:
-    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
-    assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
-    return [d for name in listed for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+    return kustomized(K8S)
+
+
+@pytest.fixture(scope="module")
+def second() -> list[dict]:
+    return kustomized(SECOND)
 
 
 def find(docs, kind: str, name: str) -> dict:
@@ -131,13 +144,101 @@ def test_http_pods_drain_within_their_grace_period(docs):
     assert http["readinessProbe"]["httpGet"]["path"] == "/health"
 
 
-def test_replica_pods_drain_with_their_shard_serving(docs):
+def test_replica_pods_drain_with_their_shard_serving(docs, second):
     """SIGTERM drains a replica's scheduler for the graceful termination timeout; its shard's preStop hook waits for
-    the scheduler to exit (which it must see: one process namespace), and the grace period covers the timeout."""
+    the scheduler to exit (which it must see: one process namespace), and the grace period covers the timeout. The
+    second model's replicas too."""
     from libs.runtime.settings import Settings
 
-    pod = find(docs, "StatefulSet", "switchyard-replica")["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] > Settings().graceful_termination_timeout
-    assert pod["shareProcessNamespace"] is True
-    shard = {c["name"]: c for c in pod["containers"]}["shard"]
-    assert shard["lifecycle"]["preStop"]["exec"]["command"] == ["python", "-m", "services.scheduler.exited"]
+    for manifests, name in ((docs, "switchyard-replica"), (second, "switchyard-model-b-replica")):
+        pod = find(manifests, "StatefulSet", name)["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] > Settings().graceful_termination_timeout
+        assert pod["shareProcessNamespace"] is True
+        shard = {c["name"]: c for c in pod["containers"]}["shard"]
+        assert shard["lifecycle"]["preStop"]["exec"]["command"] == ["python", "-m", "services.scheduler.exited"]
+
+
+def settings_at(docs, container: dict, ordinal: int):
+    """The settings a service of `container` runs with in the pod of `ordinal` (libs/runtime/service.py's)."""
+    from libs.runtime.service import global_index
+    from libs.runtime.settings import Settings
+
+    env = {k: v for k, v in env_of(docs, container).items() if isinstance(v, str)}
+    index = env_of(docs, container)["SWITCHYARD_INDEX"]
+    assert index == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    role = container["command"][-1].rsplit(".", 1)[1]
+    return global_index(role, Settings.from_env({**env, "SWITCHYARD_INDEX": str(ordinal)}))
+
+
+def test_a_second_model_brings_its_own_tokenizers_detokenizers_and_replicas(docs, second):
+    """Each of its containers runs its service with the first model's settings and then its own ConfigMap (listed
+    after, so its keys win: the model), and the bus key; it serves another model than the router's, the one it
+    resolves (MODEL_ID)."""
+    everything = docs + second
+    found = containers(second)
+    assert set(found) == set(MODEL_ROLES)
+    first_model = env_of(docs, containers(docs)["router"][0])["SWITCHYARD_MODEL_ID"]  # the router's: the default
+    for role, (c, _) in found.items():
+        assert c["command"][-1].endswith(f"exec python -m services.{role}")
+        assert [next(iter(src.values()))["name"] for src in c["envFrom"]] == [
+            "switchyard-config",
+            "switchyard-model-b-config",
+            "switchyard-bus",
+        ]
+        s = settings_at(everything, c, 0)
+        assert s.model_id == env_of(everything, c)["MODEL_ID"] and s.model_id != first_model, role
+
+
+def test_the_second_models_indices_and_ports_come_after_the_firsts(docs, second):
+    """Its tokenizers, detokenizers and replicas are numbered after the first model's (any count below the base
+    the first is scaled to): no role and index is claimed twice, no replica's ports are another's, and each of its
+    shards connects where its own pod's scheduler binds."""
+    everything = docs + second
+    first, other = containers(docs), containers(second)
+    for role in MODEL_ROLES:
+        base = settings_at(everything, other[role][0], 0).index
+        assert base >= 100
+        mine = {settings_at(everything, other[role][0], k).index for k in range(8)}
+        theirs = {settings_at(docs, first[role][0], k).index for k in range(base)}
+        assert len(mine) == 8 and not mine & theirs, role
+    names = ("in", "plan", "results")
+    first_bind = Addresses.parse(settings_at(docs, first["scheduler"][0], 0).bus)
+    taken = {first_bind.replica(r, name) for r in range(100) for name in names}
+    ports = set()
+    for k in range(8):
+        scheduler = settings_at(everything, other["scheduler"][0], k)
+        shard = settings_at(everything, other["shard"][0], k)
+        bind, connect = Addresses.parse(scheduler.bus), Addresses.parse(shard.bus)
+        replica = scheduler.index
+        assert shard.index // shard.num_shard == replica
+        for name in names:
+            port = bind.replica(replica, name).removeprefix("tcp://0.0.0.0:")
+            assert connect.replica(replica, name) == f"tcp://127.0.0.1:{port}"
+            ports.add(bind.replica(replica, name))
+    assert len(ports) == 8 * len(names) and not ports & taken
+
+
+def test_each_models_pods_are_selected_by_its_own_workloads_and_services_only(docs, second):
+    """No selector of one model's StatefulSets or headless Services takes the other's pods, and each StatefulSet of
+    the second model has its headless Service (its pods' DNS names: the replica's announced address)."""
+    everything = docs + second
+    templates = {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in everything
+        if "template" in d.get("spec", {})
+    }
+    for d in everything:
+        selector = d.get("spec", {}).get("selector")
+        if not selector:
+            continue
+        selector = selector.get("matchLabels", selector)
+        chosen = {name for name, labels in templates.items() if selector.items() <= labels.items()}
+        if d["kind"] == "StatefulSet" or d["kind"] == "Deployment":
+            assert chosen == {d["metadata"]["name"]}, d["metadata"]["name"]
+        else:
+            assert len(chosen) == 1, d["metadata"]["name"]
+    for d in second:
+        if d["kind"] == "StatefulSet":
+            service = find(second, "Service", d["spec"]["serviceName"])
+            assert service["spec"]["clusterIP"] == "None"
+            assert service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
