@@ -12,7 +12,7 @@ services.http.tool_parsers) passes everything a template reads, as `transformers
 sends is parsed, `InvalidMessage` when it is not JSON), `tool` messages with `tool_call_id` and `name`, content parts
 as a list where the template iterates over content (else their text joined, as TGI), `chat_template_kwargs`
 (e.g. `enable_thinking`) and `documents`. An assistant turn's earlier reasoning, sent as `reasoning_content`,
-`reasoning` or `thinking`, reaches the template under all three names (Qwen3's and DeepSeek's templates read
+`reasoning` or `thinking`, reaches the template under all three names (Qwen3's template reads
 `reasoning_content`, gpt-oss's `thinking`, vLLM passes `reasoning`); each template decides which turns show it.
 Keys whose value is null are dropped (a template tests `is defined`).
 `native_messages` is that shaping alone; `probe(kwargs)` renders a one-message chat (its generation prompt shows

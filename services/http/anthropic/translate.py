@@ -6,7 +6,7 @@ text blocks its content, its tool_use blocks its `tool_calls` (the input as JSON
 blocks its `reasoning_content` (the template decides whether that turn shows it; a redacted_thinking block, which
 nothing here can read, is left out). Tools with `input_schema` become chat tools;
 tool_choice auto / any / tool / none the chat's auto / required / named / none; `thinking` the template's
-`enable_thinking`.
+`enable_thinking`; `output_config.effort` the chat's `reasoning_effort` (EFFORTS).
 """
 
 from __future__ import annotations
@@ -164,6 +164,20 @@ def _thinking(thinking: dict | None) -> dict | None:
     return {"enable_thinking": thinking["type"] != "disabled"}
 
 
+# Anthropic's efforts → the chat's reasoning_effort (the template's variable and a thinking budget); the two above
+# `high` are `high`, the top of OpenAI's scale and of gpt-oss's template
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+
+
+def _effort(config: dict | None) -> str | None:
+    effort = (config or {}).get("effort")
+    if effort is None:
+        return None
+    if effort not in EFFORTS:
+        raise invalid(f"output_config.effort: expected one of {', '.join(EFFORTS)}")
+    return EFFORTS[effort]
+
+
 def chat_body(body: CountTokensRequest) -> dict[str, Any]:
     """The chat body of `body` (a count_tokens body: the prompt's parts only)."""
     chat: dict[str, Any] = {
@@ -173,6 +187,7 @@ def chat_body(body: CountTokensRequest) -> dict[str, Any]:
         "tool_choice": chat_tool_choice(body.tool_choice),
         "tool_prompt": body.tool_prompt,
         "chat_template_kwargs": _thinking(body.thinking),
+        "reasoning_effort": _effort(body.output_config),
     }
     budget = (body.thinking or {}).get("budget_tokens") if (body.thinking or {}).get("type") == "enabled" else None
     if budget is not None:

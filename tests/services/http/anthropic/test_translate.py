@@ -69,6 +69,19 @@ def test_blocks_become_chat_messages():
     assert chat["chat_template_kwargs"] == {"enable_thinking": False}
 
 
+def test_effort_is_the_chat_reasoning_effort():
+    from services.http.openai import requests as oa
+
+    ask = [{"role": "user", "content": "q"}]
+    chat = translate.chat_body(body(messages=ask, output_config={"effort": "max"}))
+    assert chat["reasoning_effort"] == "high"
+    request = msgspec.convert(chat, oa.ChatRequest)
+    assert oa.template_kwargs(request) == {"reasoning_effort": "high"} and oa.thinking_budget(request) == 16384
+    assert "reasoning_effort" not in translate.chat_body(body(messages=ask, output_config={"format": None}))
+    with pytest.raises(Failure, match="output_config.effort"):
+        translate.chat_body(body(messages=ask, output_config={"effort": "huge"}))
+
+
 @pytest.mark.parametrize(
     "choice, expected",
     [
