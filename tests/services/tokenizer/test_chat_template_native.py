@@ -1,5 +1,7 @@
 """The model's own template, fully: a conversation with tools, calls and tool results renders exactly as
-transformers' apply_chat_template renders it, for Qwen2.5's, Llama 3.1's and Mistral's templates (tests/data)."""
+transformers' apply_chat_template renders it, for Qwen2.5's, Llama 3.1's and Mistral's templates (tests/data); an
+assistant turn's earlier reasoning and a reasoning effort, for gpt-oss's and Qwen3's (qwen3.jinja is Qwen3's own
+template as TRL's wheel ships it, trl/chat_templates/qwen3.jinja in trl 1.16.0, unchanged)."""
 
 from __future__ import annotations
 
