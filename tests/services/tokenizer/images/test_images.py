@@ -4,7 +4,6 @@ URLs and slow servers get a 422 in TGI's shape; a text-only model refuses image 
 
 from __future__ import annotations
 
-import base64
 import http.server
 import io
 import socket
@@ -18,7 +17,7 @@ from libs.protocol.messages import RequestError, TokenizedRequest
 from libs.runtime.settings import Settings
 from services.tokenizer.processor import Processor
 from tests.services.tokenizer.conftest import request
-from tests.vision_models import IMAGE_TOKENS, build_llava, image, processed
+from tests.vision_models import IMAGE_TOKENS, build_llava, data_uri, image, processed
 
 PREFIX = "Input validation error: "
 
@@ -39,10 +38,6 @@ def vlm(llava):
     return processor(llava)
 
 
-def uri(data: bytes, mime="image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
 def error(result) -> str:
     assert isinstance(result, RequestError) and result.error_type == "validation", result
     return result.message.removeprefix(PREFIX)
@@ -50,13 +45,15 @@ def error(result) -> str:
 
 def test_markdown_images_become_the_processors_tokens_and_pixels(vlm, llava):
     pics = [image(1), image(2, fmt="JPEG")]
-    out = vlm.process(request(f"Look ![]({uri(pics[0])}) and ![]({uri(pics[1], 'image/jpeg')}) now", max_new_tokens=4))
+    out = vlm.process(
+        request(f"Look ![]({data_uri(pics[0])}) and ![]({data_uri(pics[1], 'image/jpeg')}) now", max_new_tokens=4)
+    )
     assert isinstance(out, TokenizedRequest)
-    ids, pixels = processed(llava, "Look <image> and <image> now", pics)
-    assert out.input_ids.tolist() == ids  # image tokens counted as prompt tokens
+    want = processed(llava, "Look <image> and <image> now", pics)
+    assert out.input_ids.tolist() == want["input_ids"][0].tolist()  # image tokens counted as prompt tokens
     assert [im.tokens for im in out.images] == [IMAGE_TOKENS] * 2
     assert all((out.input_ids[im.start : im.start + im.tokens] == vlm.images.image_token_id).all() for im in out.images)
-    assert np.array_equal(out.pixel_values, pixels.numpy().ravel())
+    assert np.array_equal(out.pixel_values, want["pixel_values"].numpy().ravel())
     assert out.images[0].digest != out.images[1].digest
     back = codec.decode(codec.encode(out))  # pixels travel as a raw frame, shapes in the message
     assert np.array_equal(back.pixel_values, out.pixel_values) and back.images == out.images
@@ -66,7 +63,7 @@ def test_openai_image_parts_webp_and_gif(vlm, llava):
     for fmt, mime in (("WEBP", "image/webp"), ("GIF", "image/gif")):
         parts = [
             {"type": "text", "text": "What is "},
-            {"type": "image_url", "image_url": {"url": uri(image(3, fmt=fmt), mime)}},
+            {"type": "image_url", "image_url": {"url": data_uri(image(3, fmt=fmt), mime)}},
         ]
         out = vlm.process(request("", messages=[{"role": "user", "content": parts}], max_new_tokens=4))
         assert isinstance(out, TokenizedRequest), out
@@ -74,21 +71,21 @@ def test_openai_image_parts_webp_and_gif(vlm, llava):
 
 
 def test_the_same_image_has_the_same_digest(vlm):
-    a, b = (vlm.process(request(f"![]({uri(image(5))})", max_new_tokens=2)) for _ in range(2))
+    a, b = (vlm.process(request(f"![]({data_uri(image(5))})", max_new_tokens=2)) for _ in range(2))
     assert a.images[0].digest == b.images[0].digest
 
 
 def test_bad_images_are_refused(llava, vlm):
     png = image(1)
-    assert "not an image" in error(vlm.process(request(f"![]({uri(b'hello world')})", max_new_tokens=2)))
-    assert "decoded" in error(vlm.process(request(f"![]({uri(png[: len(png) // 2])})", max_new_tokens=2)))
+    assert "not an image" in error(vlm.process(request(f"![]({data_uri(b'hello world')})", max_new_tokens=2)))
+    assert "decoded" in error(vlm.process(request(f"![]({data_uri(png[: len(png) // 2])})", max_new_tokens=2)))
     assert "base64" in error(vlm.process(request("![](data:image/png;base64,@@@)", max_new_tokens=2)))
     small = processor(llava, max_image_pixels=100, max_images_per_request=2, max_image_bytes=len(png) - 1)
     assert "over the limit of 100 pixels" in error(
-        small.process(request(f"![]({uri(image(1, size=(20, 20)))})", max_new_tokens=2))
+        small.process(request(f"![]({data_uri(image(1, size=(20, 20)))})", max_new_tokens=2))
     )
-    assert "over the limit" in error(small.process(request(f"![]({uri(png)})", max_new_tokens=2)))
-    three = "".join(f"![]({uri(image(1, size=(4, 4)))})" for _ in range(3))
+    assert "over the limit" in error(small.process(request(f"![]({data_uri(png)})", max_new_tokens=2)))
+    three = "".join(f"![]({data_uri(image(1, size=(4, 4)))})" for _ in range(3))
     assert "at most 2 images" in error(small.process(request(three, max_new_tokens=2)))
     assert "scheme" in error(vlm.process(request("![](file:///etc/passwd)", max_new_tokens=2)))
 
@@ -126,7 +123,8 @@ def test_urls_to_private_addresses_need_allowing(llava, vlm, image_server):
         out = allowed.process(request(f"A ![]({image_server}{path})", max_new_tokens=2))
         assert isinstance(out, TokenizedRequest), out
         assert (
-            out.images[0].digest == vlm.process(request(f"A ![]({uri(image(9))})", max_new_tokens=2)).images[0].digest
+            out.images[0].digest
+            == vlm.process(request(f"A ![]({data_uri(image(9))})", max_new_tokens=2)).images[0].digest
         )
 
 
@@ -143,7 +141,7 @@ def test_a_url_that_times_out(llava):
 
 
 def test_a_text_only_model_refuses_image_parts(processor_text):
-    parts = [{"type": "image_url", "image_url": {"url": uri(image(1))}}]
+    parts = [{"type": "image_url", "image_url": {"url": data_uri(image(1))}}]
     assert "does not take images" in error(
         processor_text.process(request("", messages=[{"role": "user", "content": parts}], max_new_tokens=2))
     )
@@ -171,9 +169,9 @@ def test_image_parts_through_the_models_own_template(llava):
 
     pics = [image(7), image(8)]
     parts = [
-        {"type": "image_url", "image_url": {"url": uri(pics[0])}},
+        {"type": "image_url", "image_url": {"url": data_uri(pics[0])}},
         {"type": "text", "text": "Compare"},
-        {"type": "image_url", "image_url": {"url": uri(pics[1])}},
+        {"type": "image_url", "image_url": {"url": data_uri(pics[1])}},
     ]
     vlm = processor(llava, chat_template=LLAVA_TEMPLATE)
     out = vlm.process(request("", messages=[{"role": "user", "content": parts}], max_new_tokens=4))

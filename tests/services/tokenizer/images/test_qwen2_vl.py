@@ -5,8 +5,6 @@ resizing refuses gets a 422 in TGI's shape."""
 
 from __future__ import annotations
 
-import base64
-
 import numpy as np
 import pytest
 
@@ -15,7 +13,7 @@ from libs.protocol.messages import RequestError, TokenizedRequest
 from libs.runtime.settings import Settings
 from services.tokenizer.processor import Processor
 from tests.services.tokenizer.conftest import request
-from tests.vision_models import QWEN_MERGE, build_qwen_vl, image, qwen_processed
+from tests.vision_models import QWEN_MERGE, build_qwen_vl, data_uri, image, processed
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +26,11 @@ def vlm(qwen):
     return Processor.from_settings(Settings(model_path=str(qwen), max_input_tokens=200, max_total_tokens=300))
 
 
-def uri(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
 def test_markdown_images_become_framed_placeholders_and_grid_shaped_pixels(vlm, qwen):
     pics = [image(1), image(2, size=(24, 40))]
-    out = vlm.process(request(f"Look ![]({uri(pics[0])}) and ![]({uri(pics[1])}) now", max_new_tokens=4))
+    out = vlm.process(request(f"Look ![]({data_uri(pics[0])}) and ![]({data_uri(pics[1])}) now", max_new_tokens=4))
     assert isinstance(out, TokenizedRequest), out
-    want = qwen_processed(qwen, "Look <image> and <image> now", pics)
+    want = processed(qwen, "Look <image> and <image> now", pics)
     assert out.input_ids.tolist() == want["input_ids"][0].tolist()  # framed image tokens, counted in the prompt
     grids = want["image_grid_thw"].tolist()
     assert [im.tokens for im in out.images] == [t * h * w // QWEN_MERGE**2 for t, h, w in grids] == [20, 15]
@@ -50,7 +44,7 @@ def test_markdown_images_become_framed_placeholders_and_grid_shaped_pixels(vlm, 
 
 
 def test_an_image_its_resizing_refuses_gets_a_422(vlm):
-    out = vlm.process(request(f"![]({uri(image(1, size=(600, 2)))})", max_new_tokens=2))
+    out = vlm.process(request(f"![]({data_uri(image(1, size=(600, 2)))})", max_new_tokens=2))
     assert isinstance(out, RequestError) and out.error_type == "validation", out
     assert "aspect ratio" in out.message
-    assert isinstance(vlm.process(request(f"![]({uri(image(1))})", max_new_tokens=2)), TokenizedRequest)
+    assert isinstance(vlm.process(request(f"![]({data_uri(image(1))})", max_new_tokens=2)), TokenizedRequest)
