@@ -1,7 +1,8 @@
 """A replica joins a running server by starting: a second launcher, `serve --only scheduler,shard --replica-base 1`
-as on another host, is placed on by the router from its first heartbeat (each placement's Accepted on the bus, and the router's
-per-replica counters in a heartbeat it sent after those placements, read through a tap), with nothing in the router's configuration naming it; once it stops, placement
-goes back to replica 0 and every request is still answered, greedy-equal to transformers."""
+as on another host, is placed on by the router from its first heartbeat (each placement's Accepted on the bus,
+and the router's per-replica counters in a heartbeat it sent after those placements, read through a tap), with
+nothing in the router's configuration naming it; once it stops, placement goes back to replica 0 and every request
+is still answered, greedy-equal to transformers."""
 
 from __future__ import annotations
 
