@@ -21,10 +21,20 @@ from collections.abc import Callable
 from libs.protocol.messages import Heartbeat
 from libs.runtime.timeouts import RESTART_WAIT_S, STALE_AFTER
 
-__all__ = ["RESTART_WAIT_S", "STALE_AFTER", "Liveness"]
+__all__ = ["RESTART_WAIT_S", "STALE_AFTER", "Liveness", "Which", "serving"]
 
 # which processes of a role count (those of one model, say); None: all of them
 Which = Callable[[Heartbeat], bool] | None
+
+
+def serving(model: str, default: str) -> Which:
+    """Which processes serve `model` ("": `default`, the local model): a heartbeat that names no model serves the
+    default, and so does every one where no default is known (a process started without --model-id)."""
+    if model and model != default:
+        return lambda hb: hb.model == model
+    if not default:
+        return None
+    return lambda hb: hb.model in ("", default)
 
 
 class Liveness:

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from libs.protocol import topics
 from libs.protocol.lora import AdapterDone, AdapterSet, KnownAdapters, LoadAdapter, UnloadAdapter
+from libs.runtime.liveness import serving
 from libs.runtime.settings import Settings
 from services.http.errors import Failure, OpenAIFailure
 from services.http.openai import requests as oa
@@ -50,7 +51,7 @@ def names(settings: Settings) -> list[str]:
 def members(ingress, model: str) -> list[int]:
     """The replicas of `model` alive now, as this process's heartbeat view has them (the live membership; a replica
     that names no model serves the local one)."""
-    return [hb.index for hb in ingress.liveness.alive("scheduler") if not hb.model or hb.model == model]
+    return [hb.index for hb in ingress.liveness.alive("scheduler", serving(model, model))]
 
 
 def seed_from_records(replicas: int, start: list[str], run_dir: str) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from libs.protocol.params import Parameters
-from libs.runtime.liveness import Liveness, Which
+from libs.runtime.liveness import Liveness, Which, serving
 from libs.runtime.settings import Settings
 from services.http import lora
 from services.http.errors import Failure, OpenAIFailure
@@ -63,14 +63,8 @@ class Fleet:
         return next((m for m, names in self.served().items() if m != self.default and adapter in names), "")
 
     def of_model(self, model: str) -> Which:
-        """Which processes serve `model` ("": the default one, the local model): a heartbeat naming no model is the
-        default's, as is every one when no local model is known (the router's rule, services/router)."""
-        if model and model != self.default:
-            return lambda hb: hb.model == model
-        if not self.default:
-            return None
-        default = self.default
-        return lambda hb: hb.model in ("", default)
+        """Which processes serve `model` ("": the default one, the local model)."""
+        return serving(model, self.default)
 
     def tokenizer_for(self, model: str) -> int | None:
         """A live tokenizer of `model` (round robin), None when it has none."""

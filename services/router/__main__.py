@@ -19,16 +19,22 @@ import zmq
 from libs.protocol import Addresses, topics
 from libs.protocol.messages import Accepted, Heartbeat, RequestError, TokenizedRequest
 from libs.runtime import bus, metrics, service, tracing
-from libs.runtime.liveness import Liveness
+from libs.runtime.liveness import Liveness, serving
 from libs.runtime.settings import Settings
 from libs.runtime.timeouts import VIEW_STALL_S
 from services.router.placement import Placement
 from services.router.replica_wait import WAIT_S, ReplicaWait
 
 ROLE = "router"
+
 NEEDS = ("detokenizer", "scheduler")  # the roles a request is placed on
 NO_DETOK = "No detokenizer is available"
 log = logging.getLogger("switchyard.router")
+
+
+def all_draining(schedulers: list[Heartbeat]) -> bool:
+    """Whether there are live replicas and every one of them is draining (nothing new may go to any)."""
+    return bool(schedulers) and all(hb.draining for hb in schedulers)
 
 
 def proxy(frontend: zmq.Socket, backend: zmq.Socket) -> None:
@@ -112,10 +118,12 @@ class Router:
             for req, _ in held.values():
                 self.place(req)
 
+    def _joined(self, model: str) -> list[Heartbeat]:
+        """The live replicas of `model` that the router has a socket to."""
+        return [hb for hb in self._of_model("scheduler", model) if hb.index in self.replicas]
+
     def _all_draining(self, model: str) -> bool:
-        """Whether `model` has live replicas and every one of them is draining."""
-        schedulers = [hb for hb in self._of_model("scheduler", model) if hb.index in self.replicas]
-        return bool(schedulers) and all(hb.draining for hb in schedulers)
+        return all_draining(self._joined(model))
 
     def _place_waiting(self) -> None:
         """Place the requests that waited for a replica that is not draining once their model has one (or no
@@ -155,15 +163,12 @@ class Router:
     def _of_model(self, role: str, model: str) -> list[Heartbeat]:
         """The live processes of `role` that serve `model` ("": the default, this router's own); one that names no
         model serves the default, and so does every one for a router that names none (started without one)."""
-        alive, default = self.liveness.alive(role), self.settings.model_id
-        if model and model != default:
-            return [hb for hb in alive if hb.model == model]
-        return alive if not default else [hb for hb in alive if hb.model in ("", default)]
+        return self.liveness.alive(role, serving(model, self.settings.model_id))
 
     def _place(self, req: TokenizedRequest) -> None:
         # only the request's model's processes; sticky per request: the whole stream goes through one detokenizer
         detokenizers = self._of_model("detokenizer", req.model)
-        schedulers = [hb for hb in self._of_model("scheduler", req.model) if hb.index in self.replicas]  # joined
+        schedulers = self._joined(req.model)
         named = req.model and req.model != self.settings.model_id
         if named and not schedulers:  # the default model's request waits for a replica instead (choose_replica)
             return self._fail(req, f"No replica of model `{req.model}` is available")
@@ -174,7 +179,7 @@ class Router:
             and before[1] in {hb.index for hb in detokenizers}
         ):
             replica, detokenizer = before
-        elif schedulers and all(hb.draining for hb in schedulers):
+        elif all_draining(schedulers):
             if self.replica_wait.hold(req, time.monotonic()):
                 log.info(
                     "every replica of its model is draining: the request waits for one (up to %g s)",
