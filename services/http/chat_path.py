@@ -66,11 +66,10 @@ def chat_turn(
         parallel_tool_calls=body.parallel_tool_calls is not False,
         thinking_budget=budget,
     )
-    reader = fmt.reader(body.tools, tool_choice, body.tool_prompt, oa.template_kwargs(body))
-    tgi = tools.tool_mode(body.tools, tool_choice)
-    if not reader.native and tgi is not None:
-        return ChatTurn(body, wire, None, tgi, fmt.keeps_special)
-    return ChatTurn(body, wire, reader if reader.native or reader.reasoning is not None else None, None)
+    mode = fmt.answer_mode(body, tool_choice)
+    if isinstance(mode, str):
+        return ChatTurn(body, wire, None, mode, fmt.keeps_special)
+    return ChatTurn(body, wire, mode, None)
 
 
 class Call(msgspec.Struct):

@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 from libs.runtime.settings import Settings
 from services.http import reasoning as reasoning_parsers
 from services.http import tool_parsers
+from services.http.openai import requests as oa
+from services.http.openai import tools
 from services.http.tool_parsers import ParsedCall, ToolCallStream, ToolParser, call_id
 from services.http.tool_parsers.harmony import HarmonyToolParser
 from services.tokenizer.chat_template import ChatTemplates
@@ -124,3 +126,12 @@ class ChatFormat:
         opened = self.reasoning is not None and self.reasoning.opened_in(self.templates.probe(kwargs))
         tools_on = bool(tools) and _choice(tool_choice) != "none"
         return AnswerReader(parser, self.reasoning, opened, tools_on, parser is not None)
+
+    def answer_mode(self, body, tool_choice: Any) -> AnswerReader | str | None:
+        """How the answer to a chat body is read: the model's own format or its reasoning alone (an AnswerReader),
+        TGI's tool mode ("auto" or "call", services.http.openai.tools), or None: plain text."""
+        reader = self.reader(body.tools, tool_choice, body.tool_prompt, oa.template_kwargs(body))
+        tgi = tools.tool_mode(body.tools, tool_choice)
+        if not reader.native and tgi is not None:
+            return tgi
+        return reader if reader.native or reader.reasoning is not None else None

@@ -138,12 +138,7 @@ class OpenAIRoutes:
             parallel_tool_calls=body.parallel_tool_calls is not False,
             thinking_budget=_budget(body),
         )
-        # how the answer is read: the model's own format (an AnswerReader), else TGI's tool mode (None: text)
-        reader = self.format.reader(body.tools, tool_choice, body.tool_prompt, oa.template_kwargs(body))
-        tgi = tools.tool_mode(body.tools, tool_choice)
-        if not reader.native and tgi is not None:
-            return body, wire, tgi
-        return body, wire, reader if reader.native or reader.reasoning is not None else None
+        return body, wire, self.format.answer_mode(body, tool_choice)
 
     # ---- /v1/chat/completions --------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
