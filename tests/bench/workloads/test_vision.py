@@ -1,4 +1,4 @@
-"""`switchyard bench --workload vision` (bench/workloads/vision.py) end to end on the tiny LLaVA-shaped model with
+"""`switchyard bench --workload vision` (bench/workloads/vision/) end to end on the tiny LLaVA-shaped model with
 small counts: every level has its three rows, the image rows carried their images (the tokenizers counted one image
 per request, the encoder ran, the prompt holds the image's tokens) and the text rows none; the flood check's image
 requests were preprocessed while the streams decoded; the report files."""
