@@ -55,6 +55,11 @@ def test_reasoning_apart_and_a_thinking_budget(client):
     assert _streamed(client, **kw) == (budgeted.message.reasoning_content, budgeted.message.content)
     with pytest.raises(openai.UnprocessableEntityError, match="reasoning_effort"):
         client.chat.completions.create(model="tgi", messages=ASK, max_tokens=4, reasoning_effort="enormous")
+    # effort `none`: a budget of 0, so the server writes `</think>` at once and all of the answer is content
+    none = client.chat.completions.create(
+        model="tgi", messages=ASK, max_tokens=8, temperature=0, reasoning_effort="none"
+    )
+    assert not none.choices[0].message.reasoning_content and none.choices[0].message.content
 
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}

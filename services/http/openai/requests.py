@@ -130,7 +130,7 @@ class ChatRequest(msgspec.Struct):
     documents: list[dict[str, Any]] | None = None  # for templates that take them (RAG)
     parallel_tool_calls: bool | None = None  # false: at most one call (the model's own format)
     thinking_token_budget: int | None = None  # vLLM's: the most tokens of reasoning (see `thinking_budget`)
-    reasoning_effort: str | None = None  # OpenAI's: low / medium / high, mapped to budgets (REASONING_EFFORT)
+    reasoning_effort: str | None = None  # OpenAI's: none … max, mapped to budgets (REASONING_EFFORT)
     # not TGI's (ignored, as TGI does); only the `text-generation` client sends this key, see `sends_done`
     repetition_penalty: float | None | msgspec.UnsetType = msgspec.UNSET
     # vLLM's sampling extras (not TGI's); as on CompletionRequest
@@ -351,14 +351,23 @@ def completion_details(body: CompletionRequest) -> bool:
     return body.logprobs is not None or any(not isinstance(p, str) for p in body.prompts)
 
 
-# OpenAI's reasoning_effort as thinking budgets (tokens of reasoning before the server writes its end marker)
-REASONING_EFFORT = {"minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
+# OpenAI's reasoning_effort, every value its SDK sends, as thinking budgets: the tokens of reasoning before the server
+# writes its end marker (`none`: at once, no reasoning; `max`: no budget, the reasoning ends when the model ends it)
+REASONING_EFFORT: dict[str, int | None] = {
+    "none": 0,
+    "minimal": 256,
+    "low": 1024,
+    "medium": 4096,
+    "high": 16384,
+    "xhigh": 65536,
+    "max": None,
+}
 
 
 def template_kwargs(body: ChatRequest) -> dict[str, Any] | None:
-    """The chat template's extra variables: `chat_template_kwargs`, and `reasoning_effort` as the variable of that
-    name (gpt-oss's template reads it for its `Reasoning:` line), which an explicit chat_template_kwargs value
-    overrides."""
+    """The chat template's extra variables: `chat_template_kwargs`, and `reasoning_effort` as sent, as the variable of
+    that name (gpt-oss's template reads it for its `Reasoning:` line; a template renders a value it does not know as
+    any other string), which an explicit chat_template_kwargs value overrides."""
     if body.reasoning_effort is None:
         return body.chat_template_kwargs
     return {"reasoning_effort": body.reasoning_effort, **(body.chat_template_kwargs or {})}

@@ -174,3 +174,22 @@ def test_model_names_that_mean_the_base_model():
     for model in (None, "", "tgi", "dummy", "org/served"):  # dummy: huggingface_hub's placeholder for "no model"
         assert adapter(model, "org/served") is None, model
     assert adapter("my-lora", "org/served") == "my-lora"
+
+
+def test_every_reasoning_effort_the_sdk_sends_is_accepted():
+    """The openai SDK's own list (chat's reasoning_effort, the Responses API's reasoning.effort): each is the
+    template's variable as sent and a thinking budget; `none` ends the reasoning at once, `max` sets no budget."""
+    from typing import get_args
+
+    from openai.types.shared.reasoning_effort import ReasoningEffort
+
+    efforts = get_args(get_args(ReasoningEffort)[0])  # Optional[Literal[…]]
+    assert set(efforts) == set(oa.REASONING_EFFORT)
+    for effort in efforts:
+        body = chat(reasoning_effort=effort)
+        assert oa.template_kwargs(body) == {"reasoning_effort": effort}
+        assert oa.thinking_budget(body) == oa.REASONING_EFFORT[effort]
+    assert oa.thinking_budget(chat(reasoning_effort="none")) == 0
+    assert oa.thinking_budget(chat(reasoning_effort="max")) is None
+    with pytest.raises(ValueError, match="none, minimal, low, medium, high, xhigh, max"):
+        oa.thinking_budget(chat(reasoning_effort="enormous"))
