@@ -19,7 +19,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None  # {name, description, input_schema}
     tool_choice: dict[str, Any] | None = None  # {type: auto | any | tool | none, name}
     thinking: dict[str, Any] | None = None  # {type: enabled, budget_tokens} | {type: disabled}
-    output_config: dict[str, Any] | None = None  # {effort: low | medium | high | xhigh | max} (its format: ignored)
+    output_config: dict[str, Any] | None = None  # {effort: low … max, format: {type: json_schema, schema}}
     tool_prompt: str | None = None  # not Anthropic's: TGI's tool prompt, as on /v1/chat/completions
 
 

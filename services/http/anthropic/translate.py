@@ -6,7 +6,8 @@ text blocks its content, its tool_use blocks its `tool_calls` (the input as JSON
 blocks its `reasoning_content` (the template decides whether that turn shows it; a redacted_thinking block, which
 nothing here can read, is left out). Tools with `input_schema` become chat tools;
 tool_choice auto / any / tool / none the chat's auto / required / named / none; `thinking` the template's
-`enable_thinking`; `output_config.effort` the chat's `reasoning_effort` (EFFORTS).
+`enable_thinking`; `output_config.effort` the chat's `reasoning_effort` (EFFORTS); `output_config.format` (structured
+outputs, a JSON schema) the chat's `response_format`, which the tokenizer compiles into the answer's grammar.
 """
 
 from __future__ import annotations
@@ -178,6 +179,20 @@ def _effort(config: dict | None) -> str | None:
     return EFFORTS[effort]
 
 
+def _format(config: dict | None) -> dict | None:
+    """output_config.format (`{type: json_schema, schema}`) → the chat's response_format; the schema itself is
+    checked where the chat's is, by the tokenizer's grammar compiler (a bad one: a 422)."""
+    fmt = (config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise invalid(f"output_config.format.type: expected json_schema, not {kind!r}")
+    if not isinstance(fmt.get("schema"), dict):
+        raise invalid("output_config.format.schema: must be a JSON schema object")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
 def chat_body(body: CountTokensRequest) -> dict[str, Any]:
     """The chat body of `body` (a count_tokens body: the prompt's parts only)."""
     chat: dict[str, Any] = {
@@ -188,6 +203,7 @@ def chat_body(body: CountTokensRequest) -> dict[str, Any]:
         "tool_prompt": body.tool_prompt,
         "chat_template_kwargs": _thinking(body.thinking),
         "reasoning_effort": _effort(body.output_config),
+        "response_format": _format(body.output_config),
     }
     budget = (body.thinking or {}).get("budget_tokens") if (body.thinking or {}).get("type") == "enabled" else None
     if budget is not None:

@@ -1,7 +1,8 @@
 """Anthropic's Messages API through the `anthropic` SDK, unmodified, on the tiny model: messages.create and
 messages.stream against transformers' greedy output on the same chat template, stop_sequences, tools forced
 (any, tool), a short agent loop (tool_use → tool_result → answer), count_tokens against the template's own count,
-and bad input answered in Anthropic's error shape while the server keeps serving."""
+structured outputs (output_config.format), and bad input answered in Anthropic's error shape while the server keeps
+serving."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 
 import anthropic
 import jsonschema
+import pydantic
 import pytest
 import requests
 
@@ -123,10 +125,29 @@ def test_agent_loop(client):
     assert counted.input_tokens == second.usage.input_tokens > alone.input_tokens
 
 
+class Verdict(pydantic.BaseModel):
+    ok: bool
+
+
+def test_output_format_constrains_the_answer(client):
+    """Structured outputs as the SDK sends them (`output_format` → output_config.format, a JSON schema): the tiny
+    model's answer parses as the schema, created and streamed alike; unconstrained it writes no such JSON."""
+    kwargs = dict(model="tgi", messages=[{"role": "user", "content": ASK}], max_tokens=40, extra_body=GREEDY)
+    parsed = client.messages.parse(output_format=Verdict, **kwargs)
+    assert isinstance(parsed.parsed_output, Verdict) and parsed.stop_reason == "end_turn"
+    with client.messages.stream(output_format=Verdict, **kwargs) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content[0].text == parsed.content[0].text
+    plain = client.messages.create(**{**kwargs, "max_tokens": N})
+    assert not plain.content[0].text.lstrip().startswith("{")
+
+
 @pytest.mark.parametrize(
     "body, status, text",
     [
         ({"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+        ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}}, 422, "grammar"),
+        ({"output_config": {"format": {"type": "regex", "schema": {}}}}, 400, "output_config.format.type"),
         ({"messages": [{"role": "user", "content": [{"type": "document"}]}]}, 400, "unsupported content block"),
         ({"tools": [{"name": "t"}]}, 400, "input_schema"),
         ({"tool_choice": {"type": "sometimes"}}, 400, "tool_choice"),

@@ -82,6 +82,26 @@ def test_effort_is_the_chat_reasoning_effort():
         translate.chat_body(body(messages=ask, output_config={"effort": "huge"}))
 
 
+def test_output_format_is_the_chat_response_format():
+    from services.http.openai import requests as oa
+
+    ask = [{"role": "user", "content": "q"}]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    chat = translate.chat_body(body(messages=ask, output_config={"format": {"type": "json_schema", "schema": schema}}))
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    # the grammar /v1/chat/completions sends for the same response_format, which the tokenizer compiles
+    parameters = oa.chat_parameters(msgspec.convert(chat, oa.ChatRequest), "m")
+    assert parameters.grammar == chat["response_format"]
+    for fmt, where in (
+        ({"type": "text"}, "format.type"),
+        ({"type": "json_schema"}, "format.schema"),
+        ("x", "format.type"),
+    ):
+        with pytest.raises(Failure, match=f"output_config.{where}") as e:
+            translate.chat_body(body(messages=ask, output_config={"format": fmt}))
+        assert e.value.status == 400
+
+
 @pytest.mark.parametrize(
     "choice, expected",
     [
