@@ -3,7 +3,8 @@ response's output items → the chat messages that continue a conversation (prev
 
 instructions become the first system message; input items become messages in order: a message item as is
 (`developer` read as `system`, input_text / output_text parts as text, input_image as an image part), the
-function_call items that follow one another as one assistant message with `tool_calls`, a function_call_output
+function_call items that follow one another as one assistant message with `tool_calls` (the assistant message
+they follow, when they follow one: a replayed turn of text and calls is one turn, as in chat), a function_call_output
 as a `tool` message answering its call_id; a reasoning item's text (its reasoning_text parts, else its summary)
 becomes the `reasoning_content` of the assistant message that follows it (the template decides whether that turn
 shows it; with no assistant message after it, it is left out). Flat function tools become chat tools,
@@ -79,8 +80,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
                 raise invalid(f"{where}: a function_call needs call_id, name and arguments (strings)", where)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":  # the turn's text, or its earlier calls
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             _reason(messages[-1], reasoning)

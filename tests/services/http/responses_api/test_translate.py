@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -15,6 +17,9 @@ from services.http.responses_api.schemas import (
     ResponseOutputMessage,
     ResponsesRequest,
 )
+from services.tokenizer.chat_template import ChatTemplates
+
+TEMPLATES = Path(__file__).parents[3] / "data" / "chat_templates"
 
 
 def body(**fields) -> ResponsesRequest:
@@ -106,11 +111,11 @@ def test_output_continues_the_conversation():
         ResponseOutputMessage("msg_1", [OutputText("let me check")]),
         FunctionCall("fc_1", "call_1", "get_weather", '{"city":"Oslo"}'),
     ]
+    # the turn's text and its call are one assistant turn, as chat completions has it
     assert translate.output_messages(output) == [
-        {"role": "assistant", "content": "let me check"},
         {
             "role": "assistant",
-            "content": None,
+            "content": "let me check",
             "tool_calls": [
                 {
                     "id": "call_1",
@@ -120,6 +125,32 @@ def test_output_continues_the_conversation():
             ],
         },
     ]
+
+
+def test_a_replayed_turn_renders_as_its_chat_completions_form():
+    """An assistant message and its function_call items, as a client replays a turn, give the prompt of the same
+    conversation in chat completions' form: one assistant turn with content and tool_calls (Qwen2.5's template)."""
+    call = {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    items = [
+        {"role": "user", "content": "weather in Oslo?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "let me check"}]},
+        {"type": "function_call", "call_id": "call_1", **call},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    chat = [
+        {"role": "user", "content": "weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "let me check",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    templates = ChatTemplates({"default": (TEMPLATES / "qwen25.jinja").read_text()})
+    prompt = templates.render(translate.input_messages(items), tools, native=True)
+    assert prompt == templates.render(chat, tools, native=True)
+    assert prompt.count("<|im_start|>assistant") == 2  # the replayed turn, and the generation prompt's
 
 
 @pytest.mark.parametrize(
