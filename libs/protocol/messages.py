@@ -308,6 +308,19 @@ class Unknown(Message, tag="unknown", kw_only=True):
     request_id: str
 
 
+class ChatFormatNote(msgspec.Struct, kw_only=True):
+    """A tokenizer's chat format, in its heartbeat: what an http process needs to read its model's chat answers
+    (tool calls, reasoning) as that tokenizer renders the prompts, when the model is not the http process's own. The
+    template text, not only the parsers' names: whether a prompt leaves the reasoning open depends on each request's
+    template variables, so http renders the template's probe itself (services.http.chat_formats)."""
+
+    templates: dict[str, str]  # name → Jinja source ("default", "tool_use"), --chat-template's when given
+    bos_token: str | None = None
+    eos_token: str | None = None
+    tool_call_parser: str = ""  # the model's --tool-call-parser ("": chosen from the template)
+    reasoning_parser: str = ""  # its --reasoning-parser ("": chosen from the template)
+
+
 class Heartbeat(Message, tag="hb", kw_only=True):
     """Liveness and load of one process, once a second (every process → hb.<role>.<n>)."""
 
@@ -333,6 +346,7 @@ class Heartbeat(Message, tag="hb", kw_only=True):
     adapters: list[str] = []
     max_batch: int = 0
     draining: bool = False  # a replica finishing its streams before it stops: no new request is placed on it
+    chat_format: ChatFormatNote | None = None  # a tokenizer's: its model's chat format (None: not announced)
 
 
 ANY_MESSAGE = (

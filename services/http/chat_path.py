@@ -5,8 +5,8 @@ is read back as reasoning, content and tool calls, whole or as stream deltas.
 
 Each layer translates its request into the chat body and the answer out of these deltas into its own shapes.
 How the text is read is chosen as /v1/chat/completions chooses it: the model's own format where the template's
-is known (services.http.openai.answer: its tool-call and reasoning parsers), else TGI's tool shape
-(services.http.openai.tools).
+is known (services.http.openai.answer: its tool-call and reasoning parsers; the format of the model the request is
+for, services.http.chat_formats), else TGI's tool shape (services.http.openai.tools).
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import msgspec
 from aiohttp import web
 
 from libs.protocol.messages import GenerateRequest
+from services.http.chat_formats import ChatFormats
 from services.http.errors import Failure
 from services.http.generation import bus_request
 from services.http.openai import requests as oa
 from services.http.openai import tools
-from services.http.openai.answer import AnswerReader, ChatFormat
+from services.http.openai.answer import AnswerReader
 
 
 class ChatTurn(msgspec.Struct):
@@ -35,7 +36,12 @@ class ChatTurn(msgspec.Struct):
 
 
 def chat_turn(
-    request: web.Request, ingress: int, chat: dict[str, Any], model_id: str, fmt: ChatFormat, mode: str = "generate"
+    request: web.Request,
+    ingress: int,
+    chat: dict[str, Any],
+    model_id: str,
+    formats: ChatFormats,
+    mode: str = "generate",
 ):
     """`chat` (an OpenAI chat body as a dict) → its ChatTurn, as /v1/chat/completions builds it; raises Failure.
 
@@ -66,6 +72,7 @@ def chat_turn(
         parallel_tool_calls=body.parallel_tool_calls is not False,
         thinking_budget=budget,
     )
+    fmt = formats.of(wire.model)  # the format of the model the request is for
     mode = fmt.answer_mode(body, tool_choice)
     if isinstance(mode, str):
         return ChatTurn(body, wire, None, mode, fmt.keeps_special)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from libs.protocol.messages import ChatFormatNote
 from libs.protocol.params import Parameters
 from libs.runtime.liveness import Liveness, Which, serving
 from libs.runtime.settings import Settings
@@ -65,6 +66,11 @@ class Fleet:
     def of_model(self, model: str) -> Which:
         """Which processes serve `model` ("": the default one, the local model)."""
         return serving(model, self.default)
+
+    def chat_format(self, model: str) -> ChatFormatNote | None:
+        """The chat format `model`'s live tokenizers announce (None: none of them does)."""
+        hbs = self.liveness.alive("tokenizer", serving(model, self.default)) if self.liveness else []
+        return next((hb.chat_format for hb in hbs if hb.chat_format is not None), None)
 
     def tokenizer_for(self, model: str) -> int | None:
         """A live tokenizer of `model` (round robin), None when it has none."""

@@ -24,7 +24,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from libs.protocol import Addresses, topics
 from libs.protocol.lora import AdapterSet
-from libs.protocol.messages import GenerateRequest, Heartbeat, RequestError, TokenizedRequest
+from libs.protocol.messages import ChatFormatNote, GenerateRequest, Heartbeat, RequestError, TokenizedRequest
 from libs.runtime import bus, metrics, service, tracing
 from libs.runtime.settings import Settings
 from services.tokenizer.processor import Processor
@@ -53,6 +53,15 @@ class TokenizerService:
         self.foreign: set[int] = set()  # replicas of another model: their adapter sets are not ours
         self.handled = self.rejected = self.tokenized = 0
         self.processor.grammars.on_wait = self._heartbeat  # a long grammar compile still beats
+        # announced with every heartbeat: an http process whose own model is another reads our answers by it
+        templates = self.processor.templates
+        self.chat_format = ChatFormatNote(
+            templates=templates.sources,
+            bos_token=templates.bos_token,
+            eos_token=templates.eos_token,
+            tool_call_parser=settings.tool_call_parser,
+            reasoning_parser=settings.reasoning_parser,
+        )
 
     def handle(self, req: GenerateRequest) -> None:
         started = time.perf_counter()
@@ -147,6 +156,7 @@ class TokenizerService:
         self.events.heartbeat(
             counters={"handled": self.handled, "rejected": self.rejected, "tokenized": self.tokenized},
             model=self.settings.model_id,
+            chat_format=self.chat_format,
         )
 
 

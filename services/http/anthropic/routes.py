@@ -25,11 +25,11 @@ from services.http.anthropic.schemas import (
     MessageUsage,
     TokensCount,
 )
+from services.http.chat_formats import ChatFormats
 from services.http.chat_path import AnswerStream, chat_turn, read_answer
 from services.http.errors import Failure
 from services.http.generation import Permits, collect
 from services.http.models import check_model
-from services.http.openai.answer import ChatFormat
 from services.http.responses import json_response, open_stream
 from services.http.sse_writer import StepWriter
 from services.http.tgi.schemas import parse_body
@@ -60,7 +60,7 @@ class AnthropicRoutes:
         self.settings = settings
         self.ingress = ingress
         self.permits = permits
-        self.format = ChatFormat(settings)  # the template's tool-call and reasoning formats
+        self.formats = ChatFormats(settings)  # each served model's tool-call and reasoning formats
 
     def install(self, app: web.Application) -> None:
         app.router.add_post("/v1/messages", self.messages)
@@ -69,7 +69,7 @@ class AnthropicRoutes:
     def _turn(self, request: web.Request, body: CountTokensRequest, mode: str = "generate"):
         check_model(body.model, self.settings)
         chat = translate.chat_body(body)
-        return chat_turn(request, self.ingress.index, chat, self.settings.model_id, self.format, mode)
+        return chat_turn(request, self.ingress.index, chat, self.settings.model_id, self.formats, mode)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         try:

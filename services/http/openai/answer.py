@@ -1,8 +1,9 @@
 """A chat answer read back: reasoning, content and tool calls in the model's own format (or TGI's tool shape).
 
-`ChatFormat` (one per http process) reads the served chat template once and chooses the tool-call parser
-(services.http.tool_parsers) and the reasoning parser (services.http.reasoning), as the tokenizer does from the
-same template and settings. `ChatFormat.reader(body)` gives a request's `AnswerReader`:
+`ChatFormat` reads a model's chat template once and chooses the tool-call parser (services.http.tool_parsers) and
+the reasoning parser (services.http.reasoning), as the tokenizer does from the same template and settings: the local
+model's from its folder (`served`), another model's from what its tokenizers announce (`announced`;
+services.http.chat_formats picks a request's). `ChatFormat.reader(body)` gives a request's `AnswerReader`:
 - `read(text)` → Answer(reasoning, content, calls): the whole answer;
 - `stream()` → an object whose `push(piece, final)` gives deltas ("reasoning", text), ("content", text) or
   ("call", ToolDelta), assembling to exactly `read` of the same text.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from libs.protocol.messages import ChatFormatNote
 from libs.runtime.settings import Settings
 from services.http import reasoning as reasoning_parsers
 from services.http import tool_parsers
@@ -102,18 +104,34 @@ class AnswerStream:
 
 
 class ChatFormat:
-    """The served template's formats (see the module docstring)."""
+    """A model's template formats (see the module docstring): its templates and its parser flags ("": chosen from
+    the template)."""
 
-    def __init__(self, settings: Settings) -> None:
-        try:
-            self.templates = ChatTemplates.load(settings.model_path, settings.chat_template)
-        except Exception:  # no readable folder (tests without a model): plain text, TGI's way
-            self.templates = ChatTemplates({})
-        self.tool_flag = settings.tool_call_parser
-        self.reasoning = reasoning_parsers.choose(self.templates.source(tools=False), settings.reasoning_parser)
+    def __init__(self, templates: ChatTemplates, tool_flag: str = "", reasoning_flag: str = "") -> None:
+        self.templates = templates
+        self.tool_flag = tool_flag
+        self.reasoning = reasoning_parsers.choose(self.templates.source(tools=False), reasoning_flag)
         # the detokenizer keeps special tokens in the text (services.detokenizer.formats, the same choice)
         tool_format = tool_parsers.choose(self.templates.source(), self.tool_flag)
         self.keeps_special = any(getattr(p, "keeps_special_tokens", False) for p in (self.reasoning, tool_format))
+
+    @classmethod
+    def served(cls, settings: Settings) -> ChatFormat:
+        """The local model's: its folder's template (or --chat-template) and the parser flags."""
+        try:
+            templates = ChatTemplates.load(settings.model_path, settings.chat_template)
+        except Exception:  # no readable folder (tests without a model): plain text, TGI's way
+            templates = ChatTemplates({})
+        return cls(templates, settings.tool_call_parser, settings.reasoning_parser)
+
+    @classmethod
+    def announced(cls, note: ChatFormatNote) -> ChatFormat:
+        """Another model's, as its tokenizer announces it (a parser name this process does not know: chosen from
+        the template instead)."""
+        templates = ChatTemplates(note.templates, note.bos_token, note.eos_token)
+        tool_flag = note.tool_call_parser if note.tool_call_parser in tool_parsers.NAMES else ""
+        reasoning_flag = note.reasoning_parser if note.reasoning_parser in reasoning_parsers.NAMES else ""
+        return cls(templates, tool_flag, reasoning_flag)
 
     def parser(self, tool_prompt: str | None) -> ToolParser | None:
         t = self.templates

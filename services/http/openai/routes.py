@@ -17,13 +17,14 @@ from aiohttp import web
 
 from libs.protocol.messages import GenerateRequest
 from libs.runtime.settings import Settings
+from services.http.chat_formats import ChatFormats
 from services.http.errors import Failure, OpenAIFailure, error_response, openai_error_response, openai_stream_error
 from services.http.generation import Permits, bus_request
 from services.http.models import check_model
 from services.http.openai import choices, tools
 from services.http.openai import requests as oa
 from services.http.openai import responses as oar
-from services.http.openai.answer import AnswerReader, AnswerStream, ChatFormat
+from services.http.openai.answer import AnswerReader, AnswerStream
 from services.http.responses import DONE, json_response, open_stream, sse
 from services.http.sse_writer import StepWriter
 from services.http.tgi.schemas import VERSION, parse_body, simple_tokens
@@ -103,7 +104,7 @@ def _chat_error(e: Failure, tool_mode) -> web.Response:
 class OpenAIRoutes:
     def __init__(self, settings: Settings, ingress, permits: Permits):
         self.settings = settings
-        self.format = ChatFormat(settings)  # the template's tool-call and reasoning formats
+        self.formats = ChatFormats(settings)  # each served model's tool-call and reasoning formats
         self.ingress = ingress
         self.permits = permits
 
@@ -138,7 +139,7 @@ class OpenAIRoutes:
             parallel_tool_calls=body.parallel_tool_calls is not False,
             thinking_budget=_budget(body),
         )
-        return body, wire, self.format.answer_mode(body, tool_choice)
+        return body, wire, self.formats.of(wire.model).answer_mode(body, tool_choice)
 
     # ---- /v1/chat/completions --------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -160,7 +161,8 @@ class OpenAIRoutes:
                 results = await choices.collect_all(self.ingress, wires, [timing] + [None] * (n - 1))
             answers, call_id = [], tools.next_call_id(body.messages)
             for rows in results:
-                if isinstance(tool_mode, str) and self.format.keeps_special:  # TGI's tool mode reads no markers
+                keeps_special = self.formats.of(wire.model).keeps_special
+                if isinstance(tool_mode, str) and keeps_special:  # TGI's tool mode reads no markers
                     final = msgspec.structs.replace(rows[-1].final, generated_text=tools.visible_text(rows))
                     rows = [*rows[:-1], msgspec.structs.replace(rows[-1], final=final)]
                 text, tool_calls = rows[-1].final.generated_text, None

@@ -14,11 +14,11 @@ import msgspec
 from aiohttp import web
 
 from libs.runtime.settings import Settings
+from services.http.chat_formats import ChatFormats
 from services.http.chat_path import AnswerStream, chat_turn, read_answer
 from services.http.errors import Failure, OpenAIFailure, openai_error_response
 from services.http.generation import Permits, collect
 from services.http.models import check_model
-from services.http.openai.answer import ChatFormat
 from services.http.responses import json_response, open_stream
 from services.http.responses_api import translate
 from services.http.responses_api.events import EventStream, finish, new_id, whole_output
@@ -58,7 +58,7 @@ class ResponsesRoutes:
         self.ingress = ingress
         self.permits = permits
         self.store = store or ResponseStore()
-        self.format = ChatFormat(settings)  # the template's tool-call and reasoning formats
+        self.formats = ChatFormats(settings)  # each served model's tool-call and reasoning formats
 
     def install(self, app: web.Application) -> None:
         app.router.add_post("/v1/responses", self.create)
@@ -76,7 +76,7 @@ class ResponsesRoutes:
                     raise not_found(body.previous_response_id, "previous_response_id")
                 history = stored.conversation
             chat = translate.chat_body(body, history)
-            turn = chat_turn(request, self.ingress.index, chat, self.settings.model_id, self.format)
+            turn = chat_turn(request, self.ingress.index, chat, self.settings.model_id, self.formats)
             conversation = history + translate.input_messages(body.input)
         except Failure as e:
             return error_response(e)

@@ -12,6 +12,7 @@ from libs.protocol.messages import (
     FINISH_EOS,
     Abort,
     Accepted,
+    ChatFormatNote,
     FinalInfo,
     GenerateRequest,
     Heartbeat,
@@ -154,6 +155,15 @@ SAMPLES = [
     Unknown(request_id="f" * 32),
     Heartbeat(
         role="scheduler", index=0, pid=1, queue=2, running=3, free_blocks=4, total_blocks=5, counters={"steps": 9}
+    ),
+    Heartbeat(
+        role="tokenizer",
+        index=1,
+        pid=1,
+        model="m",
+        chat_format=ChatFormatNote(
+            templates={"default": "{{ messages }}"}, eos_token="</s>", tool_call_parser="hermes"
+        ),
     ),
 ]
 

@@ -63,7 +63,7 @@ def test_the_markers_are_kept_for_a_harmony_model_only(folders):
 
 
 def _read(folder, rows, tools) -> tuple:
-    reader = ChatFormat(Settings(model_path=str(folder))).reader(tools, None, None, None)
+    reader = ChatFormat.served(Settings(model_path=str(folder))).reader(tools, None, None, None)
     whole = reader.read(rows[-1].final.generated_text)
     stream, reasoning, content, calls = reader.stream(), "", "", {}
     for row in rows:
