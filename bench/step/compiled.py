@@ -2,7 +2,8 @@
 
 Three parts, each printed as JSON lines and summed up in a table:
 - start-up: a fresh process builds the runner (load, pack, and for the compiled runner the compile at start), with
-  inductor's cache empty, then again with it warm (the second start of a server); the cache's hits and misses;
+  inductor's cache empty, then again with it warm (the second start of a server); the graphs dynamo traced (one per
+  kind of layer) and the cache's hits and misses;
 - decode steps of 1/16/64 rows (prompts of 32 tokens), eager and compiled interleaved round by round on the same
   machine load, the ratio per round (eager / compiled step time) and its median;
 - a 2k-token prompt's prefill (TTFT in process), interleaved the same way.
@@ -55,6 +56,7 @@ def start(model_dir: str, dtype: str, compile: bool, cache: str) -> dict:
         "start_s": round(lap.wall, 2),
         "start_cpu_s": round(lap.cpu, 2),
         "compile_s": round(compiled.compile_s, 2) if compiled else 0.0,
+        "graphs": compiled.graphs if compiled else 0,  # one per kind of layer (regional compile)
         "reason": runner.compiled_reason,
         "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
         "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
@@ -173,7 +175,8 @@ def table(result: dict) -> str:
     lines = [
         f"{result['model']} ({result['dtype']}), {result['machine']}",
         f"start: eager {s['eager']['start_s']} s; compiled, empty cache {s['compiled_empty_cache']['start_s']} s "
-        f"(compile {s['compiled_empty_cache']['compile_s']} s); warm cache {s['compiled_warm_cache']['start_s']} s "
+        f"(compile {s['compiled_empty_cache']['compile_s']} s, {s['compiled_empty_cache']['graphs']} graphs); "
+        f"warm cache {s['compiled_warm_cache']['start_s']} s "
         f"(compile {s['compiled_warm_cache']['compile_s']} s, {s['compiled_warm_cache']['fxgraph_cache_hit']} hits)",
         "| rows | eager step ms | compiled step ms | eager tok/s | compiled tok/s | speedup (median of rounds) |",
         "|---|---:|---:|---:|---:|---:|",
