@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from libs.protocol import codec
-from libs.protocol.messages import TokenizedRequest
+from libs.protocol.messages import FINISH_ERROR, TokenizedRequest
 from libs.protocol.params import SamplingParams
 from libs.protocol.step_messages import StepPlan, StepResult
 from libs.runtime import model_store
@@ -48,6 +48,7 @@ class Output:
     top: list[tuple[list[int], list[float]]] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
     finish: int = 0
+    error: str | None = None  # why the shard failed this request alone (StepResult.errors)
 
 
 class Engine:
@@ -102,7 +103,8 @@ class Engine:
             raise RuntimeError(f"step {plan.step} failed on the shard: {result.error}")
         if self.on_step is not None:
             self.on_step(plan, result)
-        rows = self.batcher.apply(result)
+        failed = [self._fail(seq, why) for seq, why in result.errors.items()]  # as the scheduler's _fail_rows
+        rows = [r for r in failed if r is not None] + self.batcher.apply(result)
         for row in rows:
             self._record(row)
         return rows
@@ -119,6 +121,13 @@ class Engine:
                     return self.outputs
                 self.steps = min(arrivals)  # idle until the next arrival
         raise RuntimeError(f"not done after {max_steps} steps")
+
+    def _fail(self, seq: int, why: str) -> Emitted | None:
+        s = self.batcher.running.get(seq)
+        if s is None:
+            return None
+        self.outputs[s.req.request_id].error = why
+        return self.batcher.finish(s.req.request_id, FINISH_ERROR)
 
     def _record(self, row: Emitted) -> None:
         out = self.outputs[row.seq.req.request_id]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from libs.protocol.message_base import Message
 from libs.protocol.params import Parameters, SamplingParams
@@ -56,7 +57,8 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
 
 class ImageInput(msgspec.Struct, kw_only=True, array_like=True):
     """One image of a request: where its placeholder tokens sit in the prompt and the shape of its pixels, whose
-    float32 values travel in the carrying message's `pixel_values` frame (images in order, each flattened)."""
+    values travel flattened in a frame of the carrying message, images in order: `pixel_values` for float32 ones,
+    `pixel_bytes` for uint8 ones (image_pixels below reads them back)."""
 
     digest: str  # content hash of its preprocessed pixels (hex): the prefix-cache key and the encoder cache's
     start: int  # prompt position of its first placeholder token
@@ -65,6 +67,9 @@ class ImageInput(msgspec.Struct, kw_only=True, array_like=True):
     # the picture's (height, width) before preprocessing, where the model needs it (LLaVA-Next's tiling); last, so a
     # peer without the field still reads the rest
     image_size: list[int] = []
+    # "float32": the processor's pixel values; "uint8": its values before rescale and normalize, exact bytes for the
+    # families whose processor does those last (a quarter of the size), which the shard applies as it does
+    dtype: str = "float32"
 
     @property
     def size(self) -> int:
@@ -74,13 +79,42 @@ class ImageInput(msgspec.Struct, kw_only=True, array_like=True):
         return n
 
 
-def check_images(images: list[ImageInput], pixel_values: Any, prompt_len: int | None = None) -> None:
-    """The images' pixels fill the frame exactly and their placeholders lie within the prompt (ValueError)."""
-    if sum(im.size for im in images) != (0 if pixel_values is None else len(pixel_values)):
-        raise ValueError("pixel values do not match the images' shapes")
+PIXEL_FRAMES = {"float32": "pixel_values", "uint8": "pixel_bytes"}  # ImageInput.dtype → the frame of its pixels
+
+
+def check_images(
+    images: list[ImageInput], pixel_values: Any, prompt_len: int | None = None, pixel_bytes: Any = None
+) -> None:
+    """The images' pixels fill their frames exactly and their placeholders lie within the prompt (ValueError)."""
+    if any(im.dtype not in PIXEL_FRAMES for im in images):
+        raise ValueError(f"an image's pixels must be one of {sorted(PIXEL_FRAMES)}")
+    for dtype, frame in (("float32", pixel_values), ("uint8", pixel_bytes)):
+        if sum(im.size for im in images if im.dtype == dtype) != (0 if frame is None else len(frame)):
+            raise ValueError(f"{dtype} pixel values do not match the images' shapes")
     for im in images:
         if im.start < 0 or im.tokens < 1 or (prompt_len is not None and im.start + im.tokens > prompt_len):
             raise ValueError("an image's placeholders lie outside the prompt")
+
+
+def image_pixels(images: list[ImageInput], pixel_values: Any, pixel_bytes: Any) -> list[Any]:
+    """Each image's flat pixels, sliced from the frame its dtype names (frames as check_images accepts them)."""
+    frames = {"float32": pixel_values, "uint8": pixel_bytes}
+    at, out = dict.fromkeys(frames, 0), []
+    for im in images:
+        out.append(frames[im.dtype][at[im.dtype] : at[im.dtype] + im.size])
+        at[im.dtype] += im.size
+    return out
+
+
+def pixel_frames(pixels: list[Any]) -> dict[str, Any]:
+    """The message fields that carry images' flat pixels (numpy arrays, in image order): uint8 ones in
+    `pixel_bytes`, the others in `pixel_values` as float32; None where none goes."""
+    raw = [p for p in pixels if p.dtype == np.uint8]
+    values = [p for p in pixels if p.dtype != np.uint8]
+    return {
+        "pixel_values": np.concatenate(values).astype(np.float32, copy=False) if values else None,
+        "pixel_bytes": np.concatenate(raw) if raw else None,
+    }
 
 
 class TokenizedRequest(Message, tag="tokenized", kw_only=True):
@@ -90,12 +124,12 @@ class TokenizedRequest(Message, tag="tokenized", kw_only=True):
     `detokenizer` filled in.
     """
 
-    FRAMES = (("input_ids", "<i4"), ("pixel_values", "<f4"))
+    FRAMES = (("input_ids", "<i4"), ("pixel_values", "<f4"), ("pixel_bytes", "u1"))
 
     def check(self) -> None:
         if len(self.input_ids) == 0 or self.max_new_tokens < 1:
             raise ValueError("a tokenized request needs input ids and max_new_tokens >= 1")
-        check_images(self.images, self.pixel_values, len(self.input_ids))
+        check_images(self.images, self.pixel_values, len(self.input_ids), self.pixel_bytes)
 
     request_id: str
     ingress: int
@@ -111,10 +145,11 @@ class TokenizedRequest(Message, tag="tokenized", kw_only=True):
     grammar: str = ""  # llguidance grammar text, compiled once by the tokenizer ("": unconstrained)
     grammar_kind: str = ""  # json | regex | gbnf | lark | tools | tools_auto (a metrics label)
     adapter: str | None = None  # the LoRA adapter it runs with (None: the base model), checked by the tokenizer
-    images: list[ImageInput] = []  # a vision model's images, in prompt order (their pixels: `pixel_values`)
-    pixel_values: Any = None  # np.ndarray[float32], every image's pixels flattened and concatenated (raw frame)
+    images: list[ImageInput] = []  # a vision model's images, in prompt order (their pixels: the two frames below)
+    pixel_values: Any = None  # np.ndarray[float32], the float32 images' pixels flattened and concatenated (raw frame)
     group: str = ""  # GenerateRequest.group: siblings whose prompt KV blocks the scheduler shares
     model: str = ""  # GenerateRequest.model: the router places it only on replicas of that model
+    pixel_bytes: Any = None  # np.ndarray[uint8], the uint8 images' pixels flattened and concatenated (raw frame)
 
 
 # --------------------------------------------------------------------------------------------

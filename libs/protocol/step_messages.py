@@ -26,7 +26,7 @@ class NewSequence(msgspec.Struct, array_like=True):
     adapter: str | None = None  # the LoRA adapter its rows run with (None: the base model)
     grammar: str = ""  # llguidance grammar text: the shard builds the sequence's matcher ("": unconstrained)
     grammar_ids: list[int] = []  # the tokens it generated already (a recompute): replayed into the matcher
-    # the images whose placeholders it still has to feed (not in its cached prefix); pixels in StepPlan.pixel_values
+    # the images whose placeholders it still has to feed (not in its cached prefix); pixels in StepPlan's frames
     images: list[ImageInput] = []
     # the images wholly in its cached prefix (no pixels: never encoded again), for models whose positions after an
     # image depend on its layout (M-RoPE: services/shard/vision/mrope.py)
@@ -50,7 +50,8 @@ class StepPlan(Message, tag="plan", kw_only=True):
         # per row: how many of its fed tokens are drafts to verify (speculative decoding; a drafted row feeds
         # [its last token, d1..dk] and yields 1..k+1 tokens), or empty when no row has drafts
         ("drafts", "<i4"),
-        ("pixel_values", "<f4"),  # the new sequences' images' pixels, in order (NewSequence.images)
+        ("pixel_values", "<f4"),  # the new sequences' float32 images' pixels, in order (NewSequence.images)
+        ("pixel_bytes", "u1"),  # their uint8 images' pixels, in order (ImageInput.dtype)
     )
 
     step: int
@@ -67,9 +68,10 @@ class StepPlan(Message, tag="plan", kw_only=True):
     # applied before `blocks` appends
     trim: dict[int, int] = {}
     pixel_values: Any = None
+    pixel_bytes: Any = None
 
     def check(self) -> None:
-        check_images([im for new in self.new for im in new.images], self.pixel_values)
+        check_images([im for new in self.new for im in new.images], self.pixel_values, pixel_bytes=self.pixel_bytes)
         n = len(self.seqs)
         if not len(self.num_tokens) == len(self.context_lens) == len(self.sample) == n:
             raise ValueError("plan rows of unequal length")
@@ -108,7 +110,7 @@ class StepResult(Message, tag="result", kw_only=True):
     rank: int = 0
     forward_s: float = 0.0  # seconds the shard spent in the forward pass and sampling
     error: str | None = None  # set when the step failed; the scheduler fails its requests
-    errors: dict[int, str] = {}  # seq → why its grammar failed: that request alone fails
+    errors: dict[int, str] = {}  # seq → what failed ("grammar: …", "image: …"): that request alone fails
     seqs: Any = None
     token_counts: Any = None
     token_ids: Any = None

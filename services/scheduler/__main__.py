@@ -335,15 +335,16 @@ class SchedulerService:
         return rows
 
     def _fail_rows(self, errors: dict[int, str]) -> None:
-        """Rows whose grammar failed on the shard (no token fits): those requests alone fail (TGI's generation
-        error, 424) and free their blocks; the step's other rows go on."""
+        """Rows that failed alone on the shard, each with what failed (its grammar: no token fits; its images: the
+        encoder cannot read them as sent): those requests fail (TGI's generation error, 424) and free their blocks
+        (none is indexed in the prefix cache); the step's other rows go on."""
         rows, failed = [], []
         for seq, error in errors.items():
             s = self.batcher.running.get(seq)
             if s is None:
                 continue  # ended (aborted) while the step ran
             req = s.req
-            message = f"Request failed during generation: grammar: {error}"
+            message = f"Request failed during generation: {error}"
             self.log.error("request failed: %s", message, extra={"request_id": req.request_id})
             err = RequestError(request_id=req.request_id, message=message, error_type="generation")
             self.events.publish(topics.out(req.ingress), err)

@@ -203,7 +203,7 @@ class Batcher:
             token_ids=np.concatenate(token_ids).astype(np.int32, copy=False),
             sample=np.asarray(sample, np.uint8),
             drafts=np.asarray([len(drafts.get(i, ())) for i in range(len(rows))] if drafts else [], np.int32),
-            pixel_values=plan_pixels(self._pixels),
+            **plan_pixels(self._pixels),
         )
 
     def _drafts(self, rows: list, step: int) -> dict[int, list[int]]:

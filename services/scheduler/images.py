@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from libs.protocol.messages import ImageInput, TokenizedRequest
+from libs.protocol.messages import ImageInput, TokenizedRequest, image_pixels, pixel_frames
 
 
 def images_to_feed(req: TokenizedRequest, computed: int) -> tuple[list[ImageInput], list[np.ndarray]]:
     """The request's images that end past `computed` prompt tokens, and each one's flat pixels."""
-    images, pixels, at = [], [], 0
-    for im in req.images:
-        size = im.size
+    images, pixels = [], []
+    for im, px in zip(req.images, image_pixels(req.images, req.pixel_values, req.pixel_bytes)):
         if im.start + im.tokens > computed:
             images.append(im)
-            pixels.append(req.pixel_values[at : at + size])
-        at += size
+            pixels.append(px)
     return images, pixels
 
 
@@ -28,9 +26,9 @@ def images_in_prefix(req: TokenizedRequest, computed: int) -> list[ImageInput]:
     return [im for im in req.images if im.start + im.tokens <= computed]
 
 
-def plan_pixels(pixels: list[np.ndarray]) -> np.ndarray | None:
-    """The StepPlan's pixel frame: the new sequences' images' pixels, in order (None: no image this step)."""
-    return np.concatenate(pixels).astype(np.float32, copy=False) if pixels else None
+def plan_pixels(pixels: list[np.ndarray]) -> dict[str, np.ndarray | None]:
+    """The StepPlan's pixel frames: the new sequences' images' pixels, in order, each dtype in its own frame."""
+    return pixel_frames(pixels)
 
 
 # families whose image blocks are attended both ways in prefill (services/shard/vision/gemma3.py)

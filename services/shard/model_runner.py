@@ -101,7 +101,7 @@ class ModelRunner:
         self.vision: ImageState | None = None
         self.text_model = self.model
         if vision_loader.is_vision_model(self.model):
-            self.vision = ImageState(self.model)
+            self.vision = ImageState(self.model, model_dir)
             self.text_model = vision_loader.text_model(self.model, ATTN_IMPLEMENTATION)
         # the direct decoder walk, or None (transformers' forward) and why
         self.walk, self.walk_reason = walk_module.build(self.text_model, tp, decoder_walk)
@@ -215,7 +215,7 @@ class ModelRunner:
             if new.adapter and new.adapter not in self.lora.adapters:
                 raise ValueError(f"plan asks for LoRA adapter {new.adapter!r}, which this shard has not loaded")
             self.seqs[new.seq] = SequenceState(new.sampling, gen, history=history, adapter=new.adapter)
-        self._open_images(plan)
+        refused = self._open_images(plan)
         for new in plan.new:
             if new.grammar:  # its matcher, with the tokens it generated already replayed (a recompute)
                 self.grammars.open(new.seq, new.grammar, new.grammar_ids)
@@ -229,6 +229,8 @@ class ModelRunner:
         encoded = self.vision.encoder.seconds if self.vision is not None else 0.0
         if fed:
             self._step(plan, result)
+        # rows that fail alone, each with what failed: its grammar (no token fits) or its images (refused at open)
+        result.errors = {**{seq: f"grammar: {why}" for seq, why in result.errors.items()}, **refused}
         if self.vision is not None:
             result.encode_s = self.vision.encoder.seconds - encoded
         for seq in plan.finished:
@@ -243,12 +245,13 @@ class ModelRunner:
         if self.vision is not None:
             self.vision.drop(seq)
 
-    def _open_images(self, plan: StepPlan) -> None:
-        """The new sequences' images (services/shard/vision/image_state.py)."""
+    def _open_images(self, plan: StepPlan) -> dict[int, str]:
+        """The new sequences' images (services/shard/vision/image_state.py); the sequences refused, with why."""
         if self.vision is not None:
-            self.vision.open(plan)
-        elif any(new.images for new in plan.new):
+            return self.vision.open(plan)
+        if any(new.images for new in plan.new):
             raise ValueError("plan sends images to a model without a vision tower")
+        return {}
 
     def reset(self) -> None:
         """Drop every sequence (a new scheduler's probe)."""

@@ -18,7 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from libs.protocol.lora import KnownAdapters
-from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest, TokenizeResult
+from libs.protocol.messages import GenerateRequest, RequestError, TokenizedRequest, TokenizeResult, pixel_frames
 from libs.runtime import metrics, model_store
 from libs.runtime.settings import Settings
 from services.http import reasoning
@@ -127,17 +127,34 @@ class Processor:
             raise validation.ValidationError(f"tokenizer error {e}") from e
 
     def _tokenize(self, req: GenerateRequest) -> TokenizeResult:
-        """TGI's /tokenize and /chat_tokenize: no parameter validation, no truncation."""
+        """TGI's /tokenize and /chat_tokenize: no parameter validation, no truncation. A vision model's images
+        become their placeholder tokens as they do for generation (the tokens a prefill feeds); the text is the
+        prompt with the model's image token where each image was, and each of an image's tokens has that token's
+        offsets."""
         text, special = self._prompt(req, self._tools(req))
+        text, images = self._image_placeholders(req, text, observe=False)
         encoding = self._encode(text, special)
+        ids = encoding.ids
         offsets = np.asarray(encoding.offsets, dtype=np.uint32).reshape(-1, 2)
+        if images is not None:
+            ids, offsets = self._expand_offsets(ids, offsets, images)
         return TokenizeResult(
             request_id=req.request_id,
             text=text,
-            ids=np.asarray(encoding.ids, dtype=np.int32),
+            ids=np.asarray(ids, dtype=np.int32),
             starts=np.ascontiguousarray(offsets[:, 0]),
             stops=np.ascontiguousarray(offsets[:, 1]),
         )
+
+    def _expand_offsets(self, ids: list[int], offsets: np.ndarray, images: Images) -> tuple[list[int], np.ndarray]:
+        """The ids with each image token expanded (as for generation), and the offsets repeated to match."""
+        try:
+            expanded, _ = self.images.expand(ids, images)
+        except ImageError as e:
+            raise validation.ValidationError(str(e)) from None
+        repeats = np.ones(len(ids), dtype=np.int64)
+        repeats[np.asarray(ids) == self.images.image_token_id] = [len(t) for t in images.token_ids]
+        return expanded, np.repeat(offsets, repeats, axis=0)
 
     def _detokenize(self, req: GenerateRequest) -> TokenizeResult:
         """vLLM's /detokenize: the text of `prompt_ids` (special tokens included, as vLLM decodes them)."""
@@ -200,9 +217,10 @@ class Processor:
             **_image_fields(placed, images, len(ids) - len(resolved.input_ids)),
         )
 
-    def _image_placeholders(self, req: GenerateRequest, text: str) -> tuple[str, Images | None]:
+    def _image_placeholders(self, req: GenerateRequest, text: str, observe: bool = True) -> tuple[str, Images | None]:
         """The prompt with its markdown images as the model's image token, and the images processed (None: none).
-        A text-only model answers a markdown image as text (TGI) but refuses an OpenAI image part."""
+        A text-only model answers a markdown image as text (TGI) but refuses an OpenAI image part. `observe`: count
+        the request's images in the metrics (a generation, not a /tokenize)."""
         if self.images is None:
             if req.messages is not None and has_image_parts(req.messages):
                 raise validation.ValidationError("this model does not take images (it is a text-only model)")
@@ -212,7 +230,7 @@ class Processor:
             images = self.images.process(urls) if urls else None
         except ImageError as e:
             raise validation.ValidationError(str(e)) from None
-        m = metrics.get()
+        m = metrics.get() if observe else None
         if m is not None:
             m.request_images.observe(len(urls))
             if images is not None:
@@ -266,7 +284,7 @@ def _image_fields(placed: list, images: Images | None, cut: int) -> dict:
         raise validation.ValidationError("`truncate` would cut an image's tokens out of the prompt")
     for im in placed:
         im.start -= cut
-    return {"images": placed, "pixel_values": np.concatenate([p.ravel() for p in images.pixels])}
+    return {"images": placed, **pixel_frames([p.ravel() for p in images.pixels])}
 
 
 def eos_ids(model_path: str, tokenizer: Tokenizer, templates: ChatTemplates) -> list[int]:

@@ -1,7 +1,7 @@
 """End to end on a tiny LLaVA (tests/vision_models.py) through the six processes: /info says it takes images; a
 TGI markdown image on /generate and an OpenAI image_url part on /v1/chat/completions give transformers' greedy
-tokens for the processor's inputs, image tokens counted in the prompt; two images give two answers; bad images get
-a 422 in TGI's shape and the server keeps serving; the image metrics count."""
+tokens for the processor's inputs, image tokens counted in the prompt (and by /tokenize); two images give two
+answers; bad images get a 422 in TGI's shape and the server keeps serving; the image metrics count."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from tests.e2e.vision_server import markdown_answers, serve
-from tests.vision_models import IMAGE_TOKENS, build_llava, data_uri, image
+from tests.vision_models import IMAGE_TOKENS, build_llava, data_uri, image, prompt_ids
 
 pytestmark = pytest.mark.e2e
 llava = serve(build_llava, "llava")
@@ -26,6 +26,16 @@ def test_info_says_images(llava):
 
 def test_generate_markdown_image_equals_transformers(llava):
     markdown_answers(llava, "Look at <image> and say", [image(1), image(2)])
+
+
+def test_tokenize_counts_an_image_as_its_tokens(llava):
+    """/tokenize answers the prompt /generate prefills (its details.prefill: the processor's ids, as above)."""
+    text = "Look at <image> and say"
+    inputs = text.replace("<image>", f"![]({data_uri(image(1))})")
+    r = requests.post(llava.url + "/tokenize", json={"inputs": inputs}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert [t["id"] for t in r.json()] == prompt_ids(llava.folder, text, [image(1)])
+    assert sum(t["text"] == "<image>" for t in r.json()) == IMAGE_TOKENS
 
 
 def test_chat_image_part_and_usage(llava):

@@ -45,12 +45,11 @@ class EncoderCache:
         self.pending: dict[int, list[_Pending]] = {}  # seq → its images whose placeholders are not all fed
         self.outputs: OrderedDict[str, torch.Tensor] = OrderedDict()  # digest → encoder output, LRU first
 
-    def open(self, seq: int, images: list[ImageInput], pixels: np.ndarray) -> None:
-        """A new sequence's images and their flat pixels (its part of the plan's pixel frame)."""
-        held, at = [], 0
-        for im in images:
-            held.append(_Pending(im, torch.from_numpy(np.array(pixels[at : at + im.size])).reshape(im.shape)))
-            at += im.size
+    def open(self, seq: int, images: list[ImageInput], pixels: list[np.ndarray]) -> None:
+        """A new sequence's images and each one's float32 pixels (flat or shaped)."""
+        held = [
+            _Pending(im, torch.from_numpy(np.array(px, np.float32)).reshape(im.shape)) for im, px in zip(images, pixels)
+        ]
         if held:
             self.pending[seq] = held
 

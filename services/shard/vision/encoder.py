@@ -42,6 +42,11 @@ class VisionEncoder:
         self.seconds += time.perf_counter() - started
         return out
 
+    def refuses(self, image: ImageInput) -> str | None:
+        """Why this family cannot encode `image` as its message came (None: it can); the shard refuses that request
+        alone when it opens it."""
+        return None
+
     def features(self, batch: torch.Tensor, images: list[ImageInput] | None = None) -> torch.Tensor:
         """A batch of same-shaped images' placeholder embeddings, [images, tokens, hidden] (or a list of them)."""
         return self.model.model.get_image_features(

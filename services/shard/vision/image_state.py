@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from libs.protocol.messages import image_pixels
 from libs.protocol.step_messages import StepPlan
 from services.shard.attention.paged import PagedBatch
 from services.shard.vision import encoder as vision_encoder
@@ -16,26 +17,36 @@ from services.shard.vision import gemma3 as vision_gemma3
 from services.shard.vision import loader as vision_loader
 from services.shard.vision.cache import EncoderCache, StepImages
 from services.shard.vision.mrope import MRopePositions
+from services.shard.vision.pixels import PixelFinisher
 
 
 class ImageState:
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, model_dir: str | None = None) -> None:
         self.cache = EncoderCache(vision_encoder.for_model(model))
+        self.pixels = PixelFinisher(model_dir)  # images sent as bytes: their processor's rescale and normalize
         self.encoder = self.cache.encoder
         # the image layouts of an M-RoPE model's sequences (None: 1-D positions)
         self.mrope: MRopePositions | None = MRopePositions() if vision_loader.uses_mrope(model) else None
         self.both_ways = vision_loader.attends_images_both_ways(model)
 
-    def open(self, plan: StepPlan) -> None:
-        """The new sequences' images, their pixels sliced from the plan's frame in order."""
-        at = 0
+    def open(self, plan: StepPlan) -> dict[int, str]:
+        """The new sequences' images, their pixels sliced from the plan's frames in order (bytes finished into
+        the processor's values). Returns the sequences refused, with why: an image the model's encoder cannot read
+        as sent. Such a sequence holds no image here; the step still feeds its row (as text), and the scheduler
+        fails that request alone on the reason."""
+        images = [im for new in plan.new for im in new.images]
+        pixels = iter(image_pixels(images, plan.pixel_values, plan.pixel_bytes))
+        refused = {}
         for new in plan.new:
-            if new.images:
-                size = sum(im.size for im in new.images)
-                self.cache.open(new.seq, new.images, plan.pixel_values[at : at + size])
-                at += size
+            flat = [next(pixels) for _ in new.images]
+            why = next(filter(None, (self.pixels.refuses(im) or self.encoder.refuses(im) for im in new.images)), None)
+            if why is not None:
+                refused[new.seq] = f"image: {why}"
+            elif new.images:
+                self.cache.open(new.seq, new.images, [self.pixels.values(im, px) for im, px in zip(new.images, flat)])
             if self.mrope is not None:
                 self.mrope.open(new.seq, new.cached_images + new.images)
+        return refused
 
     def drop(self, seq: int) -> None:
         self.cache.drop(seq)

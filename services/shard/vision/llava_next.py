@@ -16,6 +16,11 @@ FAMILIES = {"llava_next"}
 
 
 class LlavaNextVisionEncoder(VisionEncoder):
+    def refuses(self, image: ImageInput) -> str | None:
+        if len(image.image_size) != 2:  # a sender older than the field: the rows cannot be counted without it
+            return "a LLaVA-Next image needs its (height, width) before preprocessing (image_size); none came with it"
+        return None
+
     def features(self, batch: torch.Tensor, images: list[ImageInput] | None = None) -> list[torch.Tensor]:
         """Each image's packed rows ([tokens, hidden]; images of one view count may still differ in tokens)."""
         sizes = [im.image_size for im in images or ()]

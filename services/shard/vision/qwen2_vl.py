@@ -38,6 +38,10 @@ class QwenVisionEncoder:
         self.seconds = 0.0  # time spent encoding them
 
     @torch.inference_mode()
+    def refuses(self, image: ImageInput) -> str | None:
+        """None: what the encoder reads (the pixels and their grid) is in every message (VisionEncoder.refuses)."""
+        return None
+
     def encode(self, pixels: list[torch.Tensor], images: list[ImageInput] | None = None) -> list[torch.Tensor]:
         """Each image's placeholder embeddings, [tokens, hidden]; every image in one call (the tower attends within
         each image only, by its grid)."""

@@ -35,19 +35,27 @@ class Images:
     """A prompt's images, processed: each one's placeholder tokens and pixels."""
 
     token_ids: list[np.ndarray] = field(default_factory=list)  # per image: the tokens its placeholder becomes
-    pixels: list[np.ndarray] = field(default_factory=list)  # per image: float32 pixel values
+    pixels: list[np.ndarray] = field(default_factory=list)  # per image: float32 values, or uint8 (BYTES_FAMILIES)
     sizes: list[list[int]] = field(default_factory=list)  # per image: (height, width) where the processor gives it
     seconds: float = 0.0  # fetching, decoding and preprocessing them
 
 
+# families whose processor (its PIL path) rescales and normalizes each image or view last, after every resize, crop
+# and pad, all on uint8: called without those two it gives exact uint8 pixels, which travel as bytes (a quarter of
+# float32's) and which the shard finishes as the processor does (services/shard/vision/pixels.py)
+BYTES_FAMILIES = {"llava", "llava_next", "gemma3"}
+
+
 def digest(pixels: np.ndarray, image_size: list[int] = ()) -> str:
-    """The content hash of an image's preprocessed pixels (shape included) and, where the model reads it, its size
-    before preprocessing (LLaVA-Next unpads its tiles by it): equal inputs, equal embeddings."""
+    """The content hash of an image's preprocessed pixels (dtype and shape included) and, where the model reads it,
+    its size before preprocessing (LLaVA-Next unpads its tiles by it): equal inputs, equal embeddings."""
     h = hashlib.blake2b(digest_size=16)
+    values = np.ascontiguousarray(pixels, "u1" if pixels.dtype == np.uint8 else "<f4")
+    h.update(values.dtype.str.encode())
     h.update(np.asarray(pixels.shape, "<i8").tobytes())
     if len(image_size):
         h.update(np.asarray(image_size, "<i8").tobytes())
-    h.update(np.ascontiguousarray(pixels, "<f4").tobytes())
+    h.update(values.tobytes())
     return h.hexdigest()
 
 
@@ -60,6 +68,11 @@ class ImageProcessor:
         self.placeholder_id: int = _placeholder_id(self.processor)
         # an image cut into tiles, each its own run of placeholders and its own ImageInput (images/idefics3.py)
         self.tiled = _model_type(model_path) in idefics3.FAMILIES
+        # pixels as uint8 before rescale and normalize (BYTES_FAMILIES), where the processor runs its PIL path
+        image_processor = getattr(self.processor, "image_processor", None)
+        self.sends_bytes = (
+            _model_type(model_path) in BYTES_FAMILIES and getattr(image_processor, "backend", None) == "pil"
+        )
 
     @classmethod
     def for_model(cls, settings) -> ImageProcessor | None:
@@ -109,11 +122,17 @@ class ImageProcessor:
         out = Images()
         for url in urls:
             img = decode(load(url, self.limits.fetch), self.limits.max_pixels)
-            got = self.processor(text=self.image_token, images=[img], add_special_tokens=False, return_tensors="np")
+            finish = {"do_rescale": False, "do_normalize": False} if self.sends_bytes else {}
+            got = self.processor(
+                text=self.image_token, images=[img], add_special_tokens=False, return_tensors="np", **finish
+            )
             if self.tiled:
                 idefics3.check_mask(got)
             out.token_ids.append(np.asarray(got["input_ids"][0], np.int32))
-            out.pixels.append(np.ascontiguousarray(got["pixel_values"][0], np.float32))
+            pixels = got["pixel_values"][0]
+            if self.sends_bytes and pixels.dtype != np.uint8:
+                raise ImageError(f"the processor gave {pixels.dtype} pixels before rescale, not uint8")
+            out.pixels.append(np.ascontiguousarray(pixels, np.uint8 if self.sends_bytes else np.float32))
             sizes = got.get("image_sizes")  # LLaVA-Next's: the model tiles and unpads the image by it
             out.sizes.append([] if sizes is None else [int(x) for x in sizes[0]])
         out.seconds = time.perf_counter() - started
@@ -145,6 +164,7 @@ class ImageProcessor:
                         tokens=count,
                         shape=list(px.shape),
                         image_size=size,
+                        dtype=str(px.dtype),
                     )
                 )
             out += tokens.tolist()

@@ -229,3 +229,26 @@ def test_an_invalid_response_format_is_a_clear_422(tiny_server):
     r = requests.post(tiny_server.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 422 and r.json()["error"].startswith(P + "grammar is not valid: "), r.text
     assert_served(tiny_server.url)
+
+
+def test_an_image_to_a_text_only_model(tiny_server):
+    """An OpenAI image part is refused with TGI's 422 before anything runs (chat, its stream, /chat_tokenize); a
+    markdown image in `inputs` stays text, as TGI reads it on a model without a vision tower (/generate's prefill
+    and /tokenize count the same tokens)."""
+    url, picture = tiny_server.url, "https://example.com/cat.png"
+    parts = [{"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": picture}}]
+    body = {"model": "tgi", "messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+    want = P + "this model does not take images"
+    for path in ("/v1/chat/completions", "/chat_tokenize"):
+        r = requests.post(url + path, json=body, timeout=30)
+        assert r.status_code == 422 and r.json()["error_type"] == "validation", (path, r.text)
+        assert r.json()["error"].startswith(want), (path, r.text)
+    events = sse_events(requests.post(url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30).content)
+    assert events[0]["error"]["http_status_code"] == 422 and events[0]["error"]["message"].startswith(want)
+    inputs = f"what is ![]({picture})"
+    params = {"max_new_tokens": 2, "details": True, "decoder_input_details": True}
+    r = requests.post(url + "/generate", json={"inputs": inputs, "parameters": params}, timeout=30)
+    assert r.status_code == 200, r.text
+    tokens = requests.post(url + "/tokenize", json={"inputs": inputs}, timeout=30).json()
+    assert [t["id"] for t in r.json()["details"]["prefill"]] == [t["id"] for t in tokens]
+    assert tokens[-1]["stop"] == len(inputs.encode())  # the markdown image's text, to its last byte

@@ -209,9 +209,9 @@ def test_every_message_kind_is_sampled():
 
 def test_arrays_travel_as_raw_frames_not_msgpack():
     msg = SAMPLES[1]
-    body, ids, pixels = codec.encode(msg)
+    body, ids, pixels, pixel_bytes = codec.encode(msg)
     assert bytes(ids) == np.array([1, 2, 3, 70000], "<i4").tobytes()
-    assert bytes(pixels) == b""  # a text-only request: no images' pixels
+    assert bytes(pixels) == bytes(pixel_bytes) == b""  # a text-only request: no images' pixels
     assert msgspec.msgpack.decode(body)["input_ids"] is None
 
 

@@ -48,7 +48,7 @@ def test_a_failed_grammar_row_ends_its_request_alone(service):
     plan = b.plan(1)
     bad, good, plain = (int(s) for s in plan.seqs)
     res = result(plan, {bad: 40, good: 41, plain: 42})
-    res.errors = {bad: "token 40 does not fit the grammar"}
+    res.errors = {bad: "grammar: token 40 does not fit the grammar"}
     svc._apply(plan, res)
 
     frames = events.recv_multipart() if events.poll(5000) else None
@@ -74,7 +74,7 @@ def test_a_failed_grammar_row_keeps_its_error_for_a_resync(service):
     plan = svc.batcher.plan(1)
     (bad,) = (int(s) for s in plan.seqs)
     res = result(plan, {bad: 40})
-    res.errors = {bad: "token 40 does not fit the grammar"}
+    res.errors = {bad: "grammar: token 40 does not fit the grammar"}
     svc._apply(plan, res)
     assert (
         svc.streams.get("bad").error == "Request failed during generation: grammar: token 40 does not fit the grammar"

@@ -14,7 +14,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from bench.engine import Engine, request
-from libs.protocol.messages import TokenizedRequest
+from libs.protocol.messages import TokenizedRequest, pixel_frames
 from services.shard.model_runner import ModelRunner
 from services.tokenizer.images.fetch import FetchLimits
 from services.tokenizer.images.processor import ImageLimits, ImageProcessor
@@ -79,7 +79,8 @@ class Family:
         assert ids == want["input_ids"][0].tolist()
         req = request(rid, ids, max_new)
         if placed:
-            req.images, req.pixel_values = placed, np.concatenate([p.ravel() for p in got.pixels])
+            req.images = placed
+            req.pixel_values, req.pixel_bytes = pixel_frames([p.ravel() for p in got.pixels]).values()
             if self.same_pixels:  # the tiles or images, in order
                 assert np.array_equal(req.pixel_values, want["pixel_values"].numpy().ravel())
         return req

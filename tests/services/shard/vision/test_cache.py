@@ -39,7 +39,7 @@ def step(cache: EncoderCache, rows: list[tuple[int, int, int]]):
 def test_kept_between_chunks_then_dropped(encoder):
     cache = EncoderCache(encoder)
     (a, pa), (b, pb) = picture(1, 2), picture(2, 2 + IMAGE_TOKENS)
-    cache.open(7, [a, b], np.concatenate([pa.ravel(), pb.ravel()]))
+    cache.open(7, [a, b], [pa.ravel(), pb.ravel()])
     got = step(cache, [(7, 0, 24)])  # all of a, the first 6 of b's placeholders
     assert encoder.images == 2 and list(cache.outputs) == [b.digest]  # a is fed: dropped; b waits for its rest
     assert got.positions.tolist() == list(range(2, 24))
@@ -53,8 +53,8 @@ def test_kept_between_chunks_then_dropped(encoder):
 def test_past_the_bound_the_oldest_is_encoded_again(encoder):
     cache = EncoderCache(encoder, max_images=1)
     (a, pa), (b, pb) = picture(3, 0), picture(4, 0)
-    cache.open(1, [a], pa.ravel())
-    cache.open(2, [b], pb.ravel())
+    cache.open(1, [a], [pa.ravel()])
+    cache.open(2, [b], [pb.ravel()])
     before = encoder.images
     first = step(cache, [(1, 0, 4), (2, 0, 4)])  # both half-fed: only one output may stay
     assert len(cache.outputs) == 1 and encoder.images == before + 2
@@ -65,6 +65,6 @@ def test_past_the_bound_the_oldest_is_encoded_again(encoder):
         later.rows[: IMAGE_TOKENS - 4], full[a.digest][4:]
     )
     assert not cache.outputs and not cache.pending
-    cache.open(3, [a], pa.ravel())
+    cache.open(3, [a], [pa.ravel()])
     cache.drop(3)  # a finished or preempted sequence leaves nothing behind
     assert not cache.pending

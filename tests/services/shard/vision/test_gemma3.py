@@ -2,7 +2,8 @@
 token-identical to transformers' generate() on its real Gemma3Processor's inputs, alone, 8 mixed with text-only
 rows (whole and chunked without splitting an image), after preemption and from a prefix hit on the image
 (scenarios.py); an image's tokens attend to each other both ways in prefill (a causal-only mask gives other tokens),
-also where the sliding window is narrower than an image; the tokenizer's path places the image on its soft tokens."""
+also where the sliding window is narrower than an image; the tokenizer's path places the image on its soft tokens,
+its pixels sent as bytes that the shard finishes into the processor's values bit for bit."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import numpy as np
 import pytest
 
 from bench.engine import Engine, request
-from libs.protocol.messages import ImageInput
+from libs.protocol.messages import ImageInput, image_pixels
 from services.scheduler.images import whole_image_chunk
 from services.shard.vision import loader as vision_loader
+from services.shard.vision.pixels import PixelFinisher
 from tests.services.shard.vision import scenarios
 from tests.vision_models import build_gemma3, image, processed
 
@@ -111,6 +113,10 @@ def test_the_tokenizer_places_the_soft_tokens_inside_the_frame(gemma3):
     got = gemma3.admitted("tok", text, [image(3)])  # its ids: the processor's
     want = gemma3.request("want", text, [image(3)])
     assert [(p.start, p.tokens) for p in got.images] == [(p.start, p.tokens) for p in want.images]
+    # its pixels travel as bytes before rescale and normalize; the shard's finish is the processor's, bit for bit
+    assert [p.dtype for p in got.images] == ["uint8"] and got.pixel_values is None
+    (flat,) = image_pixels(got.images, got.pixel_values, got.pixel_bytes)
+    assert PixelFinisher(str(gemma3.folder)).values(got.images[0], flat).tobytes() == want.pixel_values.tobytes()
     engine = Engine.build(gemma3.runner(), gemma3.folder)
     engine.add(got)
     assert engine.run()["tok"].tokens == gemma3.expected(text, [image(3)])

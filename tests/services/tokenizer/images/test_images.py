@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from libs.protocol import codec
-from libs.protocol.messages import RequestError, TokenizedRequest
+from libs.protocol.messages import RequestError, TokenizedRequest, image_pixels
 from libs.runtime.settings import Settings
+from services.shard.vision.pixels import PixelFinisher
 from services.tokenizer.processor import Processor
 from tests.services.tokenizer.conftest import request
 from tests.vision_models import IMAGE_TOKENS, build_llava, data_uri, image, processed
@@ -53,10 +54,22 @@ def test_markdown_images_become_the_processors_tokens_and_pixels(vlm, llava):
     assert out.input_ids.tolist() == want["input_ids"][0].tolist()  # image tokens counted as prompt tokens
     assert [im.tokens for im in out.images] == [IMAGE_TOKENS] * 2
     assert all((out.input_ids[im.start : im.start + im.tokens] == vlm.images.image_token_id).all() for im in out.images)
-    assert np.array_equal(out.pixel_values, want["pixel_values"].numpy().ravel())
     assert out.images[0].digest != out.images[1].digest
-    back = codec.decode(codec.encode(out))  # pixels travel as a raw frame, shapes in the message
-    assert np.array_equal(back.pixel_values, out.pixel_values) and back.images == out.images
+    back = codec.decode(codec.encode(out))  # pixels travel as a raw frame, dtype and shapes in the message
+    assert np.array_equal(back.pixel_bytes, out.pixel_bytes) and back.images == out.images
+    # as bytes before rescale and normalize (a quarter of float32's), which the shard finishes bit for bit
+    assert [im.dtype for im in back.images] == ["uint8"] * 2 and back.pixel_bytes.nbytes == want["pixel_values"].numel()
+    assert back.pixel_values.size == 0
+    assert finished(back, llava).tobytes() == want["pixel_values"].numpy().tobytes()
+
+
+def finished(req: TokenizedRequest, folder) -> np.ndarray:
+    """The request's images' float32 pixel values as the shard gets them (services/shard/vision/pixels.py)."""
+    finisher = PixelFinisher(str(folder))
+    flat = image_pixels(req.images, req.pixel_values, req.pixel_bytes)
+    values = np.stack([finisher.values(im, px) for im, px in zip(req.images, flat)])
+    assert values.dtype == np.float32
+    return values
 
 
 def test_openai_image_parts_webp_and_gif(vlm, llava):
@@ -186,7 +199,7 @@ def test_image_parts_through_the_models_own_template(llava):
     want = hf(text=text, images=pil, add_special_tokens=False, return_tensors="np")
     assert out.input_ids.tolist() == want["input_ids"][0].tolist()
     assert [im.tokens for im in out.images] == [IMAGE_TOKENS] * 2  # the feature fired: two images placed
-    assert np.array_equal(out.pixel_values, want["pixel_values"].ravel())
+    assert finished(out, llava).tobytes() == want["pixel_values"].tobytes()
     # a template that drops image parts is refused, not served without the image
     blind = processor(
         llava,
@@ -196,3 +209,37 @@ def test_image_parts_through_the_models_own_template(llava):
     assert "did not place 2" in error(
         blind.process(request("", messages=[{"role": "user", "content": parts}], max_new_tokens=4))
     )
+
+
+def test_tokenize_expands_images_as_generation_does(vlm, llava):
+    """/tokenize and /chat_tokenize answer the tokens a prefill feeds: each image as its placeholder tokens, each of
+    them with the text and offsets of the image token standing where the image was."""
+    inputs = f"Look ![]({data_uri(image(1))}) now"
+    tokens = vlm.process(request(inputs, mode="tokenize"))
+    generated = vlm.process(request(inputs, max_new_tokens=2))
+    assert (
+        tokens.ids.tolist()
+        == generated.input_ids.tolist()
+        == processed(llava, "Look <image> now", [image(1)])["input_ids"][0].tolist()
+    )
+    assert tokens.text == "Look <image> now"
+    at = np.flatnonzero(tokens.ids == vlm.images.image_token_id)
+    assert len(at) == IMAGE_TOKENS
+    assert {tokens.text[a:b] for a, b in zip(tokens.starts[at], tokens.stops[at])} == {"<image>"}
+    assert tokens.stops[-1] == len(tokens.text)  # the text after the image keeps its offsets in that text
+    parts = [{"type": "text", "text": "Describe"}, {"type": "image_url", "image_url": {"url": data_uri(image(2))}}]
+    messages = [{"role": "user", "content": parts}]
+    chat = vlm.process(request("", messages=messages, mode="tokenize"))
+    assert chat.ids.tolist() == vlm.process(request("", messages=messages, max_new_tokens=2)).input_ids.tolist()
+    assert (chat.ids == vlm.images.image_token_id).sum() == IMAGE_TOKENS
+    assert "not an image" in error(vlm.process(request(f"![]({data_uri(b'junk')})", mode="tokenize")))
+
+
+def test_tokenize_on_a_text_only_model_treats_images_as_generation_does(processor_text):
+    """A markdown image stays text (TGI); an OpenAI image part is refused with the same 422."""
+    inputs = "A ![](https://example.com/cat.png)"
+    tokens = processor_text.process(request(inputs, mode="tokenize"))
+    assert tokens.ids.tolist() == processor_text.process(request(inputs, max_new_tokens=2)).input_ids.tolist()
+    parts = [{"type": "image_url", "image_url": {"url": data_uri(image(1))}}]
+    refused = processor_text.process(request("", messages=[{"role": "user", "content": parts}], mode="tokenize"))
+    assert "does not take images" in error(refused)
