@@ -112,7 +112,8 @@ def test_a_failing_grammar_fails_its_row_alone(runner, tiny_dirs):
     seen = Steps(engine).errors
     out = engine.run({0: [request("broken", prompts[0], 1, grammar=broken), request("plain", prompts[1], 5)]})
     assert list(seen[0]) == ["broken"] and "nope" in seen[0]["broken"]
-    assert out["broken"].tokens == [EOS]  # the failed row can only end; the scheduler fails that request
+    # the request fails there and then, as the scheduler fails it (its sampled token is never applied)
+    assert out["broken"].tokens == [] and out["broken"].error.startswith("grammar: ")
     assert len(out["plain"].tokens) == 5 and all(not errors for errors in seen[1:])
 
 
