@@ -286,10 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=_env_bool("compile"),
-        help="bf16 on CPU: the decoder walk's body compiled by inductor at start (fused elementwise work around the "
-        "oneDNN products; kernels cached under the model cache's inductor/); float32 always stays eager",
+        help="bf16 on CPU: the decoder walk's layers compiled by inductor at start, one graph per kind of layer (fused "
+        "elementwise work around the oneDNN products; kernels cached under the model cache's inductor/); float32 "
+        "always stays eager",
     )
-    flag("compile-buckets", default="1,2", help="token counts run through the compiled step at start (one graph)")
+    flag("compile-buckets", default="1,2", help="token counts run through the compiled step at start")
     switch(
         "enable-prefill-logprobs",
         "accepted for compatibility: prompt logprobs are always computed for a request that asks for them "
