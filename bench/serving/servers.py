@@ -106,7 +106,9 @@ def vllm_version() -> str:
     return probe.stdout.strip()
 
 
-def vllm(model_dir: Path, log_path: Path, max_model_len: int, max_num_seqs: int, dtype: str) -> Server:
+def vllm(
+    model_dir: Path, log_path: Path, max_model_len: int, max_num_seqs: int, dtype: str, reserved: str | None = None
+) -> Server:
     port = free_port()
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     cmd += ["--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
@@ -114,6 +116,7 @@ def vllm(model_dir: Path, log_path: Path, max_model_len: int, max_num_seqs: int,
     # CPU KV cache in GiB (vLLM's default takes a large share of RAM; this machine is shared)
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "VLLM_TARGET_DEVICE": "cpu"}
     # vLLM on CPU keeps one core out of its OpenMP pool for its front end by default; on a 2-core machine that
-    # halves its compute while our shard uses both: give it every core too (override by setting it yourself)
-    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # halves its compute while our shard uses both: give it every core too (override by setting it yourself, or
+    # with `reserved`)
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = reserved or os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     return Server("vllm", cmd, port, log_path, env=env)

