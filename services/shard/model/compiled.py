@@ -176,9 +176,10 @@ class CompiledWalk:
         self.compile_s = 0.0
         self.graphs = 0  # graphs dynamo traced at start: one per kind of layer, not one per layer
         # emulate_precision_casts: a fused chain rounds to bf16 where the eager ops round (the casts kept), so the
-        # compiled layer gives the eager walk's values, not float32-carried ones. dynamic=None: only the marked
-        # token dimension is dynamic; the weights' sizes stay static (kernels of known widths)
-        self._compiled = torch.compile(_layer, fullgraph=True, options={"emulate_precision_casts": True})
+        # compiled layer gives the eager walk's values, not float32-carried ones. dynamic=False: only the marked
+        # token dimension is dynamic; every other size and constant stays static (kernels of known widths), also
+        # after another model's layers compiled in this process (no automatic dynamic: a kind is a graph)
+        self._compiled = torch.compile(_layer, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
         self._warm = False
 
     # -----------------------------------------------------------------------------------------------------------
