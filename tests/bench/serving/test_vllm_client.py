@@ -49,9 +49,10 @@ def test_one_level_against_switchyard(tmp_path):
     _, view = models.resolve("tiny")
     with servers.switchyard(view, tmp_path / "s.log", "--dtype", "float32") as srv:
         srv.wait_healthy(300)
-        row = vllm_client.drive(srv, str(view), view, _args(), 2, 4, tmp_path / "r.json")
+        row = vllm_client.drive(srv, str(view), view, _args(), 2, 4, tmp_path / "r.json", steps=True)
     # the client counts output tokens by re-tokenizing the text it got: near, not always equal to, 4 × 8
     assert row["completed"] == 4 and row["failed"] == 0 and row["total_output_tokens"] >= 4 * 8 - 4
     assert row["cpu_s_per_1k_tokens"]["all"] > 0  # the server's processes were measured over the timed part
     assert row["client_cpu_s_per_1k_tokens"] is not None
+    assert row["steps"] >= 8 and row["step"]["shard_forward_ms"] > 0  # the step's parts, from /metrics
     assert "switchyard" in vllm_client.table([{**row, "engine": "switchyard", "concurrency": 2}])
