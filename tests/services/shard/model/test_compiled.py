@@ -151,3 +151,23 @@ def test_second_start_hits_the_cache(tiny_dirs, cache, llama):
     start = json.loads(out.stdout.strip().splitlines()[-1])
     assert start["fxgraph_cache_hit"] >= 1 and start["fxgraph_cache_miss"] == 0 and start["graphs"] == 1, start
     print(f"second start: {start['start_s']} s, of which the compile at start {start['compile_s']} s")
+
+
+def test_a_step_needing_a_new_graph_runs_eagerly(tiny_dirs, llama):
+    """A step the graphs compiled at start do not cover runs the eager walk (counted) instead of compiling in the
+    step loop: here a layer's norm weights swapped for float32 copies, whose dtype guard no graph passes."""
+    from torch._dynamo.utils import counters
+
+    model_dir = tiny_dirs["llama"]
+    compiled, layer = llama.compiled, llama.compiled.layers[0]
+    norms, graphs = layer.norms, counters["stats"]["unique_graphs"]
+    before = compiled.counts["eager: a shape not compiled at start"]
+    layer.norms = tuple(w.float() for w in norms)
+    try:
+        got = {k: v.tokens for k, v in _engine(llama, model_dir).run(_arrivals(model_dir)).items()}
+    finally:
+        layer.norms = norms
+    assert compiled.counts["eager: a shape not compiled at start"] - before > MAX_NEW
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled in the step loop
+    want = {k: v.tokens for k, v in _engine(_runner(model_dir, False), model_dir).run(_arrivals(model_dir)).items()}
+    assert got == want
