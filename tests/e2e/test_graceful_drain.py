@@ -68,7 +68,14 @@ def test_sigterm_drains_open_streams_and_leaves_nothing(tiny_model_dir, tmp_path
         ]
         openai = Stream(
             server.url + "/v1/chat/completions",
-            {"model": "tgi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 48, "stream": True},
+            # ignore_eos: a random model's greedy EOS depends on the CPU's float32 kernels (near-ties)
+            {
+                "model": "tgi",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 48,
+                "stream": True,
+                "ignore_eos": True,
+            },
         )
         long = Stream(server.url + "/generate_stream", {"inputs": "long", "parameters": {"max_new_tokens": 2000}})
         streams = [*tgi, openai, long]
@@ -90,8 +97,8 @@ def test_sigterm_drains_open_streams_and_leaves_nothing(tiny_model_dir, tmp_path
         for s in streams:
             s.join(TIMEOUT_S + 20)
             assert not s.is_alive() and s.error is None, s.error
-        for s in tgi:  # each ended with its normal final event
-            assert s.events[-1]["details"]["finish_reason"] == "length", s.events[-1]
+        for s in tgi:  # each ended with its normal final event (EOS may come first on some CPUs: near-ties)
+            assert s.events[-1]["details"]["finish_reason"] in ("length", "eos_token"), s.events[-1]
             assert s.events[-1]["generated_text"] is not None
         assert openai.events[-1] == "[DONE]"
         assert openai.events[-2]["choices"][0]["finish_reason"] == "length"
