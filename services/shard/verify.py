@@ -3,7 +3,7 @@
 A drafted row feeds [its last token, d1..dk] (the scheduler drafts, services/scheduler/drafting.py). Each of its
 k+1 positions is scored as if it were an ordinary decode step there: the processors see the history up to that
 position, the draw is seeded by the position of the token it draws, and the token is picked exactly as `choose`
-picks it (argmax, or a seeded multinomial). The row keeps the longest prefix of picks that equal the drafts, plus
+picks it (argmax, or a seeded draw). The row keeps the longest prefix of picks that equal the drafts, plus
 the first pick that differs (or the bonus pick after the last draft).
 
 For a deterministic draft this is the standard acceptance rule (accept d with probability p(d); on rejection draw

@@ -55,7 +55,7 @@ def choose(
 ) -> Choice:
     """Pick one token per row and report its logprob (and the alternatives asked for).
 
-    Greedy rows take the argmax of their final scores; sampled rows a seeded multinomial draw from the softmax of
+    Greedy rows take the argmax of their final scores; sampled rows a seeded draw (by inversion) from the softmax of
     theirs, each with its own generator (with `keys`: all at once, by the counter hash of seed and position, which
     draws other tokens than the generators do). Every logprob, the alternatives' too, is the score minus the row's
     logsumexp from the reduction."""

@@ -1,6 +1,6 @@
 """The token choice's fast paths give what the plain path gives: all-greedy batches without the full
 log-softmax, the blockwise argmax, bf16 logits without a float32 copy, grammar-masked rows, mixed batches against
-the plain step, seeded rows drawn side by side (and in a forked child) as one thread draws them."""
+the plain step, seeded rows drawn by inversion in one batch as each row alone draws, from the softmax's law."""
 
 from __future__ import annotations
 
@@ -88,23 +88,30 @@ def test_greedy_on_transformers_logits(vocab, dtype):
 
 
 def _old_choose_tokens(logits, params, seeds):
-    """Tokens as `choose` picked them before the chunked reduction: argmax of the final float32 scores, a seeded
-    multinomial over the softmax of a sampled row's."""
+    """Tokens as `choose` picks them, without the chunked reduction: argmax of the final float32 scores, a seeded
+    inversion draw (numpy, one row alone) from the softmax of a sampled row's."""
     from services.shard.sampling.sampler import final_scores
 
     scores = final_scores(logits, params)[0].float()
     ids = torch.argmax(scores, dim=-1)
     for i, p in enumerate(params):
         if p.samples():
-            gen = torch.Generator().manual_seed(seeds[i])
-            ids[i] = torch.multinomial(torch.softmax(scores[i], dim=-1), 1, generator=gen)[0]
+            ids[i] = _inverted(scores[i], torch.Generator().manual_seed(seeds[i]))
     return ids, torch.log_softmax(scores.double(), dim=-1)
+
+
+def _inverted(row: torch.Tensor, gen: torch.Generator | None) -> int:
+    """One row drawn alone, in numpy: the first token whose running probability sum exceeds u · the sum."""
+    cdf = np.cumsum(torch.softmax(row.float(), -1).numpy().astype(np.float64))
+    u = float(torch.rand(1, generator=gen, dtype=torch.float64)[0])
+    return int(np.searchsorted(cdf, u * cdf[-1], side="right"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_batch_picks_what_a_plain_step_picked(dtype):
     """Greedy, seeded and warped rows side by side (the speculative verifier relies on these very picks): the same
-    tokens as the whole-batch argmax and per-row multinomial; logprobs and alternatives from the final scores."""
+    tokens as the whole-batch argmax and each sampled row drawn alone; logprobs and alternatives from the final
+    scores."""
     from services.shard.sampling import sampler
 
     vocab, rows = 30_011, 12
@@ -162,14 +169,21 @@ def test_masked_rows_give_finite_logprobs_among_the_allowed():
 
 def test_no_full_float32_copy_or_log_softmax_of_bf16_logits(monkeypatch):
     """What the chunked reduction saves, checked where it happens: for bf16 logits and rows that change nothing
-    (greedy, seeded draws, alternatives) no [rows, vocab] float32 tensor is made by `.float()` and no log-softmax
-    runs; the float32 buffer holds one chunk of rows."""
+    (greedy, seeded draws, alternatives) no [rows, vocab] float32 copy is made and no log-softmax runs; the float32
+    buffer holds one chunk of rows."""
     from services.shard.sampling import reduction, sampler
 
     rows, vocab = 16, 128_256
     made: list[tuple[int, ...]] = []
-    real_float, real_empty = torch.Tensor.float, torch.empty
+    real_float, real_to, real_empty = torch.Tensor.float, torch.Tensor.to, torch.empty
     monkeypatch.setattr(torch.Tensor, "float", lambda self, *a, **k: made.append(tuple(self.shape)) or real_float(self))
+
+    def to(self, *a, **k):
+        if torch.float32 in a or k.get("dtype") == torch.float32:
+            made.append(tuple(self.shape))
+        return real_to(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
     monkeypatch.setattr(torch, "log_softmax", lambda *a, **k: pytest.fail("log_softmax over the batch"))
     buffers: list[tuple[int, ...]] = []
 
@@ -186,7 +200,7 @@ def test_no_full_float32_copy_or_log_softmax_of_bf16_logits(monkeypatch):
     c = sampler.choose(logits, params, [torch.Generator().manual_seed(1) for _ in params])
     assert len(c.token_ids) == rows
     assert (rows, vocab) not in made and (1, vocab) not in made
-    assert made.count((vocab,)) == 5  # the sampled rows' softmax, one row at a time
+    assert [m for m in made if vocab in m] == [(5, vocab)]  # the sampled rows' softmax, those rows alone
     assert buffers == [(reduction.GREEDY_CHUNK_ELEMENTS // vocab, vocab)]
     monkeypatch.undo()
     want_ids, final = _old_choose_tokens(logits, params, [1] * rows)
@@ -198,71 +212,45 @@ def test_no_full_float32_copy_or_log_softmax_of_bf16_logits(monkeypatch):
     torch.testing.assert_close(c.top_logprobs[:4].double(), top.values, rtol=0, atol=1e-6)
 
 
-def test_seeded_rows_drawn_side_by_side_draw_what_one_thread_draws(monkeypatch):
-    """Sampled rows are drawn on a pool of threads (torch.multinomial's exponential numbers are made on one core):
-    the tokens equal those of drawing the rows one by one, in order; rows sharing a generator stay serial."""
-    import threading
+def test_seeded_rows_drawn_together_draw_what_each_row_draws_alone():
+    """The batch's draws equal each row drawn alone with its generator; rows sharing a generator take its numbers in
+    row order; a greedy row between them takes none."""
+    from services.shard.sampling import sampler
 
-    from services.shard.sampling import draws, sampler
-
-    threads_used, real_draw = [], draws.draw
-    monkeypatch.setattr(
-        draws, "draw", lambda row, gen: threads_used.append(threading.current_thread().name) or real_draw(row, gen)
-    )
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     rows, vocab = 9, 50_000
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)).bfloat16()
     params = [
         SamplingParams(do_sample=True, temperature=0.9, seed=i) if i != 4 else SamplingParams() for i in range(rows)
     ]
     c = sampler.choose(logits, params, [torch.Generator().manual_seed(10 + i) for i in range(rows)])
-    assert len(threads_used) == rows - 1 and all(name.startswith("sampling-draw") for name in threads_used)
     want, _ = _old_choose_tokens(logits, params, [10 + i for i in range(rows)])
     assert c.token_ids.tolist() == want.tolist()
     assert len(set(c.token_ids.tolist())) > 2  # really drawn
 
-    threads_used.clear()
     shared = torch.Generator().manual_seed(7)
     c = sampler.choose(logits, params, [shared] * rows)
-    assert threads_used == [threading.current_thread().name] * (rows - 1)
     shared.manual_seed(7)
     scores = sampler.final_scores(logits, params)[0].float()
-    serial = [
-        int(torch.multinomial(torch.softmax(scores[i], -1), 1, generator=shared)[0]) for i in range(rows) if i != 4
-    ]
+    serial = [_inverted(scores[i], shared) for i in range(rows) if i != 4]
     assert [t for i, t in enumerate(c.token_ids.tolist()) if i != 4] == serial
 
 
-def test_a_forked_child_draws_with_a_pool_of_its_own(monkeypatch):
-    """The parent's draw pool has no threads in a forked child: the child makes its own and draws the same tokens
-    (without the reset it would wait forever on the parent's queue; the child is killed after 60 s then)."""
-    import os
-    import select
-    import signal
+def test_draws_follow_the_softmax_and_never_take_a_masked_token(monkeypatch):
+    """20,000 draws of one row: each token's share within 0.015 of its softmax probability, and the tokens at −inf
+    (top-k's and a grammar's masked ones) never drawn, at the ends of the vocabulary too; the uniform numbers' ends
+    (0, and 1 − 2⁻⁵³ whose product with the sum may round up to it) land on tokens of positive probability."""
+    from services.shard.sampling.draws import draws
 
-    from services.shard.sampling import draws, sampler
+    row = torch.tensor([float("-inf"), 0.0, 1.0, float("-inf"), 2.0, -1.0, float("-inf")])
+    probs = torch.softmax(row, -1)
+    n = 20_000
+    gens = [torch.Generator().manual_seed(1)] * n
+    got = draws(row.expand(n, -1), list(range(n)), gens)
+    share = torch.bincount(got, minlength=7).double() / n
+    assert share[[0, 3, 6]].tolist() == [0.0, 0.0, 0.0]
+    assert (share - probs.double()).abs().max() < 0.015
 
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    logits = torch.randn(4, 5000, generator=torch.Generator().manual_seed(6))
-    params = [SamplingParams(do_sample=True, seed=i) for i in range(4)]
-    want = sampler.choose(logits, params, [torch.Generator().manual_seed(i) for i in range(4)]).token_ids
-    parent_pool = draws._pool
-    assert parent_pool is not None
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: torch's own threads off (OpenMP is not fork-safe), the draw pool on
-        try:
-            torch.set_num_threads(1)
-            got = sampler.choose(logits, params, [torch.Generator().manual_seed(i) for i in range(4)])
-            fresh = draws._pool is not parent_pool
-            os.write(write_end, (",".join(map(str, got.token_ids.tolist())) + f";{fresh}").encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    ready, _, _ = select.select([read_end], [], [], 60)
-    if not ready:
-        os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    answer = os.read(read_end, 4096).decode() if ready else "no answer"
-    os.close(read_end)
-    assert answer == ",".join(map(str, want.tolist())) + ";True"
+    for u in (0.0, 1.0 - 2.0**-53):  # the generator's number fixed: torch.rand as the draw calls it
+        monkeypatch.setattr(torch, "rand", lambda *a, _u=u, **k: torch.full((1,), _u, dtype=torch.float64))
+        token = int(draws(row[None], [0], [None])[0])
+        assert probs[token] > 0, (u, token)
