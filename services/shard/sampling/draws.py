@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 256  # tokens per block of the first level: the vocabularies served are multiples of it
+BLOCK = 256  # tokens per block of the first level (a vocabulary that is no multiple of it ends in a shorter block)
 
 
 def draws(scores: torch.Tensor, rows: list[int], generators: list[torch.Generator | None]) -> torch.Tensor:
