@@ -5,7 +5,8 @@ The parts of one decode step of the whole batch, each the median over the steps 
 wire in, prepare (the rows laid out), layers, LM head, forward other, sampling, pack (the result's arrays),
 execute other, publish (the result's frames). --compare: three runners' whole decode steps interleaved (bf16 with
 the oneDNN linears, bf16 with torch's, float32 with oneDNN); --compare-walk: the direct decoder walk against
-transformers' forward; --join-tokens N: a decode step alone against one with an N-token prompt joining it.
+transformers' forward; --compare-kernels: the C++ kernels (services/shard/cpu_kernels/) against torch's ops;
+--join-tokens N: a decode step alone against one with an N-token prompt joining it.
 
     python -m bench.step.profile --model llama-128k,smollm2,gemma --batch 1,16,64 [--dtype auto] [--compare]
 """
@@ -120,6 +121,11 @@ def walk_compared(dtype: str) -> dict[str, dict]:
     return {"decoder walk": dict(dtype=dtype), "transformers' forward": dict(dtype=dtype, decoder_walk=False)}
 
 
+def kernels_compared(dtype: str) -> dict[str, dict]:
+    """--compare-kernels: the C++ kernels (services/shard/cpu_kernels/) against torch's ops, at one dtype."""
+    return {"C++ kernels": dict(dtype=dtype), "torch ops": dict(dtype=dtype, cpu_kernels=False)}
+
+
 def compare(
     model_dir: str, batch: int, prompt_tokens: int, output_tokens: int, runners: dict[str, dict] = COMPARED
 ) -> dict[str, float]:
@@ -191,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-linears", action="store_true", help="torch's own linears (the shard's oneDNN switch off)")
     ap.add_argument("--compare", action="store_true", help="bf16 oneDNN / bf16 torch / fp32 oneDNN steps, interleaved")
     ap.add_argument("--compare-walk", action="store_true", help="decoder walk / transformers' forward, interleaved")
+    ap.add_argument("--compare-kernels", action="store_true", help="C++ kernels / torch ops, interleaved")
     ap.add_argument("--no-walk", action="store_true", help="profile transformers' forward (the decoder walk off)")
     ap.add_argument("--join-tokens", type=int, default=0, help="decode steps alone vs with one prompt this long")
     ap.add_argument("--json", action="store_true")
@@ -220,12 +227,18 @@ def main(argv: list[str] | None = None) -> int:
                     cells = ", ".join(f"{k} {v:.1f} ms" for k, v in got.items() if k != "tokens")
                     print(f"{label} batch {b}, a {args.join_tokens}-token prompt joining: {cells}", flush=True)
             continue
-        if args.compare or args.compare_walk:
-            runners = walk_compared(dtype) if args.compare_walk else COMPARED
+        if args.compare or args.compare_walk or args.compare_kernels:
+            runners = COMPARED
+            if args.compare_walk:
+                runners = walk_compared(dtype)
+            elif args.compare_kernels:
+                runners = kernels_compared(dtype)
             for b in args.batch.split(","):
                 got = compare(str(folder), int(b), args.prompt_tokens, args.output_tokens, runners)
                 if args.compare_walk:
                     got["ratio"] = got["transformers' forward"] / got["decoder walk"]
+                elif args.compare_kernels:
+                    got["ratio"] = got["torch ops"] / got["C++ kernels"]
                 out.setdefault(label, []).append({"batch": int(b), "step_ms": got})
                 if not args.json:
                     cells = [f"{k} {v:.2f}x" if k == "ratio" else f"{k} {v:.2f} ms" for k, v in got.items()]

@@ -170,6 +170,9 @@ class Settings:
     # step's path with every core (services/shard/grammar/matchers.py)
     grammar_fill: str = "ahead"
     kv_prefault: bool = False  # a CPU shard touches its whole KV cache at start (resident from the start)
+    # a CPU shard in half precision runs the decode step's glue and short rows' attention through the C++ kernels
+    # (services/shard/cpu_kernels/) where they build (0: torch's ops, to compare)
+    cpu_kernels: bool = True
 
     @property
     def lora_names(self) -> list[str]:
@@ -196,7 +199,13 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
-SWITCHES = ("torch_threads", "decoder_walk", "grammar_fill", "kv_prefault")  # fields with no flag (see above)
+SWITCHES = (
+    "torch_threads",
+    "decoder_walk",
+    "grammar_fill",
+    "kv_prefault",
+    "cpu_kernels",
+)  # fields with no flag (see above)
 
 
 def env_name(name: str) -> str:

@@ -56,6 +56,7 @@ class ShardService:
                 quantize=settings.quantize,
                 grammar=not settings.disable_grammar_support,
                 decoder_walk=settings.decoder_walk,
+                cpu_kernels=settings.cpu_kernels,
                 grammar_fill=settings.grammar_fill,
                 kv_prefault=settings.kv_prefault,
                 cuda_graphs=tuple(int(b) for b in settings.cuda_graphs.split(",") if b),  # on CUDA only

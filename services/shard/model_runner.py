@@ -19,6 +19,7 @@ from transformers.distributed import DistributedConfig
 
 from libs.protocol.step_messages import StepPlan, StepResult
 from libs.runtime import model_store
+from services.shard import cpu_kernels as kernels_module
 from services.shard import graphs as graphs_module
 from services.shard.attention.paged import ATTN_IMPLEMENTATION, PagedBatch, allocate_pages, attention_backend
 from services.shard.grammar.runner import ShardGrammars
@@ -60,7 +61,8 @@ class ModelRunner:
         device_sampling: bool | None = None,  # one counter-keyed draw for all rows (sampling/counter.py); None: on CUDA
         cuda_graphs: tuple[int, ...] | bool = (),  # decode buckets replayed as CUDA graphs (graphs.py); True: TGI's
         kv_prefault: bool = False,  # the KV cache touched at start, resident from the start (Settings.kv_prefault)
-        attention: str = "auto",  # "torch", "triton" or "auto": triton on CUDA where it imports (attention_backend)
+        attention: str = "auto",  # "torch", "triton", "cpu" or "auto" (attention_backend)
+        cpu_kernels: bool = True,  # the C++ kernels on CPU in half precision where they build (cpu_kernels/)
         model: torch.nn.Module | None = None,  # built in memory (from_config); model_dir: its tokenizer, or None
         compile: bool = False,  # the walk's body compiled by inductor at start where it serves (model/compiled.py)
         compile_buckets: tuple[int, ...] = compiled_module.DEFAULT_BUCKETS,  # row counts compiled at start
@@ -103,8 +105,10 @@ class ModelRunner:
         if vision_loader.is_vision_model(self.model):
             self.vision = ImageState(self.model, model_dir)
             self.text_model = vision_loader.text_model(self.model, ATTN_IMPLEMENTATION)
+        # the C++ kernels for the CPU (half precision; float32 is the exact mode): loaded, else the torch ops serve
+        self.cpu_kernels = cpu_kernels and kernels_module.wanted(self.device, dtype) and kernels_module.load()
         # the direct decoder walk, or None (transformers' forward) and why
-        self.walk, self.walk_reason = walk_module.build(self.text_model, tp, decoder_walk)
+        self.walk, self.walk_reason = walk_module.build(self.text_model, tp, decoder_walk, self.cpu_kernels)
         # the walk's body compiled (bf16 on oneDNN), or None and why (float32 stays eager: model/compiled.py)
         self.compiled, self.compiled_reason = compiled_module.build(
             self.walk, dtype, compile and self.device.type == "cpu"
@@ -127,7 +131,7 @@ class ModelRunner:
             self.head_dim,
         )
         self.kv_cache, self.kv_flat = allocate_pages(self.num_layers, shape, dtype, self.device, kv_prefault)
-        self.attention = attention_backend(attention, self.device)
+        self.attention = attention_backend(attention, self.device, self.cpu_kernels)
         # pure-decode steps replayed as CUDA graphs, or None and why (services/shard/graphs.py)
         self.graphs, self.graphs_reason = graphs_module.build(
             cuda_graphs,

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 
-from services.shard.attention import bidirectional
+from services.shard.attention import bidirectional, cpu
 from services.shard.attention.tiled import TiledRow, attend_tiled, build_tiled, long_rows
 
 ATTN_IMPLEMENTATION = "switchyard_paged"
@@ -65,9 +65,13 @@ class PagedBatch:
     host_tables: np.ndarray = None  # [rows, max_blocks] int64, padded with -1
     # per layer (K, V) as [kv_heads, slots, D] views (None: formed per call); the runner forms them once at load
     kv_flat: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    backend: str = "torch"  # "torch": the ops below (the reference); "triton": services/shard/attention/triton.py
+    # "torch": the ops below (the reference); "triton": services/shard/attention/triton.py; "cpu": decode steps by
+    # services/shard/attention/cpu.py, the rest by the ops below
+    backend: str = "torch"
     # row -> [n, 2] positions [start, end) seen both ways in prefill (bidirectional.py); empty: causal everywhere
     spans: dict = field(default_factory=dict)
+    # backend "cpu": the short rows the C++ kernel attends (services/shard/attention/cpu.py), else None
+    short: cpu.ShortRows | None = None
     _groups: dict = field(default_factory=dict)  # sliding window (0 = none) -> (groups, tiled rows)
 
     @classmethod
@@ -83,7 +87,8 @@ class PagedBatch:
         **extra,
     ) -> PagedBatch:
         """The batch from its host arrays (int64: slots [T], cu [rows + 1], context lengths [rows], block tables
-        [rows, max_blocks] padded with -1), copied to `device`; `extra`: kv_flat, backend."""
+        [rows, max_blocks] padded with -1), copied to `device`; `extra`: kv_flat, backend, spans."""
+        short = cpu.ShortRows.of(cu, context_lens) if extra.get("backend") == "cpu" else None
         return cls(
             kv_cache=kv_cache,
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
@@ -94,6 +99,7 @@ class PagedBatch:
             host_cu=cu,
             host_context=context_lens,
             host_tables=tables,
+            short=short,
             **extra,
         )
 
@@ -108,6 +114,8 @@ class PagedBatch:
                 bidirectional.check(self.spans, self.host_context, n_q)
                 tiled = np.setdiff1d(tiled, np.fromiter(self.spans, dtype=np.int64))
             short = np.setdiff1d(np.arange(len(n_q)), tiled) if len(tiled) else np.arange(len(n_q))
+            if self.backend == "cpu" and self.short is not None:  # the kernel's rows are not the groups'
+                short = np.setdiff1d(short, self.short.rows)
             groups = _build_groups(self, short, window, device) if len(short) else []
             got = self._groups[window] = (groups, build_tiled(self, tiled, window, device))
         return got
@@ -246,8 +254,11 @@ def attend_layer(
         from services.shard.attention.triton import attend_layer_triton  # imports triton: only for this backend
 
         return attend_layer_triton(layer, query, key, value, paged, scaling, softcap, window)
-    write_kv(layer, key, value, paged)
     k_cache, v_cache = paged.kv_cache[layer]
+    short = paged.short if paged.backend == "cpu" else None
+    if short is not None and short.every_row:  # the kernel writes the step's K/V and attends every token
+        return cpu.attend(short, layer, query, key, value, paged, scaling, softcap, window, True, None)
+    write_kv(layer, key, value, paged)
     groups, tiled = paged.plan(window, query.device)
     out = None
     if groups:
@@ -256,6 +267,8 @@ def attend_layer(
         if out is None:
             out = query.new_empty(query.shape)
         attend_tiled(query.transpose(0, 1), k_cache, v_cache, tiled, out, scaling, softcap, window)
+    if short is not None and len(short.rows):
+        out = cpu.attend(short, layer, query, key, value, paged, scaling, softcap, window, False, out)
     return out
 
 
@@ -273,11 +286,16 @@ def write_kv(layer: int, key: torch.Tensor, value: torch.Tensor, paged: PagedBat
     v_flat.index_copy_(1, paged.slot_mapping, value.transpose(0, 1))
 
 
-def attention_backend(choice: str, device: torch.device) -> str:
-    """The attention backend for ModelRunner's `attention` setting: "torch" or "triton" as given; "auto" is triton
-    on CUDA where triton imports, else torch."""
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"attention must be auto, torch or triton, not {choice!r}")
+def attention_backend(choice: str, device: torch.device, cpu_kernels: bool = False) -> str:
+    """The attention backend for ModelRunner's `attention` setting: "torch", "triton" or "cpu" as given; "auto" is
+    triton on CUDA where triton imports, "cpu" on CPU where the runner loaded the C++ kernels (`cpu_kernels`: half
+    precision only), else torch."""
+    if choice not in ("auto", "torch", "triton", "cpu"):
+        raise ValueError(f"attention must be auto, torch, triton or cpu, not {choice!r}")
+    if choice == "cpu" and not cpu_kernels:
+        raise ValueError("attention cpu needs the CPU kernels (a CPU device, half precision, a C++ compiler)")
+    if choice == "auto" and cpu_kernels:
+        return "cpu"
     if choice != "auto" or torch.device(device).type != "cuda":
         return "torch" if choice == "auto" else choice
     try:

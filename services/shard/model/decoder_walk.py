@@ -8,11 +8,14 @@ rotary with rotate_half's sign folded into sin (exact; q and k in one pass when 
 the paged attention called directly (attend_layer); residual adds in place; the final norm on the kept positions
 only. `build` decides at load: an ARCHS model of transformers' own classes, without bidirectional attention,
 partial rotary or tensor parallel; anything else keeps transformers' forward, the reason logged and kept on the
-runner (`walk_reason`). docs/attention.md tells why.
+runner (`walk_reason`). With `kernels` (half precision on CPU, the runner loaded services/shard/cpu_kernels/) the
+same glue runs as C++ kernels: each residual add with the norm after it, q/k norms with the rotary, act(gate) × up.
+docs/attention.md tells why.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -65,7 +68,7 @@ class _Layer:
 class DecoderWalk:
     """The model's decoder stack and LM head, walked with minimal glue; `forward` is the runner's `_forward`."""
 
-    def __init__(self, model: torch.nn.Module, prefix: str, kind: str) -> None:
+    def __init__(self, model: torch.nn.Module, prefix: str, kind: str, kernels: bool = False) -> None:
         self.model, self.kind = model, kind
         body = model.model
         self.embed = body.embed_tokens
@@ -77,6 +80,11 @@ class DecoderWalk:
         self.layer_types = getattr(model.config, "layer_types", None) if kind == "gemma3" else None
         self.layers = [_layer_spec(layer, i, kind, model.config) for i, layer in enumerate(body.layers)]
         self.forwards = 0  # steps run through this walk (tests read it)
+        # the glue by the C++ kernels (services/shard/cpu_kernels/: the runner loaded them; half precision on CPU),
+        # else by torch ops
+        self.kernels = kernels
+        self.activation = _kernel_act(self.layers[0].act) if self.layers else None  # None: the torch ops' act
+        self.kernel_steps = 0  # steps whose glue ran in the kernels (tests read it)
 
     # -----------------------------------------------------------------------------------------------------------
     def forward(
@@ -100,12 +108,22 @@ class DecoderWalk:
         paged: PagedBatch,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The residual stream after the last layer, [T, hidden] (before the final norm)."""
+        """The residual stream after the last layer, [T, hidden] (before the final norm). Each layer returns what it
+        adds to the stream (its MLP's output, and the norm it takes first where the model has one); the next layer's
+        first norm adds it, so that the add and the norm are one pass where the kernels serve."""
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.kernels:
+            h = h.contiguous()  # the norm kernel's residual stream: rows in place
         ropes = self._ropes(h, position_ids)
         layer_fn = self._llama_layer if self.kind == "llama" else self._gemma_layer
+        if self.kernels:
+            self.kernel_steps += 1
+        pending = None
         for spec in self.layers:
-            h = layer_fn(spec, h, ropes[spec.rope], paged)
+            pending = layer_fn(spec, h, ropes[spec.rope], paged, pending)
+        if pending is not None:
+            y, y_norm = pending
+            h.add_(y if y_norm is None else _norm(y, y_norm))
         return h
 
     def head(self, h: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -131,19 +149,42 @@ class DecoderWalk:
         return out
 
     # -----------------------------------------------------------------------------------------------------------
-    def _llama_layer(self, s: _Layer, h: torch.Tensor, rope, paged: PagedBatch) -> torch.Tensor:
-        x = _norm(h, s.norm_in)
-        h.add_(s.o_proj(self._attention(s, x, rope, paged)))
-        x = _norm(h, s.norm_mid)
-        h.add_(s.down_proj(_gated(s, x)))
-        return h
+    def _llama_layer(self, s: _Layer, h: torch.Tensor, rope, paged: PagedBatch, pending) -> tuple:
+        x = self._add_norm(h, pending, s.norm_in)
+        x = self._add_norm(h, (s.o_proj(self._attention(s, x, rope, paged)), None), s.norm_mid)
+        return s.down_proj(self._gated(s, x)), None
 
-    def _gemma_layer(self, s: _Layer, h: torch.Tensor, rope, paged: PagedBatch) -> torch.Tensor:
-        x = _norm(h, s.norm_in)
-        h.add_(_norm(s.o_proj(self._attention(s, x, rope, paged)), s.norm_attn_out))
-        x = _norm(h, s.norm_mid)
-        h.add_(_norm(s.down_proj(_gated(s, x)), s.norm_mlp_out))
-        return h
+    def _gemma_layer(self, s: _Layer, h: torch.Tensor, rope, paged: PagedBatch, pending) -> tuple:
+        x = self._add_norm(h, pending, s.norm_in)
+        x = self._add_norm(h, (s.o_proj(self._attention(s, x, rope, paged)), s.norm_attn_out), s.norm_mid)
+        return s.down_proj(self._gated(s, x)), s.norm_mlp_out
+
+    def _add_norm(self, h: torch.Tensor, pending: tuple | None, spec: tuple) -> torch.Tensor:
+        """h += y (y normed first by its own norm where given), in place; then h's norm by `spec`. `pending`: (y,
+        y's norm or None), or None (nothing to add: the first layer)."""
+        if self.kernels:
+            y, y_norm = pending or (None, None)
+            return torch.ops.switchyard_cpu.add_rms_norm(
+                h,
+                y,
+                spec[0],
+                spec[1],
+                spec[2],
+                None if y_norm is None else y_norm[0],
+                0.0 if y_norm is None else y_norm[1],
+            )
+        if pending is not None:
+            y, y_norm = pending
+            h.add_(y if y_norm is None else _norm(y, y_norm))
+        return _norm(h, spec)
+
+    def _gated(self, s: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """act(gate(x)) * up(x): the kernel's one pass, or the torch ops with the product written into the
+        activation's own fresh tensor (no third [T, inter] buffer; the same values)."""
+        gate, up = s.gate_proj(x), s.up_proj(x)
+        if self.kernels and self.activation is not None:
+            return torch.ops.switchyard_cpu.gated(gate, up, self.activation)
+        return s.act(gate).mul_(up)
 
     def _attention(self, s: _Layer, x: torch.Tensor, rope, paged: PagedBatch) -> torch.Tensor:
         """[T, heads * D]: q/k/v, their norms (Gemma-3) and rotary, the paged attention."""
@@ -153,7 +194,14 @@ class DecoderWalk:
         v = s.v_proj(x).view(T, -1, D)
         heads = q.shape[-1] // D
         qk = _side_by_side(q, k, D)  # [T, heads + kv_heads, D] when the fused product made them neighbours
-        if qk is not None:
+        if self.kernels:  # in place on the product's columns (this layer is their only reader)
+            eps = 0.0 if s.qk_norm is None else s.qk_norm[3]
+            parts = ((qk, 2),) if qk is not None else ((q.view(T, heads, D), 0), (k.view(T, -1, D), 1))
+            for part, i in parts:
+                weight = None if s.qk_norm is None else s.qk_norm[i]
+                torch.ops.switchyard_cpu.rotary_(part, rope[0], rope[1], weight, eps)
+            q, k = q.view(T, heads, D), k.view(T, -1, D)
+        elif qk is not None:
             qk = _rotate(_qk_norm(qk, s.qk_norm, heads), rope)
             q, k = qk[:, :heads], qk[:, heads:]
         else:
@@ -196,10 +244,13 @@ def _qk_norm(qk: torch.Tensor, spec: tuple | None, heads: int) -> torch.Tensor:
     return qk if spec is None else _head_norm(qk, spec[2], spec[3])
 
 
-def _gated(s: _Layer, x: torch.Tensor) -> torch.Tensor:
-    """act(gate(x)) * up(x), the product written into the activation's own fresh tensor (no third [T, inter]
-    buffer; the same values)."""
-    return s.act(s.gate_proj(x)).mul_(s.up_proj(x))
+def _kernel_act(act) -> int | None:
+    """The gated kernel's code for the activation function (0 SiLU, 1 GELU with tanh), None for any other."""
+    if act is torch.nn.functional.silu:
+        return 0
+    if isinstance(act, functools.partial) and act.func is torch.nn.functional.gelu and not act.args:
+        return 1 if act.keywords == {"approximate": "tanh"} else None
+    return None
 
 
 def _rotate(x: torch.Tensor, rope) -> torch.Tensor:
@@ -297,14 +348,19 @@ def unsupported(model: torch.nn.Module, tp: int = 1) -> str:
     return ""
 
 
-def build(model: torch.nn.Module, tp: int = 1, enabled: bool = True) -> tuple[DecoderWalk | None, str]:
+def build(
+    model: torch.nn.Module, tp: int = 1, enabled: bool = True, kernels: bool = False
+) -> tuple[DecoderWalk | None, str]:
     """The decoder walk for this model, or None and why not (logged once, at load). `enabled` False
     (Settings.decoder_walk, SWITCHYARD_DECODER_WALK=0: to compare the two forwards end to end) keeps transformers'
-    forward."""
+    forward. `kernels`: the glue by the C++ kernels (loaded by the caller)."""
     reason = "turned off" if not enabled else unsupported(model, tp)
     if reason:
         log.info("forward: transformers' own (%s)", reason)
         return None, reason
     prefix, kind = ARCHS[type(model).__name__]
-    log.info("forward: decoder walk of the %s decoder (%s)", kind, type(model).__name__)
-    return DecoderWalk(model, prefix, kind), ""
+    log.info(
+        "forward: decoder walk of the %s decoder (%s), glue by %s",
+        kind, type(model).__name__, "the C++ kernels" if kernels else "torch ops",
+    )  # fmt: skip
+    return DecoderWalk(model, prefix, kind, kernels), ""

@@ -1,0 +1,101 @@
+"""The decode step's small kernels in C++ for the CPU, as torch ops (`torch.ops.switchyard_cpu.*`).
+
+Between the oneDNN products a layer's remaining work is small (a few thousand values per row) and torch runs it as
+tens of ATen calls, each a parallel region whose threads meet at a barrier: their fixed cost outweighs their work at
+decode, and a thread the kernel preempts stalls every one of them. Each kernel here does one such stretch in one
+pass and one parallel region: the decode attention reading the pages in place (attention.cpp), the residual add
+with the RMSNorm after it (norm.cpp), Gemma-3's q/k norms with the rotary embedding (rotary.cpp), the gated
+activation (activation.cpp). They compute in float32 and round once; the reference ops round after every step, so
+half-precision results differ from them in the last bits (tested within tolerance), and the float32 exact mode
+never calls them (bit-identity with transformers is the torch path's).
+
+Built on first use by torch's extension builder (g++, `-O3 -march=native`) and cached in the model cache's
+`cpu_kernels/` folder under a key of the sources, the torch version and the CPU's flags, so a second start loads the
+library in a fraction of a second and a cache shared between different CPUs never runs another CPU's build. Where
+no compiler or build works, `load` says why once and the callers keep the torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from libs.runtime.settings import env_value
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("attention.cpp", "norm.cpp", "rotary.cpp", "activation.cpp")
+HEADERS = ("common.h",)
+# -fopenmp: at::parallel_for is OpenMP in the headers; the library binds to the libgomp torch has loaded
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+
+_state: dict = {}  # "ok": bool, "reason": str, "build_s": float (once per process)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_dir() -> Path:
+    """Where this CPU's build lives: the model cache (SWITCHYARD_CACHE, else ~/.cache/switchyard), keyed."""
+    here = Path(__file__).parent
+    key = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        key.update((here / name).read_bytes())
+    key.update(" ".join(FLAGS).encode())
+    key.update(torch.__version__.encode())
+    key.update(_cpu_flags().encode())
+    root = env_value("cache") or Path.home() / ".cache" / "switchyard"
+    return Path(root).expanduser() / "cpu_kernels" / key.hexdigest()[:16]
+
+
+def load() -> bool:
+    """Whether the kernels are loaded (built first if this CPU's build is not cached); the first call decides and
+    logs it, later calls repeat the answer."""
+    if "ok" in _state:
+        return _state["ok"]
+    started = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load as build_extension
+
+        folder = build_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        here = Path(__file__).parent
+        build_extension(
+            "switchyard_cpu_kernels",
+            [str(here / name) for name in SOURCES],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=False,
+        )
+        _state.update(ok=True, reason="", build_s=time.perf_counter() - started)
+        log.info("cpu kernels: loaded in %.1f s from %s", _state["build_s"], folder)
+    except Exception as e:  # no compiler, a failed build: the torch path serves
+        lines = str(e).strip().splitlines() or [""]
+        said = next((line.strip() for line in lines if "error:" in line), lines[-1])  # the compiler's first
+        _state.update(ok=False, reason=f"{type(e).__name__}: {said}")
+        log.warning("cpu kernels: not built (%s); the torch ops serve", _state["reason"])
+    return _state["ok"]
+
+
+def reason() -> str:
+    """Why the kernels are not loaded ("" when they are, or before `load`)."""
+    return _state.get("reason", "")
+
+
+def wanted(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether steps on `device` in `dtype` take the kernels: on CPU in half precision (float32 is the exact mode)."""
+    return torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)

@@ -1,0 +1,72 @@
+// What the kernels share: widening a stored value to float32, rounding as a dtype rounds, and exp in a form loops
+// vectorize.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace switchyard_cpu {
+
+// float from a stored value: a bfloat16 is the high half of a float (a shift the compiler vectorizes)
+inline float widen(float x) { return x; }
+inline float widen(double x) { return static_cast<float>(x); }
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+
+// bfloat16 bits of x, rounded to nearest even as torch rounds (NaN stays NaN), branch-free so that loops vectorize
+inline uint16_t bf16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return (bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : static_cast<uint16_t>(rounded);
+}
+
+// x rounded to the dtype of the tag (as a torch op's result in that dtype), kept as a float
+inline float round_to(float x, c10::BFloat16) {
+  const uint32_t bits = static_cast<uint32_t>(bf16_bits(x)) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float round_to(float x, c10::Half) { return widen(static_cast<c10::Half>(x)); }
+inline float round_to(float x, float) { return x; }
+inline float round_to(float x, double) { return x; }
+
+// x stored in the dtype (rounded as torch rounds)
+inline void store(float* p, float x) { *p = x; }
+inline void store(double* p, float x) { *p = x; }
+inline void store(c10::BFloat16* p, float x) { p->x = bf16_bits(x); }
+inline void store(c10::Half* p, float x) { *p = static_cast<c10::Half>(x); }
+
+// e^x for x <= 0 (scores minus their maximum), within a few ulp of expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by
+// its Taylor polynomial to degree 7, 2^n into the exponent bits; below -87 it is 0. Branch-free so that loops of
+// it vectorize (libm's expf is a call per value).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  float p = 1.f / 5040;
+  p = p * r + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace switchyard_cpu
