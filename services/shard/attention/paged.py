@@ -8,7 +8,8 @@ math, so float32 output matches `generate()` token for token. Rows are bucketed 
 key) lengths, one batched matmul each (padding masked; one-query rows apart), whose gather indices and masks are
 built once per step and window and shared by every layer; GQA folds the heads sharing a KV head into the query
 dimension. Long prefill rows run tiled (services/shard/attention/tiled.py). docs/attention.md tells why. This is the
-reference path; a PagedBatch whose `backend` is "triton" hands each layer to services/shard/attention/triton.py.
+reference path; a PagedBatch whose `backend` is "triton" hands each layer to services/shard/attention/triton.py,
+and "cpu" its short rows to the C++ kernel of services/shard/attention/cpu.py.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class PagedBatch:
     host_tables: np.ndarray = None  # [rows, max_blocks] int64, padded with -1
     # per layer (K, V) as [kv_heads, slots, D] views (None: formed per call); the runner forms them once at load
     kv_flat: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    # "torch": the ops below (the reference); "triton": services/shard/attention/triton.py; "cpu": decode steps by
-    # services/shard/attention/cpu.py, the rest by the ops below
+    # "torch": the ops below (the reference); "triton": services/shard/attention/triton.py; "cpu": short rows
+    # (decodes, verified drafts) by services/shard/attention/cpu.py, the rest by the ops below
     backend: str = "torch"
     # row -> [n, 2] positions [start, end) seen both ways in prefill (bidirectional.py); empty: causal everywhere
     spans: dict = field(default_factory=dict)

@@ -13,8 +13,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -29,11 +34,36 @@ using namespace switchyard_cpu;
 // (0: `d` at run time, at most MAX_D).
 constexpr int64_t MAX_D = 512;
 
+// scores[h * L + j] = scale * q_h . k_j for the rep query heads and the L keys from `first`.
 template <typename T, int64_t DT>
-void attend_task(const T* kh, const T* vh, const int32_t* table, int64_t bs, int64_t first, int64_t L,
-                 const float* __restrict qf, int64_t rep, int64_t d, float scale, float cap, float* __restrict scores,
-                 float* __restrict vf, T* out, int64_t out_head) {
-  const int64_t D = DT > 0 ? DT : d;
+inline void score_keys(const T* kh, const int32_t* table, int64_t bs, int64_t first, int64_t L,
+                       const float* __restrict qf, int64_t rep, int64_t D, float scale, float* __restrict scores) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && DT > 0 && DT % 32 == 0) {
+    // bf16 keys straight into the dot-product instruction (pairs of products summed in float32, no widening pass):
+    // q back to bf16 is exact, it was bf16
+    constexpr int64_t C = DT / 32;
+    std::vector<__m512bh> qv(rep * C);
+    for (int64_t h = 0; h < rep; ++h) {
+      for (int64_t c = 0; c < C; ++c) {
+        const float* q = qf + h * DT + 32 * c;
+        qv[h * C + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(q));
+      }
+    }
+    for (int64_t j = 0; j < L; ++j) {
+      const int64_t pos = first + j;
+      const T* kr = kh + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * DT;
+      __m512bh k[C];
+      for (int64_t c = 0; c < C; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
+      for (int64_t h = 0; h < rep; ++h) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[h * C + c], k[c]);
+        scores[h * L + j] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t j = 0; j < L; ++j) {
     const int64_t pos = first + j;
     const T* kr = kh + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * D;
@@ -47,6 +77,14 @@ void attend_task(const T* kh, const T* vh, const int32_t* table, int64_t bs, int
       scores[h * L + j] = dot * scale;
     }
   }
+}
+
+template <typename T, int64_t DT>
+void attend_task(const T* kh, const T* vh, const int32_t* table, int64_t bs, int64_t first, int64_t L,
+                 const float* __restrict qf, int64_t rep, int64_t d, float scale, float cap, float* __restrict scores,
+                 float* __restrict vf, T* out, int64_t out_head) {
+  const int64_t D = DT > 0 ? DT : d;
+  score_keys<T, DT>(kh, table, bs, first, L, qf, rep, D, scale, scores);
   for (int64_t h = 0; h < rep; ++h) {
     float* s = scores + h * L;
     if (cap > 0.f) {
