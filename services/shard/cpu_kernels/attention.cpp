@@ -3,9 +3,11 @@
 //
 // One task per (token, KV head): the query heads sharing that KV head score every key the token sees (causal, the
 // sliding window as the first visible position) in float32, with the scale and optional soft-cap; softmax in
-// float32; the weighted sum of V accumulated in float32 and rounded once into the output. A token's result depends
-// on its own row only, never on how many tokens its row or the step has: a verified draft gets the values its decode
-// would. No gather copy, no [rows, keys] score tensors, one parallel region per layer.
+// float32; the weighted sum of V accumulated in float32 and rounded once into the output. A token with many keys is
+// attended in parts of PART_KEYS on any thread, merged after (flash-decoding's split), so that one long row keeps
+// every core busy. A token's result depends on its own row only, never on how many tokens its row or the step has:
+// a verified draft gets the values its decode would. No gather copy, no [rows, keys] score tensors, one parallel
+// region per layer (two when a token has several parts).
 #include "common.h"
 
 #include <ATen/ATen.h>
@@ -79,10 +81,13 @@ inline void score_keys(const T* kh, const int32_t* table, int64_t bs, int64_t fi
   }
 }
 
+// One part of a (token, KV head): its `rep` query heads (qf, float32) over `L` keys from position `first`. Per head:
+// the part's top score (top[h]), the sum of e^(score - top) (total[h]) and the V rows weighted by those, unnormalized
+// (acc[h * D ...]); the V rows widened once into `vf`, each head's D accumulators in registers.
 template <typename T, int64_t DT>
-void attend_task(const T* kh, const T* vh, const int32_t* table, int64_t bs, int64_t first, int64_t L,
+void attend_part(const T* kh, const T* vh, const int32_t* table, int64_t bs, int64_t first, int64_t L,
                  const float* __restrict qf, int64_t rep, int64_t d, float scale, float cap, float* __restrict scores,
-                 float* __restrict vf, T* out, int64_t out_head) {
+                 float* __restrict vf, float* __restrict top, float* __restrict total, float* __restrict acc_out) {
   const int64_t D = DT > 0 ? DT : d;
   score_keys<T, DT>(kh, table, bs, first, L, qf, rep, D, scale, scores);
   for (int64_t h = 0; h < rep; ++h) {
@@ -90,16 +95,16 @@ void attend_task(const T* kh, const T* vh, const int32_t* table, int64_t bs, int
     if (cap > 0.f) {
       for (int64_t j = 0; j < L; ++j) s[j] = std::tanh(s[j] / cap) * cap;
     }
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < L; ++j) top = std::max(top, s[j]);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < L; ++j) {
-      s[j] = exp_nonpositive(s[j] - top);
-      total += s[j];
+      s[j] = exp_nonpositive(s[j] - m);
+      sum += s[j];
     }
-    const float inv = 1.f / total;
-    for (int64_t j = 0; j < L; ++j) s[j] *= inv;
+    top[h] = m;
+    total[h] = sum;
   }
   for (int64_t j = 0; j < L; ++j) {
     const int64_t pos = first + j;
@@ -116,10 +121,36 @@ void attend_task(const T* kh, const T* vh, const int32_t* table, int64_t bs, int
 #pragma omp simd
       for (int64_t i = 0; i < D; ++i) acc[i] += p * v[i];
     }
-    T* o = out + h * out_head;
-    for (int64_t i = 0; i < D; ++i) store(o + i, acc[i]);
+    for (int64_t i = 0; i < D; ++i) acc_out[h * D + i] = acc[i];
   }
 }
+
+// out[h] = sum over parts of acc_p[h] e^(top_p[h] - top) / sum over parts of total_p[h] e^(top_p[h] - top), the
+// parts in order (one part: acc / total, e^0 being exactly 1)
+template <typename T>
+void merge_parts(int64_t parts, int64_t rep, int64_t D, const float* top, const float* total, const float* acc,
+                 T* out, int64_t out_head) {
+  for (int64_t h = 0; h < rep; ++h) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p) m = std::max(m, top[p * rep + h]);
+    float sum = 0.f;
+    float o[MAX_D];
+    for (int64_t i = 0; i < D; ++i) o[i] = 0.f;
+    for (int64_t p = 0; p < parts; ++p) {
+      const float w = exp_nonpositive(top[p * rep + h] - m);
+      sum += total[p * rep + h] * w;
+      const float* a = acc + (p * rep + h) * D;
+      for (int64_t i = 0; i < D; ++i) o[i] += a[i] * w;
+    }
+    const float inv = 1.f / sum;
+    T* dst = out + h * out_head;
+    for (int64_t i = 0; i < D; ++i) store(dst + i, o[i] * inv);
+  }
+}
+
+// Keys per part: a token with more keys is attended in parts that run on any thread and are merged after. The
+// split depends on the token's own key count only, so its result does not depend on the step.
+constexpr int64_t PART_KEYS = 512;
 
 template <typename T, int64_t DT>
 void attend_tokens(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor& k_cache,
@@ -151,9 +182,15 @@ void attend_tokens(const at::Tensor& q, const at::Tensor& k_new, const at::Tenso
     std::copy(ks, ks + D, kc + g * head_stride + slot[t] * D);
     std::copy(vs, vs + D, vc + g * head_stride + slot[t] * D);
   };
-  // a token alone in its row writes its K/V in its own task (no other task reads them); a row's several tokens
-  // read each other's, so theirs go in first
+  const auto keys_of = [&](int64_t t, int64_t& first) {  // causal: every key up to the token's own position
+    const int64_t n = pos_of[t] + 1;
+    first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+    return n - first;
+  };
+  // a token alone in its row writes its K/V in the task of its last part (the only one that reads them); a row's
+  // several tokens read each other's, so theirs go in first. Tasks: (token, KV head, part), parts of a token in a row
   std::vector<char> alone(N, 1);
+  std::vector<int64_t> part0(N + 1, 0);  // the token's first part among all parts
   int64_t longest = 1;
   for (int64_t i = 0; i < N; ++i) {
     const int64_t t = token[i];
@@ -162,28 +199,60 @@ void attend_tokens(const at::Tensor& q, const at::Tensor& k_new, const at::Tenso
     if (write && !alone[i]) {
       for (int64_t g = 0; g < KV; ++g) put(t, g);
     }
-    longest = std::max<int64_t>(longest, pos_of[t] + 1);
+    int64_t first;
+    const int64_t L = keys_of(t, first);
+    part0[i + 1] = part0[i] + (L + PART_KEYS - 1) / PART_KEYS;
+    longest = std::max<int64_t>(longest, std::min<int64_t>(L, PART_KEYS));
   }
+  const int64_t parts = part0[N];
+  std::vector<int64_t> part_token(parts);
+  for (int64_t i = 0; i < N; ++i) {
+    for (int64_t p = part0[i]; p < part0[i + 1]; ++p) part_token[p] = i;
+  }
+  const bool split = parts > N;  // some token has several parts: they meet in a second region
+  std::vector<float> tops(split ? parts * KV * rep : 0), totals(tops.size()), accs(tops.size() * D);
   // a task is about 4 * rep * keys * D flops: chunks of at least ~64k of them per thread
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 4 * rep * longest * D));
 
-  at::parallel_for(0, N * KV, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(rep * D), scores(rep * longest), vf(longest * D);
+  at::parallel_for(0, parts * KV, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(rep * D), scores(rep * longest), vf(longest * D), top(rep), total(rep), acc(rep * D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / KV, g = task % KV;
-      const int64_t t = token[i];
-      if (write && alone[i]) put(t, g);
+      const int64_t p = task / KV, g = task % KV, i = part_token[p];
+      const int64_t t = token[i], nth = p - part0[i], last = part0[i + 1] - 1 - part0[i];
+      if (write && alone[i] && nth == last) put(t, g);
       for (int64_t h = 0; h < rep; ++h) {
         const T* qh = qp + t * q_tok + (g * rep + h) * q_head;
         for (int64_t e = 0; e < D; ++e) qf[h * D + e] = widen(qh[e]);
       }
-      const int64_t n = pos_of[t] + 1;  // causal: every key up to the token's own position
-      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-      attend_task<T, DT>(kc + g * head_stride, vc + g * head_stride, table + row_of[t] * table_row, BS, first,
-                         n - first, qf.data(), rep, D, static_cast<float>(scale), static_cast<float>(softcap),
-                         scores.data(), vf.data(), op + (t * H + g * rep) * D, D);
+      int64_t first;
+      const int64_t L = keys_of(t, first);
+      const int64_t from = first + nth * PART_KEYS, count = std::min<int64_t>(PART_KEYS, first + L - from);
+      const int64_t slot_of = task * rep;  // this (part, head)'s place among the partial results
+      float* tp = split ? tops.data() + slot_of : top.data();
+      float* sp = split ? totals.data() + slot_of : total.data();
+      float* ap = split ? accs.data() + slot_of * D : acc.data();
+      attend_part<T, DT>(kc + g * head_stride, vc + g * head_stride, table + row_of[t] * table_row, BS, from, count,
+                         qf.data(), rep, D, static_cast<float>(scale), static_cast<float>(softcap), scores.data(),
+                         vf.data(), tp, sp, ap);
+      if (!split) merge_parts<T>(1, rep, D, tp, sp, ap, op + (t * H + g * rep) * D, D);
     }
   });
+  if (split) {  // each (token, KV head): its parts, strided by KV among the partial results
+    at::parallel_for(0, N * KV, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> top, total, acc;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t i = task / KV, g = task % KV, n = part0[i + 1] - part0[i];
+        top.resize(n * rep), total.resize(n * rep), acc.resize(n * rep * D);
+        for (int64_t p = 0; p < n; ++p) {
+          const int64_t at = ((part0[i] + p) * KV + g) * rep;
+          std::copy(tops.begin() + at, tops.begin() + at + rep, top.begin() + p * rep);
+          std::copy(totals.begin() + at, totals.begin() + at + rep, total.begin() + p * rep);
+          std::copy(accs.begin() + at * D, accs.begin() + (at + rep) * D, acc.begin() + p * rep * D);
+        }
+        merge_parts<T>(n, rep, D, top.data(), total.data(), acc.data(), op + (token[i] * H + g * rep) * D, D);
+      }
+    });
+  }
 }
 
 // q, k_new, v_new: the step's [tokens, heads or kv_heads, D] (token and head strides free, D contiguous); k_cache,

@@ -255,3 +255,26 @@ def test_a_second_start_loads_the_cached_build():
 def test_a_failed_build_says_why_and_the_torch_ops_serve(tmp_path):
     got = _load_in_a_new_process(tmp_path, flags=["-O3", "-mno-such-flag"])
     assert got["ok"] is False and "error" in got["reason"] and "mno-such-flag" in got["reason"]
+
+
+def test_long_rows_are_attended_in_parts_and_merged():
+    """A token with more keys than a part is split over the threads and merged (flash-decoding): the same values as
+    float64, and a short token beside it gets exactly what it gets in a step of its own."""
+    g = _gen(5)
+    bs, blocks, H, KV, D = 16, 200, 6, 2, 64
+    n_q, context = [1, 1, 2], [1500, 7, 1100]
+    cu, tables, token_rows, positions, slots = _step(n_q, context, bs, blocks, g)
+    assert int(context[0]) > 2 * 512  # three parts
+    k_cache, v_cache = _pages(KV, blocks, bs, D, torch.bfloat16, g)
+    q, k, v = (torch.randn(4, n, D, generator=g).to(torch.bfloat16) for n in (H, KV, KV))
+    i32 = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int32))  # noqa: E731
+    out = torch.empty(4, H, D, dtype=torch.bfloat16)
+    ops.attend_short_rows(q, k, v, k_cache, v_cache, torch.from_numpy(slots), i32(tables), i32(token_rows),
+                          i32(positions), i32(range(4)), True, out, D**-0.5, 0.0, 0)  # fmt: skip
+    want = _reference(q, k_cache, v_cache, torch.from_numpy(tables), token_rows, positions, range(4), D**-0.5, 0.0, 0)
+    for t in range(4):
+        torch.testing.assert_close(out[t].double(), want[t], atol=1e-2, rtol=1e-2)
+    alone = torch.empty(1, H, D, dtype=torch.bfloat16)  # row 1's token in a step with no long token
+    ops.attend_short_rows(q[1:2], k[1:2], v[1:2], k_cache, v_cache, torch.from_numpy(slots[1:2]), i32(tables[1:2]),
+                          i32([0]), i32(positions[1:2]), i32([0]), True, alone, D**-0.5, 0.0, 0)  # fmt: skip
+    assert torch.equal(alone[0], out[1])
