@@ -165,9 +165,14 @@ MODEL_ID_HELP = (
 )
 
 
+def cache_dir(override: Path | str | None = None) -> Path:
+    """Switchyard's cache: `override`, else SWITCHYARD_CACHE, else ~/.cache/switchyard (the embedded models, inductor's
+    graphs and the CPU kernels' builds live under it)."""
+    return Path(override or env_value("cache") or Path.home() / ".cache" / "switchyard").expanduser()
+
+
 def embedded_model_dir(model: EmbeddedModel, cache_root: Path | str | None = None) -> Path:
-    root = cache_root or env_value("cache") or Path.home() / ".cache" / "switchyard"
-    return Path(root).expanduser() / "models" / model.dirname
+    return cache_dir(cache_root) / "models" / model.dirname
 
 
 def prepare_default_model(cache_root: Path | str | None = None) -> Path:

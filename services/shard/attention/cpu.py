@@ -37,19 +37,17 @@ class ShortRows:
         """From the row bounds `cu` [rows + 1] and the tokens cached before the step [rows]; None without a short
         row."""
         n_q = cu[1:] - cu[:-1]
-        rows = np.flatnonzero((n_q >= 1) & (n_q <= SHORT_QUERIES))
-        if not len(rows):
+        short = (n_q >= 1) & (n_q <= SHORT_QUERIES)
+        if not short.any():
             return None
         token_rows = np.repeat(np.arange(len(n_q)), n_q)
         positions = context_lens[token_rows] + np.arange(int(cu[-1])) - cu[token_rows]
-        every = len(rows) == len(n_q)
-        tokens = np.arange(int(cu[-1])) if every else np.concatenate([np.arange(cu[r], cu[r + 1]) for r in rows])
         return cls(
-            rows=rows,
-            tokens=torch.from_numpy(tokens.astype(np.int32)),
+            rows=np.flatnonzero(short),
+            tokens=torch.from_numpy(np.flatnonzero(short[token_rows]).astype(np.int32)),
             token_rows=torch.from_numpy(token_rows.astype(np.int32)),
             positions=torch.from_numpy(positions.astype(np.int32)),
-            every_row=every,
+            every_row=bool(short.all()),
         )
 
 

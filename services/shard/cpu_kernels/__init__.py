@@ -3,11 +3,11 @@
 Between the oneDNN products a layer's remaining work is small (a few thousand values per row) and torch runs it as
 tens of ATen calls, each a parallel region whose threads meet at a barrier: their fixed cost outweighs their work at
 decode, and a thread the kernel preempts stalls every one of them. Each kernel here does one such stretch in one
-pass and one parallel region: the decode attention reading the pages in place (attention.cpp), the residual add
+pass and one parallel region: the attention of short rows reading the pages in place (attention.cpp), the residual add
 with the RMSNorm after it (norm.cpp), Gemma-3's q/k norms with the rotary embedding (rotary.cpp), the gated
-activation (activation.cpp). They compute in float32 and round once; the reference ops round after every step, so
-half-precision results differ from them in the last bits (tested within tolerance), and the float32 exact mode
-never calls them (bit-identity with transformers is the torch path's).
+activation (activation.cpp). The norm, rotary and SiLU kernels round where the torch ops round (bit-identical to
+them); the attention keeps its scores, softmax and sums in float32 and rounds once. The float32 exact mode never
+calls them (bit-identity with transformers is the torch path's).
 
 Built on first use by torch's extension builder (g++, `-O3 -march=native`) and cached in the model cache's
 `cpu_kernels/` folder under a key of the sources, the torch version and the CPU's flags, so a second start loads the
@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import platform
 import time
 from pathlib import Path
 
 import torch
 
-from libs.runtime.settings import env_value
+from libs.runtime import cpu, model_store
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +36,6 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 _state: dict = {}  # "ok": bool, "reason": str, "build_s": float (once per process)
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def build_dir() -> Path:
     """Where this CPU's build lives: the model cache (SWITCHYARD_CACHE, else ~/.cache/switchyard), keyed."""
     here = Path(__file__).parent
@@ -55,9 +44,9 @@ def build_dir() -> Path:
         key.update((here / name).read_bytes())
     key.update(" ".join(FLAGS).encode())
     key.update(torch.__version__.encode())
-    key.update(_cpu_flags().encode())
-    root = env_value("cache") or Path.home() / ".cache" / "switchyard"
-    return Path(root).expanduser() / "cpu_kernels" / key.hexdigest()[:16]
+    key.update(" ".join(sorted(cpu.flags())).encode())
+    key.update(cpu.model_name().encode())
+    return model_store.cache_dir() / "cpu_kernels" / key.hexdigest()[:16]
 
 
 def load() -> bool:

@@ -69,4 +69,12 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// 1 / sqrt(mean(x^2) + eps): RMSNorm's factor for a row of n floats
+inline float inv_rms(const float* x, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
 }  // namespace switchyard_cpu

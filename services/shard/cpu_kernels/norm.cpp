@@ -19,18 +19,10 @@ namespace {
 
 using namespace switchyard_cpu;
 
-template <typename T>
-float inv_rms(const float* x, int64_t n, float eps) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
-  return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-}
-
 // out = norm(x) by `weight` (T for Llama, float32 for Gemma)
 template <typename T, typename W>
 void norm_row(const float* x, int64_t n, const W* weight, float eps, bool gemma, T* out) {
-  const float r = inv_rms<T>(x, n, eps);
+  const float r = inv_rms(x, n, eps);
   if (gemma) {
     for (int64_t i = 0; i < n; ++i) store(out + i, x[i] * r * widen(weight[i]));
   } else {
@@ -58,7 +50,7 @@ void add_norm_rows(at::Tensor& h, const std::optional<at::Tensor>& y, const at::
         const T* yr = yp + r * y_row;
         if (yw != nullptr) {  // y's own norm first, rounded as a tensor of its dtype
           for (int64_t i = 0; i < n; ++i) yn[i] = widen(yr[i]);
-          const float ry = inv_rms<T>(yn.data(), n, y_eps);
+          const float ry = inv_rms(yn.data(), n, y_eps);
           for (int64_t i = 0; i < n; ++i) yn[i] = round_to(yn[i] * ry * yw[i], T());
         } else {
           for (int64_t i = 0; i < n; ++i) yn[i] = widen(yr[i]);

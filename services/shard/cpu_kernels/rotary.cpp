@@ -52,10 +52,7 @@ void rotate_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, co
         T* row = xp + t * x_tok + h * x_head;
         for (int64_t i = 0; i < D; ++i) v[i] = widen(row[i]);
         if (weight != nullptr) {
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t i = 0; i < D; ++i) sum += v[i] * v[i];
-          const float r = 1.f / std::sqrt(sum / static_cast<float>(D) + eps);
+          const float r = inv_rms(v, D, eps);
           const float* w = weight + h * w_head;
           for (int64_t i = 0; i < D; ++i) v[i] = round_to(v[i] * r * w[i], T());
         }

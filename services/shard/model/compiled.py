@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from libs.runtime.settings import env_value
+from libs.runtime import model_store
 from services.shard.attention.paged import PagedBatch
 from services.shard.model import ops
 from services.shard.model.decoder_walk import DecoderWalk, _head_norm, _Layer, _norm
@@ -54,8 +54,7 @@ _cache_chosen = False  # use_cache_dir was called
 
 def default_cache_dir() -> Path:
     """`inductor/` in the model cache (SWITCHYARD_CACHE, else ~/.cache/switchyard), where the embedded models live."""
-    root = env_value("cache") or Path.home() / ".cache" / "switchyard"
-    return Path(root).expanduser() / "inductor"
+    return model_store.cache_dir() / "inductor"
 
 
 def _cache_dir() -> str:

@@ -114,10 +114,9 @@ class DecoderWalk:
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if self.kernels:
             h = h.contiguous()  # the norm kernel's residual stream: rows in place
+            self.kernel_steps += 1
         ropes = self._ropes(h, position_ids)
         layer_fn = self._llama_layer if self.kind == "llama" else self._gemma_layer
-        if self.kernels:
-            self.kernel_steps += 1
         pending = None
         for spec in self.layers:
             pending = layer_fn(spec, h, ropes[spec.rope], paged, pending)

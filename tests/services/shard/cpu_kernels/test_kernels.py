@@ -223,7 +223,7 @@ def test_the_build_is_keyed_by_the_cpu_and_torch(monkeypatch, tmp_path):
     monkeypatch.setenv("SWITCHYARD_CACHE", str(tmp_path))
     here = cpu_kernels.build_dir()
     assert here.parent == tmp_path / "cpu_kernels"
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "fpu sse2 avx2")
+    monkeypatch.setattr(cpu_kernels.cpu, "flags", lambda: frozenset({"fpu", "sse2", "avx2"}))
     assert cpu_kernels.build_dir() != here  # another CPU never loads this one's -march=native build
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert len({cpu_kernels.build_dir(), here}) == 2
