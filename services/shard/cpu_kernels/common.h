@@ -49,9 +49,9 @@ inline void store(c10::BFloat16* p, float x) { p->x = bf16_bits(x); }
 inline void store(c10::Half* p, float x) { *p = static_cast<c10::Half>(x); }
 
 // e^x for x <= 0 (scores minus their maximum), within a few ulp of expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by
-// its Taylor polynomial to degree 7, 2^n into the exponent bits; below -87 it is 0. Branch-free so that loops of
-// it vectorize (libm's expf is a call per value).
-inline float exp_nonpositive(float x) {
+// its Taylor polynomial to degree 7, 2^n into the exponent bits; below -87 it is e^-87 (~1e-38). Branch-free so that loops of
+// it vectorize (libm's expf is a call per value); always inlined, since a loop that calls it does not vectorize.
+[[gnu::always_inline]] inline float exp_nonpositive(float x) {
   x = std::max(x, -87.f);
   const float n = std::nearbyint(x * 1.44269504088896341f);
   const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
@@ -69,12 +69,58 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// 1 / sqrt(mean(x^2) + eps): RMSNorm's factor for a row of n floats
+// Σ x[i]^2 summed in the order of torch's sum over a contiguous row, so that a norm rounds as torch's does whatever
+// the compiler's vector width: ATen's vectorized inner sum (SumKernel.cpp) as x86 dispatches it, in AVX2 vectors of
+// 8 lanes even on AVX512 CPUs (the kernel has no AVX512 registration): the vectors are dealt round-robin to 4
+// accumulators, which carry into 3 more levels every 2^p of their rows (p = max(4, ceil(log2 rows) / 4)); the
+// vectors left over go to the first, the 4 are added in order, then the scalar tail and the 8 lanes one by one.
+inline float sum_squares(const float* x, int64_t n) {
+  constexpr int64_t LANES = 8, ILP = 4, LEVELS = 4;
+  const int64_t vectors = n / LANES, rows = vectors / ILP;
+  int64_t log2 = 0;
+  while ((int64_t{1} << log2) < rows) ++log2;
+  const int64_t power = std::max<int64_t>(4, log2 / LEVELS), step = int64_t{1} << power, mask = step - 1;
+  float acc[LEVELS][ILP][LANES] = {};
+  auto add_row = [&](int64_t row) {
+    for (int64_t k = 0; k < ILP; ++k) {
+      const float* v = x + (row * ILP + k) * LANES;
+      for (int64_t l = 0; l < LANES; ++l) acc[0][k][l] += v[l] * v[l];
+    }
+  };
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++i) add_row(i);
+    for (int64_t level = 1; level < LEVELS; ++level) {
+      for (int64_t k = 0; k < ILP; ++k) {
+        for (int64_t l = 0; l < LANES; ++l) {
+          acc[level][k][l] += acc[level - 1][k][l];
+          acc[level - 1][k][l] = 0.f;
+        }
+      }
+      if ((i & (mask << (level * power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) add_row(i);
+  for (int64_t level = 1; level < LEVELS; ++level) {
+    for (int64_t k = 0; k < ILP; ++k) {
+      for (int64_t l = 0; l < LANES; ++l) acc[0][k][l] += acc[level][k][l];
+    }
+  }
+  for (int64_t v = rows * ILP; v < vectors; ++v) {
+    for (int64_t l = 0; l < LANES; ++l) acc[0][0][l] += x[v * LANES + l] * x[v * LANES + l];
+  }
+  for (int64_t k = 1; k < ILP; ++k) {
+    for (int64_t l = 0; l < LANES; ++l) acc[0][0][l] += acc[0][k][l];
+  }
+  float total = 0.f;
+  for (int64_t e = vectors * LANES; e < n; ++e) total += x[e] * x[e];
+  for (int64_t l = 0; l < LANES; ++l) total += acc[0][0][l];
+  return total;
+}
+
+// 1 / sqrt(mean(x^2) + eps): RMSNorm's factor for a row of n floats, as torch computes it
 inline float inv_rms(const float* x, int64_t n, float eps) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
-  return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  return 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
 }
 
 }  // namespace switchyard_cpu

@@ -35,9 +35,10 @@ def _gen(seed: int = 0) -> torch.Generator:
 @pytest.mark.parametrize(
     "gemma,add", [(False, "none"), (False, "plain"), (True, "none"), (True, "plain"), (True, "normed")]
 )  # only Gemma norms what it adds
-def test_add_rms_norm_equals_the_torch_ops(dtype, gemma, add):
+@pytest.mark.parametrize("N", [96, 640, 2304])  # the sum's order: a short row, one carry, several (ATen's cascade)
+def test_add_rms_norm_equals_the_torch_ops(dtype, gemma, add, N):
     g = _gen()
-    T, N = 7, 96
+    T = 64
     h = (torch.randn(T, N, generator=g) * 2).to(dtype)
     y = (torch.randn(T, N + 5, generator=g) * 3).to(dtype)[:, :N]  # a row stride of its own, as a product's column
     w = torch.randn(N, generator=g) * 0.3
