@@ -2,8 +2,9 @@
 interleaved in one process so that load on the machine hits both alike.
 
 Per vocabulary × dtype × batch kind × rows it prints the median ms (or the least, --stat min) of `torch` (`argmax` +
-`log_softmax` + gather over the whole batch) and `now` (`choose` as it is), checking that `choose` took torch's
-token on every greedy row (and printing the largest logprob difference there). Batch kinds: `greedy`, `top-n`
+`log_softmax` + gather over the whole batch), `stages` (`choose` by its torch stages) and `kernel` (`choose` by the
+C++ kernel, sampling.cpp, where it builds: the shard takes it in half precision), checking that each took torch's token
+on every greedy row (and printing the largest logprob difference there). Batch kinds: `greedy`, `top-n`
 (greedy with 5 alternatives), `mixed` (greedy, seeded draws and alternatives by row), `sampled` (every row a
 seeded draw at temperature 0.7).
 
@@ -14,6 +15,7 @@ seeded draw at temperature 0.7).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -22,6 +24,7 @@ import torch
 
 from bench import clock, machine
 from libs.protocol.params import SamplingParams
+from services.shard import cpu_kernels
 from services.shard.sampling import sampler
 
 KINDS = ("greedy", "top-n", "mixed", "sampled")
@@ -58,13 +61,18 @@ def _seeded(params: list[SamplingParams]) -> list[torch.Generator | None]:
 def measure_case(
     ways: dict, logits: torch.Tensor, params: list[SamplingParams], reps: int, stat=statistics.median
 ) -> dict:
-    """`stat` ms per way, interleaved call by call; `now`'s greedy rows checked against `torch`'s."""
+    """`stat` ms per way, interleaved call by call; the other ways' greedy rows checked against `torch`'s."""
     ids, lps = plain_torch(logits, params, _seeded(params))
-    choice = ways["now"](logits, params, _seeded(params))
     greedy = torch.tensor([not p.samples() for p in params])
-    if not torch.equal(choice.token_ids[greedy], ids[greedy]):
-        raise AssertionError(f"choose took other tokens than argmax: {choice.token_ids[greedy].tolist()[:8]}")
-    drift = float((choice.logprobs[greedy] - lps[greedy]).abs().nan_to_num(0).max()) if greedy.any() else 0.0
+    drift = 0.0
+    for name, fn in ways.items():
+        if name == "torch":
+            continue
+        choice = fn(logits, params, _seeded(params))
+        if not torch.equal(choice.token_ids[greedy], ids[greedy]):
+            raise AssertionError(f"{name} took other tokens than argmax: {choice.token_ids[greedy].tolist()[:8]}")
+        if greedy.any():
+            drift = max(drift, float((choice.logprobs[greedy] - lps[greedy]).abs().nan_to_num(0).max()))
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(reps):
         for name, fn in ways.items():
@@ -91,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    ways = {"torch": plain_torch, "now": sampler.choose}
+    ways = {"torch": plain_torch, "stages": sampler.choose}
+    if cpu_kernels.load():
+        ways["kernel"] = functools.partial(sampler.choose, kernels=True)
     kinds = args.kinds.split(",")
     for kind in kinds:
         batch_params(kind, 1)  # unknown names fail before any timing

@@ -80,6 +80,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True):
         """Whether any warper (temperature, top-k, top-p, min-p, typical-p) changes the row's scores."""
         return self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.typical_p < 1.0
 
+    def truncates(self) -> bool:
+        """Whether a warper other than temperature removes tokens (top-k, top-p, min-p, typical-p)."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.typical_p < 1.0
+
     def samples(self) -> bool:
         """Whether the row draws its token rather than taking the argmax (TGI: do_sample, or any warper)."""
         return self.do_sample or self.warps()

@@ -436,6 +436,7 @@ class ModelRunner:
             watermark_delta=self.watermark_delta,
             constrain=None if batch.keys is None else self.grammars.mask(batch.keys, errors, batch.chains),
             keys=keys,
+            kernels=self.cpu_kernels,
             # min_tokens: each pick's length is its draw position (a drafted row's picks each their own)
             lengths=batch.draw_positions.tolist() if any(st.sampling.min_length for st in sampled) else None,
         )

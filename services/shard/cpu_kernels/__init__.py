@@ -3,11 +3,12 @@
 Between the oneDNN products a layer's remaining work is small (a few thousand values per row) and torch runs it as
 tens of ATen calls, each a parallel region whose threads meet at a barrier: their fixed cost outweighs their work at
 decode, and a thread the kernel preempts stalls every one of them. Each kernel here does one such stretch in one
-pass and one parallel region: the attention of short rows reading the pages in place (attention.cpp), the residual add
-with the RMSNorm after it (norm.cpp), Gemma-3's q/k norms with the rotary embedding (rotary.cpp), the gated
-activation (activation.cpp). The norm, rotary and SiLU kernels round where the torch ops round (bit-identical to
-them); the attention keeps its scores, softmax and sums in float32 and rounds once. The float32 exact mode never
-calls them (bit-identity with transformers is the torch path's).
+pass and one parallel region: the attention of short rows reading the pages in place (attention.cpp), the residual
+add with the RMSNorm after it (norm.cpp), Gemma-3's q/k norms with the rotary embedding (rotary.cpp), the gated
+activation (activation.cpp); after the forward, the token choice over the logits as they are (sampling.cpp). The
+norm, rotary and SiLU kernels round where the torch ops round (bit-identical to them); the attention keeps its
+scores, softmax and sums in float32 and rounds once. The float32 exact mode never calls them (bit-identity with
+transformers is the torch path's).
 
 Built on first use by torch's extension builder (g++, `-O3 -march=native`) and cached in the model cache's
 `cpu_kernels/` folder under a key of the sources, the torch version and the CPU's flags, so a second start loads the
@@ -28,7 +29,7 @@ from libs.runtime import cpu, model_store
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("attention.cpp", "norm.cpp", "rotary.cpp", "activation.cpp")
+SOURCES = ("attention.cpp", "norm.cpp", "rotary.cpp", "activation.cpp", "sampling.cpp")
 HEADERS = ("common.h",)
 # -fopenmp: at::parallel_for is OpenMP in the headers; the library binds to the libgomp torch has loaded
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]

@@ -2,7 +2,8 @@
 penalties (watermark, repetition, frequency); the grammar mask (rows with a grammar only); warpers (temperature,
 top-k, top-p, min-p, typical-p); the reduction (argmax and every logprob);
 the seeded draws (per row with its generator, draws.py, or all rows in one call keyed by seed and position,
-counter.py); the top-n alternatives. One file per stage beside this one.
+counter.py); the top-n alternatives. One file per stage beside this one. On CPU in half precision, a batch whose
+scores are its logits over a temperature is reduced and drawn by the C++ kernel instead (fused.py).
 
 Like TGI's `HeterogeneousNextTokenChooser`, a row samples when `do_sample` is set *or* any warper is active
 (`SamplingParams.samples`), and the reported logprob is the log-softmax of the final processed and warped scores at
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from libs.protocol.params import SamplingParams
-from services.shard.sampling import counter
+from services.shard.sampling import counter, fused
 from services.shard.sampling.draws import draws
 from services.shard.sampling.logit_bias import apply_logit_bias
 from services.shard.sampling.min_tokens import mask_short
@@ -52,6 +53,7 @@ def choose(
     constrain: Callable[[torch.Tensor], None] | None = None,  # the grammar mask, see final_scores
     keys: counter.DrawKeys | None = None,  # every row's seed and draw position: sampled rows draw by counter.py
     lengths: list[int] | None = None,  # per row: the tokens before its pick (the min_tokens mask reads them)
+    kernels: bool = False,  # the C++ kernels are loaded (CPU, half precision): fused.py may choose
 ) -> Choice:
     """Pick one token per row and report its logprob (and the alternatives asked for).
 
@@ -63,31 +65,35 @@ def choose(
     device = logits.device
     if n == 0:
         return Choice(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, device=device))
-    scores, sparse = logits, {}
-    if constrain is not None or any(p.keeps_history() or p.biases() or p.warps() for p in params):
-        # greedy rows without alternatives may be chosen among their grammar's few allowed ids alone (CPU)
-        plain = [i for i, p in enumerate(params) if not p.samples() and p.top_n_tokens == 0]
-        scores, sparse = final_scores(
-            logits,
-            params,
-            histories,
-            watermark_gamma=watermark_gamma,
-            watermark_delta=watermark_delta,
-            constrain=constrain,
-            sparse_ok=plain if constrain is not None and device.type == "cpu" else None,
-            lengths=lengths,
-        )
-    token_ids, maxes, spreads = reduce(scores, [i for i in range(n) if i not in sparse] if sparse else None)
-    if sparse:
-        choose_sparse(scores, sparse, token_ids, maxes, spreads)
-    drawn = [i for i, p in enumerate(params) if p.samples()]
-    if drawn and keys is not None:
-        at = torch.tensor(drawn, dtype=torch.long, device=device)
-        token_ids[at] = counter.draw(scores.index_select(0, at), keys.select(drawn))
-    elif drawn:
-        token_ids[drawn] = draws(scores, drawn, generators)
-    # greedy rows: the chosen score is the max, so the logprob is exactly −spread
-    picked = scores.gather(1, token_ids[:, None])[:, 0].float()
+    if kernels and keys is None and constrain is None and fused.takes(params):
+        scores = logits  # alternatives are asked for on rows at temperature 1 only: their scores are the logits
+        token_ids, maxes, spreads, picked = fused.choose(logits, params, generators)
+    else:
+        scores, sparse = logits, {}
+        if constrain is not None or any(p.keeps_history() or p.biases() or p.warps() for p in params):
+            # greedy rows without alternatives may be chosen among their grammar's few allowed ids alone (CPU)
+            plain = [i for i, p in enumerate(params) if not p.samples() and p.top_n_tokens == 0]
+            scores, sparse = final_scores(
+                logits,
+                params,
+                histories,
+                watermark_gamma=watermark_gamma,
+                watermark_delta=watermark_delta,
+                constrain=constrain,
+                sparse_ok=plain if constrain is not None and device.type == "cpu" else None,
+                lengths=lengths,
+            )
+        token_ids, maxes, spreads = reduce(scores, [i for i in range(n) if i not in sparse] if sparse else None)
+        if sparse:
+            choose_sparse(scores, sparse, token_ids, maxes, spreads)
+        drawn = [i for i, p in enumerate(params) if p.samples()]
+        if drawn and keys is not None:
+            at = torch.tensor(drawn, dtype=torch.long, device=device)
+            token_ids[at] = counter.draw(scores.index_select(0, at), keys.select(drawn))
+        elif drawn:
+            token_ids[drawn] = draws(scores, drawn, generators)
+        # greedy rows: the chosen score is the max, so the logprob is exactly −spread
+        picked = scores.gather(1, token_ids[:, None])[:, 0].float()
     choice = Choice(token_ids, (picked - maxes) - spreads)
     want = [p.top_n_tokens for p in params]
     if max(want) > 0:
