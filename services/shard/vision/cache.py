@@ -23,7 +23,7 @@ from services.shard.vision.encoder import VisionEncoder
 @dataclass
 class _Pending:
     image: ImageInput
-    pixels: torch.Tensor  # [*image.shape], float32 on the host
+    pixels: torch.Tensor  # float32 on the host: [*image.shape], or as pixels.py finished them from bytes
 
     @property
     def end(self) -> int:
@@ -46,9 +46,10 @@ class EncoderCache:
         self.outputs: OrderedDict[str, torch.Tensor] = OrderedDict()  # digest → encoder output, LRU first
 
     def open(self, seq: int, images: list[ImageInput], pixels: list[np.ndarray]) -> None:
-        """A new sequence's images and each one's float32 pixels (flat or shaped)."""
+        """A new sequence's images and each one's float32 pixels (flat: shaped as the image says; shaped: kept)."""
         held = [
-            _Pending(im, torch.from_numpy(np.array(px, np.float32)).reshape(im.shape)) for im, px in zip(images, pixels)
+            _Pending(im, torch.from_numpy(np.array(px, np.float32)).reshape(im.shape if np.ndim(px) == 1 else px.shape))
+            for im, px in zip(images, pixels)
         ]
         if held:
             self.pending[seq] = held

@@ -42,8 +42,10 @@ class Images:
 
 # families whose processor (its PIL path) rescales and normalizes each image or view last, after every resize, crop
 # and pad, all on uint8: called without those two it gives exact uint8 pixels, which travel as bytes (a quarter of
-# float32's) and which the shard finishes as the processor does (services/shard/vision/pixels.py)
-BYTES_FAMILIES = {"llava", "llava_next", "gemma3"}
+# float32's) and which the shard finishes as the processor does (services/shard/vision/pixels.py). Idefics3 and
+# SmolVLM pad their tiles after normalizing, but a padded tile is refused (images/idefics3.py): theirs are whole.
+# Qwen2-VL's patchify comes after the two as well (images/qwen2_vl.py sends one temporal copy of each row).
+BYTES_FAMILIES = {"llava", "llava_next", "gemma3", "idefics3", "smolvlm", *QWEN_FAMILIES}
 
 
 def digest(pixels: np.ndarray, image_size: list[int] = ()) -> str:

@@ -33,11 +33,14 @@ class SmolVLMImageProcessor:
         self.global_image_token: str = getattr(tok, "global_image_token", None) or "<global-img>"
         self.image_seq_len = image_seq_len(model_path)
 
-    def __call__(self, *, text: str, images: list, add_special_tokens: bool = False, return_tensors: str = "np"):
-        """`text`'s image tokens each expanded for its image, in order, and tokenized; the images' tiles."""
+    def __call__(
+        self, *, text: str, images: list, add_special_tokens: bool = False, return_tensors: str = "np", **image_kwargs
+    ):
+        """`text`'s image tokens each expanded for its image, in order, and tokenized; the images' tiles
+        (`image_kwargs` go to the image processor: do_rescale, do_normalize)."""
         from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
-        got = self.image_processor(images=[images], return_row_col_info=True, return_tensors="np")
+        got = self.image_processor(images=[images], return_row_col_info=True, return_tensors="np", **image_kwargs)
         parts = text.split(self.image_token)
         if len(parts) != len(images) + 1:
             raise ValueError(f"{len(parts) - 1} image tokens for {len(images)} images")

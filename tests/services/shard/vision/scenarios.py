@@ -14,8 +14,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from bench.engine import Engine, request
-from libs.protocol.messages import TokenizedRequest, pixel_frames
+from libs.protocol.messages import TokenizedRequest, image_pixels, pixel_frames
 from services.shard.model_runner import ModelRunner
+from services.shard.vision.pixels import PixelFinisher
 from services.tokenizer.images.fetch import FetchLimits
 from services.tokenizer.images.processor import ImageLimits, ImageProcessor
 from tests.vision_models import data_uri, image, processed, reference_generate
@@ -81,8 +82,11 @@ class Family:
         if placed:
             req.images = placed
             req.pixel_values, req.pixel_bytes = pixel_frames([p.ravel() for p in got.pixels]).values()
-            if self.same_pixels:  # the tiles or images, in order
-                assert np.array_equal(req.pixel_values, want["pixel_values"].numpy().ravel())
+            if self.same_pixels:  # the tiles or images, in order, as the shard finishes them (bytes: bit for bit)
+                finisher = PixelFinisher(str(self.folder))
+                flat = image_pixels(placed, req.pixel_values, req.pixel_bytes)
+                values = np.concatenate([finisher.values(im, px).ravel() for im, px in zip(placed, flat)])
+                assert values.tobytes() == want["pixel_values"].numpy().astype(np.float32).ravel().tobytes()
         return req
 
     def expected(self, text: str, pictures: list[bytes], max_new: int = MAX_NEW) -> list[int]:

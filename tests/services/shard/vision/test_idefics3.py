@@ -29,6 +29,8 @@ def test_an_image_becomes_its_tiles(idefics3):
     req = idefics3.request("t", "Look at <image> and say", [image(1)])
     ids = np.asarray(req.input_ids)
     assert [(im.tokens, im.shape) for im in req.images] == [(IDEFICS3_TILE_TOKENS, [3, 28, 28])] * 5  # 2x2 + global
+    assert [im.dtype for im in req.images] == ["uint8"] * 5  # as bytes before rescale and normalize
+    assert req.pixel_bytes.nbytes == 5 * 3 * 28 * 28 and req.pixel_values is None
     for im in req.images:  # each run of placeholders is framed: its marker before it, text after it
         assert ids[im.start - 1] != ids[im.start] == ids[im.start + im.tokens - 1] != ids[im.start + im.tokens]
     assert len({im.digest for im in req.images}) == 5

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from libs.protocol import codec
-from libs.protocol.messages import RequestError, TokenizedRequest
+from libs.protocol.messages import RequestError, TokenizedRequest, image_pixels
 from libs.runtime.settings import Settings
+from services.shard.vision.pixels import PixelFinisher
 from services.tokenizer.processor import Processor
 from tests.services.tokenizer.conftest import request
 from tests.vision_models import QWEN_MERGE, build_qwen_vl, data_uri, image, processed
@@ -38,9 +39,17 @@ def test_markdown_images_become_framed_placeholders_and_grid_shaped_pixels(vlm, 
     for im in out.images:  # framed: the token before and after the placeholders
         assert (out.input_ids[im.start : im.start + im.tokens] == vlm.images.image_token_id).all()
         assert out.input_ids[im.start - 1] != vlm.images.image_token_id != out.input_ids[im.start + im.tokens]
-    assert np.array_equal(out.pixel_values, want["pixel_values"].numpy().ravel())  # the processor's rows, in order
+    # the rows as bytes before rescale and normalize, one temporal copy each (1/8 of the float32 rows' bytes)
+    assert [im.dtype for im in out.images] == ["uint8"] * 2 and out.pixel_values is None
+    assert out.pixel_bytes.nbytes * 4 * 2 == want["pixel_values"].numpy().nbytes
     back = codec.decode(codec.encode(out))
-    assert np.array_equal(back.pixel_values, out.pixel_values) and back.images == out.images
+    assert np.array_equal(back.pixel_bytes, out.pixel_bytes) and back.images == out.images
+    # which the shard finishes into the processor's rows, in order, bit for bit
+    finisher = PixelFinisher(str(qwen))
+    flat = image_pixels(back.images, back.pixel_values, back.pixel_bytes)
+    rows = [finisher.values(im, px) for im, px in zip(back.images, flat)]
+    assert [r.shape[:3] for r in rows] == [tuple(im.shape[:3]) for im in back.images]
+    assert np.concatenate([r.ravel() for r in rows]).tobytes() == want["pixel_values"].numpy().ravel().tobytes()
 
 
 def test_an_image_its_resizing_refuses_gets_a_422(vlm):
