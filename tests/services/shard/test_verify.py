@@ -102,7 +102,9 @@ def test_seeded_sampling_is_the_same_with_and_without_drafts(tiny_dirs):
     plain, plain_lps, plain_tops, _ = drafted_run(runner, prompts, 20, params)
     got, lps, tops, (drafted, accepted) = drafted_run(runner, prompts, 20, params, plain, k=3)
     assert got == plain and tops == plain_tops
-    np.testing.assert_allclose(np.concatenate(list(lps.values())), np.concatenate(list(plain_lps.values())), atol=1e-5)
+    # a verify step's products have more rows than a decode's, and on some CPUs sum in another order: logits a few
+    # float32 ulps apart, logprobs within ~2e-5
+    np.testing.assert_allclose(np.concatenate(list(lps.values())), np.concatenate(list(plain_lps.values())), atol=5e-5)
     assert 0 < accepted < drafted
 
 
