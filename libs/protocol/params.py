@@ -78,7 +78,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True):
 
     def warps(self) -> bool:
         """Whether any warper (temperature, top-k, top-p, min-p, typical-p) changes the row's scores."""
-        return self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.typical_p < 1.0
+        return self.temperature != 1.0 or self.truncates()
 
     def truncates(self) -> bool:
         """Whether a warper other than temperature removes tokens (top-k, top-p, min-p, typical-p)."""

@@ -49,8 +49,9 @@ inline void store(c10::BFloat16* p, float x) { p->x = bf16_bits(x); }
 inline void store(c10::Half* p, float x) { *p = static_cast<c10::Half>(x); }
 
 // e^x for x <= 0 (scores minus their maximum), within a few ulp of expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by
-// its Taylor polynomial to degree 7, 2^n into the exponent bits; below -87 it is e^-87 (~1e-38). Branch-free so that loops of
-// it vectorize (libm's expf is a call per value); always inlined, since a loop that calls it does not vectorize.
+// its Taylor polynomial to degree 7, 2^n into the exponent bits; below -87 it is e^-87 (~1e-38). Branch-free so
+// that loops of it vectorize (libm's expf is a call per value); always inlined, since a loop that calls it does
+// not vectorize.
 [[gnu::always_inline]] inline float exp_nonpositive(float x) {
   x = std::max(x, -87.f);
   const float n = std::nearbyint(x * 1.44269504088896341f);

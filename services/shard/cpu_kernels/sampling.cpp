@@ -24,10 +24,9 @@ constexpr int64_t PART = 16384;
 constexpr int64_t BLOCK = 256;
 
 struct Part {
-  float max;
-  int64_t at;   // first index of the max (or of the first NaN) within the row
-  bool nan;
-  double sum;   // Σ exp(score − max) over the part
+  float max;   // NaN where the part holds one
+  int64_t at;  // first index of the max (or of the first NaN) within the row
+  double sum;  // Σ exp(score − max) over the part
 };
 
 // the score of token i: the stored value widened, over the temperature where it is not 1
@@ -50,7 +49,7 @@ bool first_nan(const T* x, int64_t begin, int64_t end, float t, Part& p) {
   for (int64_t i = begin; i < end; ++i) {
     const float y = score<T, DIVIDE>(x, i, t);
     if (y != y) {
-      p = Part{y, i, true, 0.0};
+      p = Part{y, i, 0.0};
       return true;
     }
   }
@@ -62,7 +61,7 @@ Part reduce_part(const T* x, int64_t begin, int64_t end, float t) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
   for (int64_t i = begin; i < end; ++i) m = std::max(m, score<T, DIVIDE>(x, i, t));  // NaN skipped here
-  Part p{m, begin, false, 0.0};
+  Part p{m, begin, 0.0};
   if (std::isinf(m)) {  // all −inf (nothing drawable here) or a +inf: no sum, the first index by a scan
     if (first_nan<T, DIVIDE>(x, begin, end, t, p)) return p;
     for (int64_t i = begin; i < end; ++i) {
@@ -112,7 +111,7 @@ void reduce_all(const at::Tensor& scores, const float* temps, int64_t* ids, floa
     const Part* p = parts.data() + r * per_row;
     int64_t best = 0;
     for (int64_t k = 0; k < per_row; ++k) {
-      if (p[k].nan) {
+      if (std::isnan(p[k].max)) {
         best = k;
         break;
       }
@@ -121,7 +120,7 @@ void reduce_all(const at::Tensor& scores, const float* temps, int64_t* ids, floa
     ids[r] = p[best].at;
     maxes[r] = p[best].max;
     const float m = p[best].max;
-    if (p[best].nan || m == -std::numeric_limits<float>::infinity() || m == std::numeric_limits<float>::infinity()) {
+    if (!std::isfinite(m)) {
       spreads[r] = std::numeric_limits<float>::quiet_NaN();  // as torch's softmax of such a row
       continue;
     }

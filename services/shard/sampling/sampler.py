@@ -69,36 +69,56 @@ def choose(
         scores = logits  # alternatives are asked for on rows at temperature 1 only: their scores are the logits
         token_ids, maxes, spreads, picked = fused.choose(logits, params, generators)
     else:
-        scores, sparse = logits, {}
-        if constrain is not None or any(p.keeps_history() or p.biases() or p.warps() for p in params):
-            # greedy rows without alternatives may be chosen among their grammar's few allowed ids alone (CPU)
-            plain = [i for i, p in enumerate(params) if not p.samples() and p.top_n_tokens == 0]
-            scores, sparse = final_scores(
-                logits,
-                params,
-                histories,
-                watermark_gamma=watermark_gamma,
-                watermark_delta=watermark_delta,
-                constrain=constrain,
-                sparse_ok=plain if constrain is not None and device.type == "cpu" else None,
-                lengths=lengths,
-            )
-        token_ids, maxes, spreads = reduce(scores, [i for i in range(n) if i not in sparse] if sparse else None)
-        if sparse:
-            choose_sparse(scores, sparse, token_ids, maxes, spreads)
-        drawn = [i for i, p in enumerate(params) if p.samples()]
-        if drawn and keys is not None:
-            at = torch.tensor(drawn, dtype=torch.long, device=device)
-            token_ids[at] = counter.draw(scores.index_select(0, at), keys.select(drawn))
-        elif drawn:
-            token_ids[drawn] = draws(scores, drawn, generators)
-        # greedy rows: the chosen score is the max, so the logprob is exactly −spread
-        picked = scores.gather(1, token_ids[:, None])[:, 0].float()
+        scores, token_ids, maxes, spreads, picked = by_stages(
+            logits, params, generators, histories, watermark_gamma, watermark_delta, constrain, keys, lengths
+        )
     choice = Choice(token_ids, (picked - maxes) - spreads)
     want = [p.top_n_tokens for p in params]
     if max(want) > 0:
         choice.top_counts, choice.top_ids, choice.top_logprobs = top_n(scores, maxes, spreads, want)
     return choice
+
+
+def by_stages(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    histories: list[np.ndarray | None] | None,
+    watermark_gamma: float,
+    watermark_delta: float,
+    constrain: Callable[[torch.Tensor], None] | None,
+    keys: counter.DrawKeys | None,
+    lengths: list[int] | None,
+) -> tuple[torch.Tensor, ...]:
+    """`choose`'s stages in order: the final scores, the reduction, the draws. Returns the scores the tokens were
+    chosen from, then per row the token, the max and logsumexp − max of its scores, and its score at the token."""
+    n, device = logits.shape[0], logits.device
+    scores, sparse = logits, {}
+    if constrain is not None or any(p.keeps_history() or p.biases() or p.warps() for p in params):
+        # greedy rows without alternatives may be chosen among their grammar's few allowed ids alone (CPU)
+        plain = [i for i, p in enumerate(params) if not p.samples() and p.top_n_tokens == 0]
+        scores, sparse = final_scores(
+            logits,
+            params,
+            histories,
+            watermark_gamma=watermark_gamma,
+            watermark_delta=watermark_delta,
+            constrain=constrain,
+            sparse_ok=plain if constrain is not None and device.type == "cpu" else None,
+            lengths=lengths,
+        )
+    token_ids, maxes, spreads = reduce(scores, [i for i in range(n) if i not in sparse] if sparse else None)
+    if sparse:
+        choose_sparse(scores, sparse, token_ids, maxes, spreads)
+    drawn = [i for i, p in enumerate(params) if p.samples()]
+    if drawn and keys is not None:
+        at = torch.tensor(drawn, dtype=torch.long, device=device)
+        token_ids[at] = counter.draw(scores.index_select(0, at), keys.select(drawn))
+    elif drawn:
+        token_ids[drawn] = draws(scores, drawn, generators)
+    # greedy rows: the chosen score is the max, so the logprob is exactly −spread
+    picked = scores.gather(1, token_ids[:, None])[:, 0].float()
+    return scores, token_ids, maxes, spreads, picked
 
 
 def final_scores(
