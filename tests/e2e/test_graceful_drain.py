@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -32,6 +33,7 @@ class Stream(threading.Thread):
         self.url, self.body = url, body
         self.events: list = []
         self.first = threading.Event()
+        self.done = threading.Event()  # its last event came
         self.error: Exception | None = None
 
     def run(self) -> None:
@@ -46,6 +48,7 @@ class Stream(threading.Thread):
             self.error = e
         finally:
             self.first.set()
+            self.done.set()
 
 
 def wait_until(cond, timeout: float) -> bool:
@@ -62,7 +65,7 @@ def test_sigterm_drains_open_streams_and_leaves_nothing(tiny_model_dir, tmp_path
     try:
         server.wait_healthy()
         run_dir, sid = server.run_dir(), server.supervisord_sid()
-        params = {"max_new_tokens": 48, "details": True}
+        params = {"max_new_tokens": 96, "details": True}
         tgi = [
             Stream(server.url + "/generate_stream", {"inputs": f"drain {i}", "parameters": params}) for i in range(3)
         ]
@@ -72,7 +75,7 @@ def test_sigterm_drains_open_streams_and_leaves_nothing(tiny_model_dir, tmp_path
             {
                 "model": "tgi",
                 "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 48,
+                "max_tokens": 96,
                 "stream": True,
                 "ignore_eos": True,
             },
@@ -83,6 +86,8 @@ def test_sigterm_drains_open_streams_and_leaves_nothing(tiny_model_dir, tmp_path
             s.start()
         for s in streams:
             assert s.first.wait(30) and not s.error, s.error
+        # a short stream may end between its first event and the signal on a fast step: count the open ones
+        open_at_signal = sum(not s.done.is_set() for s in streams)
         sent = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
 
@@ -111,9 +116,9 @@ def test_sigterm_drains_open_streams_and_leaves_nothing(tiny_model_dir, tmp_path
         assert wait_until(lambda: not session_processes(sid), 10), "processes left behind"
         assert not os.path.exists(run_dir), "run directory left behind"
         log = server.log_path.read_text(errors="replace")
-        assert (
-            "draining http and the schedulers" in log and "draining: 5 requests running" in log
-        )  # all were open at SIGTERM
+        assert "draining http and the schedulers" in log
+        running = int(re.search(r"draining: (\d+) requests running", log).group(1))
+        assert 2 <= running <= open_at_signal, (running, open_at_signal)  # the long one and some short ones
         assert "drain cut short: 1 requests" in log
         assert "Traceback" not in log, server.tail(100)
     finally:

@@ -109,6 +109,14 @@ class Tap(threading.Thread):
                 latest[msg.index] = msg.counters
         return latest
 
+    def ready_replicas(self) -> set[int]:
+        """The replicas whose scheduler's latest heartbeat says ready (its shard has loaded the model)."""
+        latest = {}
+        for _, msg in self.seen():
+            if isinstance(msg, Heartbeat) and msg.role == "scheduler":
+                latest[msg.index] = msg.ready and not msg.draining
+        return {i for i, ready in latest.items() if ready}
+
     def wait_for(self, what, timeout: float = 20.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -185,6 +193,9 @@ def test_processes_run_as_groups(scale_server):
 
 def test_every_request_is_answered_and_the_work_spreads(scale_server, tap, tiny_model_dir, tokenizer):
     before = {role: tap.wait_for(lambda r=role: tap.counters(r)) for role in ("tokenizer", "router")}
+    # /health is ready with one replica; on a loaded host the second shard may still be loading its model, and a
+    # burst then all goes to the first (placement takes ready replicas only)
+    tap.wait_for(lambda: tap.ready_replicas() == {0, 1}, timeout=120)
     cases = [(prompt(i), 4 + (i * 3) % 13) for i in range(16)]
     check_greedy(scale_server.url, tiny_model_dir, tokenizer, cases)
 
