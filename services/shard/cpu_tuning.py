@@ -1,8 +1,10 @@
 """A CPU shard's OpenMP team kept fitted to the free cores while it serves (the rule: libs/runtime/cpu_team.py).
 
 At start it measures others' load over a short window and sets the team; then, between steps, it samples
-/proc every few seconds and resizes the team (torch.set_num_threads) and its cores when the decision has
-changed on two samples in a row, so one burst of another process does not make the team flap.
+/proc every few seconds and resizes the team (torch.set_num_threads) and its cores. It shrinks when two samples in
+a row agree, so one burst of another process does not take a core from it, and grows on the first sample that shows
+a core free again: a team too small costs every step until it grows, and a core taken back too soon only costs the
+next two samples' wait.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ class TeamTuner:
         if (plan.threads, plan.cpus) == (self.plan.threads, self.plan.cpus):
             self._pending = None
             return
-        if self._pending and (self._pending.threads, self._pending.cpus) == (plan.threads, plan.cpus):
+        if plan.threads > self.plan.threads or (
+            self._pending and (self._pending.threads, self._pending.cpus) == (plan.threads, plan.cpus)
+        ):
             self.changes += 1
             self._apply(plan, "resized")
             self._pending = None

@@ -1,6 +1,6 @@
 """The shard's team while it serves (services/shard/cpu_tuning.py): readings that show a core gone busy shrink the
 team between steps once two samples agree, torch's thread count and the affinity follow, and a free core again
-grows it back. The readings are given (the /proc reading itself: tests/libs/runtime/test_cpu_team.py), so what
+grows it back on the first sample that shows it. The readings are given (the /proc reading itself: tests/libs/runtime/test_cpu_team.py), so what
 the host's other jobs do cannot change the outcome."""
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ def test_the_team_follows_the_readings_between_steps(monkeypatch, caplog):
             assert tuner.plan.cpus == (b,) and torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {b}
             assert tuner.changes == 1 and "cpu team resized: 1 threads (torch.get_num_threads() = 1)" in caplog.text
             readings.load = {c: 0.0 for c in usable}  # the other process ended
-            tuner.between_steps()
-            tuner.between_steps()
+            tuner.between_steps()  # one sample grows it back
             assert torch.get_num_threads() == len(usable) and os.sched_getaffinity(0) == set(usable)
             assert tuner.changes == 2 and a in tuner.plan.cpus
     finally:
