@@ -47,6 +47,9 @@ from services.shard.model.decoder_walk import DecoderWalk, _head_norm, _Layer, _
 log = logging.getLogger(__name__)
 # row counts compiled at start: the one-token graph and the dynamic one (every count from 2 on)
 DEFAULT_BUCKETS = (1, 2)
+# float32 is the exact mode (bit-identical to transformers), and compiling it does not pay where it is the default
+# (docs/benchmarks.md); bench.step.compiled empties this to measure it
+EAGER_DTYPES = (torch.float32,)
 
 
 _cache_chosen = False  # use_cache_dir was called
@@ -155,7 +158,7 @@ def unsupported(walk: DecoderWalk | None, dtype: torch.dtype) -> str:
     """Why this model's steps cannot be compiled ("" when they can)."""
     if walk is None:
         return "no decoder walk"
-    if dtype == torch.float32:
+    if dtype in EAGER_DTYPES:
         return "float32 stays eager (bit-identical to transformers)"
     if any(_compiled_layer(s, {}, {}) is None for s in walk.layers):
         return "a linear is not a prepacked oneDNN product (quantized, or oneDNN off)"

@@ -20,12 +20,18 @@ import pytest
 import torch
 
 from bench.engine import Engine, request
+from services.shard.model import onednn
 from services.shard.model.compiled import use_cache_dir
 from services.shard.model_runner import ModelRunner
 from services.tokenizer.grammar import grammar_text
 from tests.tiny_models import ARCHS, prompts_for
 
 ALL_ARCHS = os.environ.get("SWITCHYARD_TEST_COMPILE_ARCHS") == "1"
+# the compiled walk calls prepacked oneDNN products, which need a CPU that oneDNN runs bf16 on (AVX512-BF16 or AMX;
+# on AVX2 alone bf16 keeps torch's linears, and float32 is the default there)
+needs_bf16_onednn = pytest.mark.skipif(
+    not onednn.dtype_supported(torch.bfloat16), reason="oneDNN runs no bf16 products on this CPU (AVX2 only)"
+)
 MAX_NEW = 12
 
 
@@ -59,6 +65,7 @@ def _engine(runner: ModelRunner, model_dir) -> Engine:
     return Engine.build(runner, model_dir, max_batch_prefill_tokens=40, max_prefill_tokens_while_decoding=9)
 
 
+@needs_bf16_onednn
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiled_bf16_equals_eager_bf16(tiny_dirs, cache, request, arch):
     if arch != "llama" and not ALL_ARCHS:
@@ -112,6 +119,7 @@ def test_float32_and_unpacked_linears_stay_eager(tiny_dirs):
     assert plain.compiled is None and "oneDNN" in plain.compiled_reason and plain.walk is not None
 
 
+@needs_bf16_onednn
 def test_grammar_drafts_and_lora_rows(tiny_dirs, adapters, llama):
     """Grammar masks apply to the compiled step's logits; verified drafts are packed tokens like any other (the
     token count is dynamic); a step with LoRA rows runs eagerly (the compiled body calls the base products only)."""
@@ -140,6 +148,7 @@ def test_grammar_drafts_and_lora_rows(tiny_dirs, adapters, llama):
     assert counts["compiled"] > before
 
 
+@needs_bf16_onednn
 def test_second_start_hits_the_cache(tiny_dirs, cache, llama):
     """A new process building the same model's compiled runner with the same cache folder loads the graph (this
     process's start, `llama`, compiled it into the module's fresh cache folder)."""
@@ -153,6 +162,7 @@ def test_second_start_hits_the_cache(tiny_dirs, cache, llama):
     print(f"second start: {start['start_s']} s, of which the compile at start {start['compile_s']} s")
 
 
+@needs_bf16_onednn
 def test_a_step_needing_a_new_graph_runs_eagerly(tiny_dirs, llama):
     """A step the graphs compiled at start do not cover runs the eager walk (counted) instead of compiling in the
     step loop: here a layer's norm weights swapped for float32 copies, whose dtype guard no graph passes."""
