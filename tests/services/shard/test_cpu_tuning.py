@@ -1,7 +1,7 @@
 """The shard's team while it serves (services/shard/cpu_tuning.py): readings that show a core gone busy shrink the
 team between steps once two samples agree, torch's thread count and the affinity follow, and a free core again
-grows it back on the first sample that shows it. The readings are given (the /proc reading itself: tests/libs/runtime/test_cpu_team.py), so what
-the host's other jobs do cannot change the outcome."""
+grows it back on the first sample that shows it. The readings are given (the /proc reading itself:
+tests/libs/runtime/test_cpu_team.py), so what the host's other jobs do cannot change the outcome."""
 
 from __future__ import annotations
 
