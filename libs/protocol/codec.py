@@ -59,7 +59,10 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
     except RecursionError:  # deeply nested msgpack in an `Any` field (e.g. grammar): msgspec recurses in C
         raise ProtocolError("bad message body: nested too deeply") from None
     if msg.v != WIRE_VERSION:
-        raise ProtocolError(f"wire version {msg.v}, expected {WIRE_VERSION}")
+        raise ProtocolError(
+            f"wire version {msg.v}, expected {WIRE_VERSION}: a process of another Switchyard release (every process "
+            "of a server must run the same one)"
+        )
     if len(frames) - 1 != len(msg.FRAMES):
         raise ProtocolError(f"{type(msg).__name__} needs {len(msg.FRAMES)} array frames, got {len(frames) - 1}")
     for (name, dtype), raw in zip(msg.FRAMES, frames[1:]):

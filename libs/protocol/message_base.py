@@ -7,8 +7,10 @@ from typing import ClassVar
 
 import msgspec
 
-# Bumped when a message changes incompatibly; a receiver drops frames of another version.
-WIRE_VERSION = 1
+# Bumped when a message changes incompatibly; a receiver drops frames of another version, so processes of two
+# versions never join one server (they do not see each other's heartbeats) instead of misreading each other.
+# 2: images' pixels in two frames (float32 values and uint8 bytes, ImageInput.dtype), Qwen2-VL rows as bytes.
+WIRE_VERSION = 2
 
 
 class Message(msgspec.Struct, tag_field="kind", kw_only=True):
