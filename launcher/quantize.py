@@ -13,6 +13,8 @@ import json
 import logging
 from pathlib import Path
 
+from libs.runtime import cpu
+
 log = logging.getLogger(__name__)
 
 # TGI's values of --quantize, in its order
@@ -120,10 +122,10 @@ def help_text() -> str:
 
 
 def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
+    if cpu.torch_cpu_build():
         return False
+    import torch
+
     return torch.cuda.is_available()
 
 

@@ -40,9 +40,11 @@ SPECULATE_HELP = (
 
 def resolve_dtype(requested: str, model_path: Path) -> str:
     """The serving dtype, chosen here once (so /info can say it) by the rule in libs/runtime/cpu.py."""
-    import torch  # not at import time: `switchyard tap --help` should not pay for torch
+    device = "cpu"
+    if not cpu.torch_cpu_build():
+        import torch  # only where a GPU may serve: the import costs seconds of every start
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         choice = cpu.choose_dtype(requested, cpu.checkpoint_dtype(model_path), device)
     except ValueError as e:
@@ -223,13 +225,31 @@ def _lora_adapters(args: argparse.Namespace) -> str:
     return ",".join(f"{name}={folder}" for name, folder in folders.items())
 
 
-def _cuda_flags(args: argparse.Namespace) -> tuple[str, float]:
-    """--cuda-graphs as TGI reads it (a comma list, 0 disables, unset: TGI's default), as Settings carries it
-    ("1,2,4", "" for none), and --cuda-memory-fraction, checked; both act on CUDA shards only."""
-    from services.shard.graphs import parse_buckets  # not at import time (torch)
+CUDA_GRAPHS_DEFAULT = (1, 2, 4, 8, 16, 32)  # TGI's default for --cuda-graphs
 
+
+def parse_cuda_graphs(flag: str | None) -> tuple[int, ...]:
+    """TGI's `--cuda-graphs`: a comma list of decode batch sizes, sorted and deduplicated; zeros are dropped, so "0"
+    disables graphs; unset (None) gives TGI's default. Raises ValueError on anything but non-negative integers."""
+    if flag is None:
+        return CUDA_GRAPHS_DEFAULT
+    sizes = set()
+    for part in flag.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit():
+            raise ValueError(f"--cuda-graphs takes a comma list of batch sizes (0 disables), not {flag!r}")
+        sizes.add(int(part))
+    sizes.discard(0)
+    return tuple(sorted(sizes))
+
+
+def _cuda_flags(args: argparse.Namespace) -> tuple[str, float]:
+    """--cuda-graphs as TGI reads it, as Settings carries it ("1,2,4", "" for none), and --cuda-memory-fraction,
+    checked; both act on CUDA shards only."""
     try:
-        buckets = parse_buckets(args.cuda_graphs)
+        buckets = parse_cuda_graphs(args.cuda_graphs)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if not 0.0 < args.cuda_memory_fraction <= 1.0:

@@ -36,6 +36,17 @@ DTYPE_HELP = (
 )
 
 
+def torch_cpu_build() -> bool:
+    """Whether the installed torch is a CPU-only build (its version ends in "+cpu"), so that no GPU can serve: the
+    launcher learns it without importing torch, which costs seconds of every start."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch").endswith("+cpu")
+    except metadata.PackageNotFoundError:
+        return True
+
+
 @cache
 def flags() -> frozenset[str]:
     """The processor's feature flags (Linux /proc/cpuinfo); empty where that cannot be read."""

@@ -1,5 +1,5 @@
-"""CUDA graphs for pure-decode steps: the bucket sizes (TGI's `--cuda-graphs`), a step's metadata padded to its
-bucket, the fixed-shape input buffers graphs read, and (CUDA only) their capture and replay.
+"""CUDA graphs for pure-decode steps: a step's metadata padded to its bucket (the sizes of TGI's `--cuda-graphs`,
+which the launcher parses), the fixed-shape input buffers graphs read, and (CUDA only) their capture and replay.
 
 A pure-decode step (every row feeds one token: no prompt chunk, no drafts) of n rows runs as the graph of the
 smallest bucket ≥ n; larger steps, and every other step, run eagerly. The padded rows n … bucket-1 feed token 0 at
@@ -25,24 +25,6 @@ from services.shard.attention.paged import PagedBatch
 from services.shard.step_batch import Batch
 
 log = logging.getLogger("switchyard.shard")
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)  # TGI's default for --cuda-graphs
-
-
-def parse_buckets(flag: str | None) -> tuple[int, ...]:
-    """TGI's `--cuda-graphs`: a comma list of batch sizes, sorted and deduplicated; zeros are dropped, so "0"
-    disables graphs; unset (None) gives TGI's default. Raises ValueError on anything but non-negative integers."""
-    if flag is None:
-        return DEFAULT_BUCKETS
-    sizes = set()
-    for part in flag.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if not part.isdigit():
-            raise ValueError(f"--cuda-graphs takes a comma list of batch sizes (0 disables), not {flag!r}")
-        sizes.add(int(part))
-    sizes.discard(0)
-    return tuple(sorted(sizes))
 
 
 def bucket_for(rows: int, buckets: tuple[int, ...]) -> int | None:
@@ -209,7 +191,7 @@ class DecodeGraphs:
 PackedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedBatch], torch.Tensor]
 
 
-def scratch_blocks(cuda_graphs: tuple[int, ...] | bool, device: torch.device) -> int:
+def scratch_blocks(cuda_graphs: tuple[int, ...], device: torch.device) -> int:
     """KV blocks the runner allocates past the scheduler's for the graphs' padded rows: 1 with graphs asked for
     on CUDA, else 0."""
     return int(bool(cuda_graphs) and torch.device(device).type == "cuda")
@@ -280,7 +262,7 @@ class RunnerGraphs:
 
 
 def build(
-    cuda_graphs: tuple[int, ...] | bool,
+    cuda_graphs: tuple[int, ...],
     forward: PackedForward,
     kv_cache: list,
     kv_flat: list | None,
@@ -289,8 +271,8 @@ def build(
     device: torch.device,
     attention: str,
 ) -> tuple[RunnerGraphs | None, str]:
-    """The runner's decode graphs, or None and why (True: TGI's default buckets)."""
-    buckets = DEFAULT_BUCKETS if cuda_graphs is True else tuple(sorted(set(cuda_graphs or ())))
+    """The runner's decode graphs, or None and why."""
+    buckets = tuple(sorted(set(cuda_graphs)))
     if not buckets:
         return None, "no --cuda-graphs buckets"
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():

@@ -59,7 +59,7 @@ class ModelRunner:
         decoder_walk: bool = True,  # the direct decoder walk where the architecture has one (model/decoder_walk.py)
         grammar_fill: str = "ahead",  # where structured output's masks are filled: "ahead" or "inline" (Settings)
         device_sampling: bool | None = None,  # one counter-keyed draw for all rows (sampling/counter.py); None: on CUDA
-        cuda_graphs: tuple[int, ...] | bool = (),  # decode buckets replayed as CUDA graphs (graphs.py); True: TGI's
+        cuda_graphs: tuple[int, ...] = (),  # decode buckets replayed as CUDA graphs (graphs.py)
         kv_prefault: bool = False,  # the KV cache touched at start, resident from the start (Settings.kv_prefault)
         attention: str = "auto",  # "torch", "triton", "cpu" or "auto" (attention_backend)
         cpu_kernels: bool = True,  # the C++ kernels on CPU in half precision where they build (cpu_kernels/)

@@ -1,11 +1,18 @@
 """Launcher flags: TGI names, environment fallbacks, derived limits and their checks."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from launcher.cli import build_parser, settings_from
+from launcher.serve_settings import parse_cuda_graphs
+from libs.runtime import cpu
 from libs.runtime.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -174,6 +181,16 @@ def test_compatibility_flags_are_accepted_and_ignored(model_dir, caplog):
     assert "gptq" in helps["quantize"] and "always computed" in helps["enable_prefill_logprobs"]
 
 
+def test_parse_cuda_graphs_as_tgi():
+    assert parse_cuda_graphs(None) == (1, 2, 4, 8, 16, 32)
+    assert parse_cuda_graphs("0") == ()
+    assert parse_cuda_graphs("8,1, 2,2,0,256") == (1, 2, 8, 256)
+    assert parse_cuda_graphs("") == ()
+    for bad in ("1,x", "-1", "2.5"):
+        with pytest.raises(ValueError):
+            parse_cuda_graphs(bad)
+
+
 def test_cuda_flags_are_settings(model_dir, monkeypatch, caplog):
     """--cuda-graphs as TGI reads it (comma list, zeros dropped, "0" disables, unset: 1..32) and
     --cuda-memory-fraction in (0, 1]: settings of the CUDA shards, never warned about."""
@@ -222,3 +239,21 @@ def test_speculate_acts(model_dir, monkeypatch, caplog):
     monkeypatch.setenv("SPECULATE_POLICY", "sometimes")  # argparse does not check a default against its choices
     with pytest.raises(SystemExit, match="--speculate-policy must be adaptive or always"):
         settings_from(parse(), model_dir)
+
+
+def test_settings_come_without_torch_on_a_cpu_build(model_dir):
+    """On a CPU-only torch build the launcher derives every setting, the dtype included, without importing torch or
+    transformers (seconds of each start, before any service starts)."""
+    code = (
+        "import sys\n"
+        "from launcher.cli import build_parser, settings_from\n"
+        f"s = settings_from(build_parser().parse_args(['serve', '--model-id', {str(model_dir)!r}]), "
+        f"__import__('pathlib').Path({str(model_dir)!r}))\n"
+        "print(s.dtype, 'torch' in sys.modules, 'transformers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    dtype, torch_imported, transformers_imported = out.stdout.split()
+    assert dtype in ("float32", "bfloat16")
+    assert transformers_imported == "False"
+    assert torch_imported == str(not cpu.torch_cpu_build())

@@ -45,3 +45,10 @@ def test_checkpoint_dtype_reads_both_config_spellings(tmp_path):
 def test_this_machine_is_described():
     line = cpu.describe()
     assert line and "[" in line
+
+
+def test_torch_cpu_build_agrees_with_torch():
+    """The launcher's no-import answer equals what torch says of its own build."""
+    import torch
+
+    assert cpu.torch_cpu_build() == (torch.version.cuda is None and torch.version.hip is None)

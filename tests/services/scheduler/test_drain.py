@@ -1,7 +1,8 @@
 """A replica's drain as its scheduler runs it (services/scheduler/drain.py): SIGTERM wakes the loop at once and the
 next heartbeat says `draining` out of turn; an idle replica stops once the router has had its time to hear it; one
 still holding requests at the timeout answers each `Unknown` (http resubmits it elsewhere) before it stops; a second
-SIGTERM stops at once. The real SchedulerService on an ipc bus of its own, no model, no router."""
+SIGTERM stops at once. The shards' readiness goes out of turn the same way, both when it comes and when it goes.
+The real SchedulerService on an ipc bus of its own, no model, no router."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from libs.protocol import codec, topics
 from libs.protocol.messages import Heartbeat, Unknown
+from libs.protocol.step_messages import StepResult
 from services.scheduler.drain import SETTLE_S
 from tests.services.scheduler.service_bus import scheduler_on_own_bus
 from tests.services.scheduler.test_abort_order import step, subscribed
@@ -77,3 +79,18 @@ def test_an_idle_replica_stops_once_the_router_had_time_to_hear_its_drain(servic
     svc.drain.announced -= SETTLE_S
     assert svc.drain.outcome(holding=1) is None  # it holds one: it runs to its end
     assert svc.drain.outcome(holding=0) == "drained"
+
+
+def test_readiness_is_announced_out_of_turn_when_it_changes(service):
+    svc, events = service
+    subscribed(svc, events)
+    svc._beat()  # the regular beat: not ready yet
+    assert [hb.ready for hb in received(events, Heartbeat)] == [False]
+    svc._beat()  # nothing changed and none is due: silence
+    assert received(events, Heartbeat, timeout_ms=300) == []
+    svc._on_message(StepResult(step=0))  # the shards answered the probe
+    svc._beat()  # the last beat was just now, yet the router hears it at once
+    assert [hb.ready for hb in received(events, Heartbeat)] == [True]
+    svc._shard_lost()
+    svc._beat()
+    assert [hb.ready for hb in received(events, Heartbeat)] == [False]

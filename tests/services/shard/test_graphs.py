@@ -12,7 +12,6 @@ import torch
 from bench.engine import Engine, request
 from services.shard.attention.paged import PagedBatch
 from services.shard.graphs import (
-    DEFAULT_BUCKETS,
     DecodeBuffers,
     DecodeGraphs,
     DecodeStep,
@@ -20,23 +19,12 @@ from services.shard.graphs import (
     build,
     decode_step,
     pad_step,
-    parse_buckets,
     pure_decode,
 )
 from services.shard.model_runner import ModelRunner
 from tests.tiny_models import prompts_for
 
 BS, BLOCKS = 4, 10  # block size; the scheduler's blocks (the scratch block is block 10)
-
-
-def test_parse_buckets_as_tgi():
-    assert parse_buckets(None) == DEFAULT_BUCKETS == (1, 2, 4, 8, 16, 32)
-    assert parse_buckets("0") == ()
-    assert parse_buckets("8,1, 2,2,0,256") == (1, 2, 8, 256)
-    assert parse_buckets("") == ()
-    for bad in ("1,x", "-1", "2.5"):
-        with pytest.raises(ValueError):
-            parse_buckets(bad)
 
 
 def test_bucket_for():
@@ -124,7 +112,7 @@ def test_graphs_refuse_a_cpu_device():
     with pytest.raises(RuntimeError):
         DecodeGraphs((1, 2), 4, BLOCKS, BS, torch.device("cpu"))
     cpu = torch.device("cpu")
-    assert build(True, None, [], None, BLOCKS, BS, cpu, "torch") == (None, "CUDA graphs need CUDA")
+    assert build((1, 2),  None, [], None, BLOCKS, BS, cpu, "torch") == (None, "CUDA graphs need CUDA")
     assert build((), None, [], None, BLOCKS, BS, cpu, "triton")[0] is None
 
 
@@ -189,6 +177,6 @@ def test_a_padded_decode_step_on_the_model(tiny_dirs):
 
 def test_runner_graphs_stay_off_on_cpu(tiny_dirs):
     """ModelRunner(cuda_graphs=...) on CPU: no graphs, no scratch block, the eager forward as ever."""
-    runner = ModelRunner(str(tiny_dirs["llama"]), num_blocks=8, block_size=4, cuda_graphs=True)
+    runner = ModelRunner(str(tiny_dirs["llama"]), num_blocks=8, block_size=4, cuda_graphs=(1, 2, 4))
     assert runner.graphs is None and runner.graphs_reason == "CUDA graphs need CUDA"
     assert runner.kv_cache[0][0].shape[1] == 8
