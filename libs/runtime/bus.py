@@ -318,7 +318,7 @@ class BusEnds:
         self._next_hb = now + HEARTBEAT_S
         if "metrics" not in load and self._metrics_pacing.due(now):
             cpu = time.thread_time()
-            load["metrics"] = metrics.exposition()
+            load["metrics"] = metrics.heartbeat_exposition()
             self._metrics_pacing.rendered(now, time.thread_time() - cpu)
         if self._first_beat is None:
             self._first_beat = now

@@ -188,6 +188,13 @@ class Metrics:
         self.process_up = gauge("switchyard_process_up", "1 while the process heartbeats", ["role", "index"])
         self.process_restarts = counter("switchyard_process_restarts", "Restarts seen (a new pid)", ["role", "index"])
         self.process_up.labels(role=role, index=str(index)).set(1)
+        # when the render a heartbeat carried was made: renders are paced, so a counter may lag its event by up to
+        # two heartbeats, and a reader who must see an event's counts waits for a render made after it
+        self._rendered = gauge(
+            "switchyard_metrics_rendered_timestamp_seconds",
+            "When this process's metrics, as sent with its heartbeat, were rendered (Unix time)",
+            ["role", "index"],
+        )
         # CPU seconds, RSS, fds of this process, labelled so the merge keeps processes apart
         self._objects = [v for v in vars(self).values() if isinstance(v, MetricWrapperBase)]
         self._process = _Labelled(ProcessCollector(namespace="switchyard", registry=None), role, index)
@@ -333,8 +340,16 @@ def get() -> Metrics | None:
 
 
 def exposition() -> str:
-    """What this process's heartbeat carries ("" before `init`)."""
+    """This process's metrics text ("" before `init`)."""
     return _current.exposition() if _current is not None else ""
 
 
-__all__ = ["Aggregator", "DURATION_BUCKETS", "Metrics", "exposition", "get", "init", "merge"]
+def heartbeat_exposition() -> str:
+    """The metrics text a heartbeat carries, stamped with the time of its render ("" before `init`)."""
+    if _current is None:
+        return ""
+    _current._rendered.labels(role=_current.role, index=str(_current.index)).set(time.time())
+    return _current.exposition()
+
+
+__all__ = ["Aggregator", "DURATION_BUCKETS", "Metrics", "exposition", "get", "heartbeat_exposition", "init", "merge"]

@@ -5,6 +5,8 @@ their tests' own (test_gemma.py: Gemma-3-270M by name; test_quickstart.py: the d
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import pytest
 import requests
@@ -88,6 +90,23 @@ def sse_events(body: bytes | str) -> list:
             payload = line[5:].strip()
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+RENDERED = re.compile(r'^switchyard_metrics_rendered_timestamp_seconds\{index="(\d+)",role="(\w+)"\} (\S+)$', re.M)
+
+
+def fresh_metrics(url: str, roles: tuple[str, ...] | None = None, timeout: float = 30.0) -> str:
+    """/metrics text in which every process of `roles` (None: every process) is read from a render made after this
+    call began: renders are paced, so a counter may lag its event by up to two heartbeats."""
+    began, deadline = time.time(), time.monotonic() + timeout
+    while True:
+        text = requests.get(url + "/metrics", timeout=10).text
+        stamps = {(role, int(i)): float(t) for i, role, t in RENDERED.findall(text)}
+        watched = {k: t for k, t in stamps.items() if roles is None or k[0] in roles}
+        if watched and min(watched.values()) >= began:
+            return text
+        assert time.monotonic() < deadline, ("no render since", began, roles, stamps)
+        time.sleep(0.1)
 
 
 class OpenAPI:

@@ -17,15 +17,16 @@ import time
 import pytest
 import requests
 
+from tests.e2e.conftest import fresh_metrics
+
 pytestmark = pytest.mark.e2e
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
 
 
-def scheduler_state(url: str) -> dict[str, int]:
-    """The scheduler's gauges and counters from its last heartbeat (at most ~1 s old); the load gauges are
-    switchyard_<name>{replica} or switchyard_replica_<name>{replica}, depending on the /metrics version."""
-    text = requests.get(url + "/metrics", timeout=10).text
+def scheduler_state(text: str) -> dict[str, int]:
+    """The scheduler's gauges and counters in a /metrics text; the load gauges are switchyard_<name>{replica} or
+    switchyard_replica_<name>{replica}, depending on the /metrics version."""
     state = {m[0]: int(m[1]) for m in re.findall(r'^switchyard_(?:replica_)?(\w+)\{replica="0"\} (\d+)$', text, re.M)}
     for name, value in re.findall(r'^switchyard_scheduler_(\w+)_total\{index="0"\} (\d+)$', text, re.M):
         state[name] = int(value)
@@ -33,15 +34,13 @@ def scheduler_state(url: str) -> dict[str, int]:
 
 
 def settled(url: str, timeout: float = 30.0) -> dict[str, int]:
-    """The scheduler state once two heartbeats in a row show the same counters and nothing running."""
-    last, deadline = None, time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        time.sleep(1.1)
-        state = scheduler_state(url)
-        if state == last and state["batch_current_size"] == 0 and state["queue_size"] == 0:
+    """The scheduler's state, rendered after this call began, once nothing is running or queued."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = scheduler_state(fresh_metrics(url, ("scheduler",), timeout))
+        if state["batch_current_size"] == 0 and state["queue_size"] == 0:
             return state
-        last = state
-    raise AssertionError(f"the scheduler did not settle: {last}")
+        assert time.monotonic() < deadline, f"the scheduler did not settle: {state}"
 
 
 def assert_no_ghosts(state: dict[str, int]) -> None:

@@ -14,6 +14,7 @@ import requests
 from text_generation import Client
 from transformers import AutoTokenizer
 
+from tests.e2e.conftest import fresh_metrics
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e
@@ -86,18 +87,22 @@ def test_official_client(tiny_server, tiny_model_dir, tokenizer):
     assert isinstance(raw, list) and raw[0]["generated_text"] == text + response.generated_text
 
 
-def scheduler_counter(url: str, name: str) -> int:
-    text = requests.get(url + "/metrics").text
+def counter_in(text: str, name: str) -> int:
     m = re.search(rf'^switchyard_scheduler_{name}_total{{index="0"}} (\d+)$', text, re.M)
     assert m, text
     return int(m.group(1))
+
+
+def scheduler_counter(url: str, name: str) -> int:
+    """A scheduler counter as rendered after this call began: every earlier request counted."""
+    return counter_in(fresh_metrics(url, ("scheduler",)), name)
 
 
 def counter_rises(url: str, name: str, above: int, within: float = 30.0) -> bool:
     """Counters travel in heartbeats (one a second, later on a loaded machine): wait for one fresh enough."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        if scheduler_counter(url, name) > above:
+        if counter_in(requests.get(url + "/metrics", timeout=10).text, name) > above:
             return True
         time.sleep(0.2)
     return False
@@ -105,7 +110,6 @@ def counter_rises(url: str, name: str, above: int, within: float = 30.0) -> bool
 
 def test_request_joins_running_batch(tiny_server, tiny_model_dir, tokenizer):
     """B arrives while A is mid-generation: B's prefill runs in a step with A's decode (scheduler's counter)."""
-    time.sleep(1.5)  # a heartbeat newer than any earlier traffic
     joined_before = scheduler_counter(tiny_server.url, "joined_steps")
     a_text, b_text = prompt(20), prompt(21)
 
@@ -227,8 +231,7 @@ def test_seeded_sampling_repeats(tiny_server):
     assert [t["id"] for t in other.json()["details"]["tokens"]] != [t["id"] for t in first["details"]["tokens"]]
 
 
-def scheduler_gauges(url: str) -> dict[str, int]:
-    text = requests.get(url + "/metrics").text
+def scheduler_gauges(text: str) -> dict[str, int]:
     return {m[0]: int(m[1]) for m in re.findall(r'^switchyard_replica_(\w+)\{replica="0"\} (\d+)$', text, re.M)}
 
 
@@ -239,7 +242,6 @@ def test_client_disconnect_aborts_and_frees_kv(tiny_server):
         return requests.post(tiny_server.url + "/generate", json=body).json()["details"]["finish_reason"] == "length"
 
     text = next(t for t in (prompt(i) for i in range(40)) if full_length(t))
-    time.sleep(1.5)  # a heartbeat newer than any earlier traffic
     generated_before = scheduler_counter(tiny_server.url, "generated")
     body = {"inputs": text, "parameters": {"max_new_tokens": 400}}
     with requests.post(tiny_server.url + "/generate_stream", json=body, stream=True) as r:
@@ -248,13 +250,12 @@ def test_client_disconnect_aborts_and_frees_kv(tiny_server):
             events += line.startswith(b"data: ")
             if events == 3:
                 break  # leaving the block closes the connection mid-generation
-    # heartbeats are up to a second old: wait until two in a row agree that nothing runs any more
-    last, deadline = None, time.monotonic() + 30
-    while time.monotonic() < deadline:
-        time.sleep(1.1)
-        g, generated = scheduler_gauges(tiny_server.url), scheduler_counter(tiny_server.url, "generated")
-        if generated == last and g["batch_current_size"] == 0:
+    # the abort reaches the scheduler a moment later: wait for a render that shows nothing running any more
+    deadline = time.monotonic() + 30
+    while True:
+        text = fresh_metrics(tiny_server.url, ("scheduler",))
+        g, generated = scheduler_gauges(text), counter_in(text, "generated")
+        if g["batch_current_size"] == 0 or time.monotonic() > deadline:
             break
-        last = generated
     assert g["batch_current_size"] == 0 and g["kv_blocks_free"] == g["kv_blocks_total"], g
     assert generated - generated_before < 400  # stopped early: aborted, not run to the end

@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 import requests
 
+from tests.e2e.conftest import fresh_metrics
 from tests.e2e.server import Server
 from tests.tiny_models import build_model
 
@@ -45,9 +46,8 @@ def server(tmp_path_factory):
         srv.stop()
 
 
-def counters(url: str) -> dict[str, float]:
-    """The resync counters by reason, and the scheduler's counters that show the features fired."""
-    text = requests.get(url + "/metrics", timeout=10).text
+def counters(text: str) -> dict[str, float]:
+    """The resync counters by reason, and the scheduler's counters that show the features fired, in a /metrics text."""
     out = {
         f"resyncs_{r}": float(v)
         for r, v in re.findall(r'^switchyard_resyncs_total\{.*reason="(\w+)".*\} (\S+)$', text, re.M)
@@ -93,15 +93,8 @@ async def load(url: str) -> list[str]:
 
 
 def settled(url: str) -> dict[str, float]:
-    """The counters once two heartbeats in a row show the same (every process's last rows counted)."""
-    last, deadline = None, time.monotonic() + 60
-    while time.monotonic() < deadline:
-        time.sleep(1.1)  # a heartbeat's period: the next reading has every process's newer metrics
-        now = counters(url)
-        if now == last:
-            return now
-        last = now
-    raise AssertionError(f"the counters did not settle: {last}")
+    """The counters as every process rendered them after the load ended (every process's last rows counted)."""
+    return counters(fresh_metrics(url, timeout=60))
 
 
 def test_no_resync_under_load_and_whole_streams_when_a_detokenizer_loses_rows(server):

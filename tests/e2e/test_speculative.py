@@ -7,7 +7,6 @@ the counters and TGI's skipped-tokens summary show the drafts on /metrics."""
 from __future__ import annotations
 
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import orjson
@@ -17,7 +16,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from libs.runtime import model_store
-from tests.e2e.conftest import sse_events
+from tests.e2e.conftest import fresh_metrics, sse_events
 from tests.e2e.server import SMALL_KV, Server
 from tests.reference import reference_generate
 
@@ -60,23 +59,19 @@ def generate(server: Server, inputs: str, **parameters) -> dict:
     return r.json()
 
 
-def counter(server: Server, name: str) -> float:
-    text = requests.get(server.url + "/metrics", timeout=10).text
+def value(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
-def settled(server: Server, *names: str) -> tuple[float, ...]:
-    """The counters once the scheduler's heartbeat that carries this request's drafts has arrived (the accepted
-    count is non-zero) and two reads a heartbeat apart agree. All three come from the scheduler's one heartbeat:
-    reading them from the same snapshot keeps them consistent (a read before any heartbeat sees zeros)."""
-    last, deadline = None, time.monotonic() + 60
-    while True:
-        now = tuple(counter(server, name) for name in names)
-        if now == last and now[1] > 0:
-            return now
-        assert time.monotonic() < deadline, (names, now)
-        last = now
-        time.sleep(1.2)
+def counter(server: Server, name: str) -> float:
+    return value(requests.get(server.url + "/metrics", timeout=10).text, name)
+
+
+def counts(server: Server, *names: str, role: str = "scheduler") -> tuple[float, ...]:
+    """The counters of `role`'s processes as rendered after every request so far has ended (they come from its
+    heartbeats, whose renders are paced), all from one scrape, so consistent with each other."""
+    text = fresh_metrics(server.url, (role,))
+    return tuple(value(text, name) for name in names)
 
 
 def test_copying_accepts_drafts_and_equals_generate(server, folder):
@@ -92,7 +87,7 @@ def test_copying_accepts_drafts_and_equals_generate(server, folder):
     assert len(alternatives) == len(tokens) and all(len(alts) == 2 for alts in alternatives)
     assert all(alts[0]["id"] == t["id"] for alts, t in zip(alternatives, tokens))  # greedy: the best is the pick
     assert out["details"]["generated_tokens"] == len(want)
-    drafted, accepted, skipped = settled(
+    drafted, accepted, skipped = counts(
         server,
         "switchyard_speculative_draft_tokens_total",
         "switchyard_speculative_accepted_tokens_total",
@@ -102,21 +97,13 @@ def test_copying_accepts_drafts_and_equals_generate(server, folder):
     assert skipped == accepted  # TGI's: tokens − 1 per generation
 
 
-def sse_counters(server: Server) -> tuple[float, float]:
-    """(SSE events sent, socket writes that carried them), from one scrape of /metrics."""
-    text = requests.get(server.url + "/metrics", timeout=10).text
-    return tuple(sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
-                 for name in ("switchyard_sse_events_total", "switchyard_sse_writes_total"))  # fmt: skip
+SSE_COUNTERS = ("switchyard_sse_events_total", "switchyard_sse_writes_total")
 
 
 def test_streaming_sends_one_event_per_token(server, copy_prompt):
     text, _ = copy_prompt
     whole = generate(server, text, details=True)
-    before, deadline = None, time.monotonic() + 30
-    while (now := sse_counters(server)) != before:  # earlier streams' counts in: two reads a heartbeat apart agree
-        assert time.monotonic() < deadline
-        before = now
-        time.sleep(1.2)
+    before = counts(server, *SSE_COUNTERS, role="http")  # earlier streams' counts in
     body = {"inputs": text, "parameters": {"max_new_tokens": MAX_NEW}, "stream": True}
     r = requests.post(server.url + "/generate_stream", json=body, timeout=300)
     events = sse_events(r.content)
@@ -124,10 +111,7 @@ def test_streaming_sends_one_event_per_token(server, copy_prompt):
     assert [e["index"] for e in events] == list(range(1, len(events) + 1))  # TGI's index, one per token
     assert events[-1]["generated_text"] == whole["generated_text"]
     # the multi-token steps' events went out together: fewer socket writes than events (services/http/sse_writer.py)
-    deadline = time.monotonic() + 30
-    while (now := sse_counters(server))[0] < before[0] + len(events):
-        assert time.monotonic() < deadline, (before, now, len(events))
-        time.sleep(0.2)
+    now = counts(server, *SSE_COUNTERS, role="http")
     sent, writes = now[0] - before[0], now[1] - before[1]
     assert sent == len(events) and 0 < writes < sent, (sent, writes)
 
@@ -158,18 +142,6 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(server, copy_promp
     assert runs[0]["generated_text"] == runs[2]["generated_text"] == alone
 
 
-def stable(server: Server, *names: str) -> tuple[float, ...]:
-    """The counters once two reads a heartbeat apart agree."""
-    last, deadline = None, time.monotonic() + 60
-    while True:
-        now = tuple(counter(server, name) for name in names)
-        if now == last:
-            return now
-        assert time.monotonic() < deadline, (names, now)
-        last = now
-        time.sleep(1.2)
-
-
 DRAFT_COUNTERS = ("switchyard_speculative_draft_tokens_total", "switchyard_speculative_accepted_tokens_total")
 
 
@@ -185,11 +157,8 @@ def quote_prompt(folder, i: int) -> tuple[str, list[int]]:
 
 
 def drafts_since(server: Server, before: tuple[float, ...]) -> tuple[float, float]:
-    """(drafted, accepted) since `before`, once the heartbeat that carries the last request's drafts has come."""
-    deadline = time.monotonic() + 60
-    while stable(server, *DRAFT_COUNTERS)[1] == before[1]:  # that request's heartbeat has not come yet
-        assert time.monotonic() < deadline
-    drafted, accepted = (a - b for a, b in zip(stable(server, *DRAFT_COUNTERS), before))
+    """(drafted, accepted) since `before`, the last request's drafts counted."""
+    drafted, accepted = (a - b for a, b in zip(counts(server, *DRAFT_COUNTERS), before))
     return drafted, accepted
 
 
@@ -200,7 +169,7 @@ def test_a_quoted_document_is_copied_and_most_drafts_are_accepted(server, folder
     from bench.workloads.speculative import document
 
     text, ids = quote_prompt(folder, 2)
-    before = stable(server, *DRAFT_COUNTERS)
+    before = counts(server, *DRAFT_COUNTERS)
     out = generate(server, text, details=True, max_new_tokens=96)
     assert [t["id"] for t in out["details"]["tokens"]] == reference_generate(folder, ids, 96)
     assert document(2) in out["generated_text"]
@@ -212,7 +181,7 @@ def test_a_constrained_copy_drafts_and_equals_generate(server, folder):
     """A grammar row drafts like any other: the quoted document under a regex that allows it (and anything else),
     so the answer is the model's own greedy one, with drafts accepted for it."""
     text, ids = quote_prompt(folder, 1)
-    before = stable(server, *DRAFT_COUNTERS)
+    before = counts(server, *DRAFT_COUNTERS)
     rows_before = counter(server, "switchyard_constrained_rows_sum")
     grammar = {"type": "regex", "value": r"[\s\S]{1,2000}"}
     out = generate(server, text, details=True, max_new_tokens=32, grammar=grammar)
@@ -226,11 +195,7 @@ def test_chat_streaming_writes_per_step(server, copy_prompt):
     # /v1/chat/completions streams the copy's multi-token steps as one socket write each, every chunk intact
     text, _ = copy_prompt
     whole = generate(server, text)["generated_text"]
-    before, deadline = None, time.monotonic() + 30
-    while (now := sse_counters(server)) != before:  # earlier streams' counts in
-        assert time.monotonic() < deadline
-        before = now
-        time.sleep(1.2)
+    before = counts(server, *SSE_COUNTERS, role="http")  # earlier streams' counts in
     messages = [{"role": "user", "content": "Repeat this code exactly:\n\n" + TEXT}]
     body = {"messages": messages, "max_tokens": MAX_NEW, "temperature": 0, "stream": True}
     r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=300)
@@ -238,9 +203,6 @@ def test_chat_streaming_writes_per_step(server, copy_prompt):
     assert lines[-1] == b"[DONE]"
     chunks = [orjson.loads(line) for line in lines[:-1]]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == whole
-    deadline = time.monotonic() + 30
-    while (now := sse_counters(server))[0] < before[0] + len(chunks):
-        assert time.monotonic() < deadline, (before, now, len(chunks))
-        time.sleep(0.2)
+    now = counts(server, *SSE_COUNTERS, role="http")
     sent, writes = now[0] - before[0], now[1] - before[1]
     assert sent == len(chunks) and 0 < writes < sent, (sent, writes)

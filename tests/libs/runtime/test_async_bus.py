@@ -37,7 +37,7 @@ async def next_event(eb: AsyncEventBus, kind: type):
 
 
 def test_start_heartbeat_and_both_ways_with_a_synchronous_bus(addresses, monkeypatch):
-    monkeypatch.setattr(metrics, "exposition", lambda: "up 1\n")
+    monkeypatch.setattr(metrics, "heartbeat_exposition", lambda: "up 1\n")
     peer = bus.EventBus(addresses, "tokenizer", 0, subscribe=[topics.out(0)])
     peer.start()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from types import SimpleNamespace
 
@@ -150,12 +151,16 @@ def test_heartbeat_carries_metrics(tmp_path):
     events = bus.EventBus(Addresses.parse(f"ipc://{tmp_path}"), "tokenizer", 3, [])
     sent = []
     events.publish = lambda topic, msg: sent.append((topic, msg))
+    before = time.time()
     events.heartbeat(queue=1)
     events.heartbeat(queue=1)  # not due yet
     assert len(sent) == 1
     topic, beat = sent[0]
     assert topic == b"hb.tokenizer.0003" and beat.queue == 1
     assert 'switchyard_tokenized_tokens_total{index="3"} 42.0' in lines(beat.metrics)
+    stamped = r'^switchyard_metrics_rendered_timestamp_seconds\{index="3",role="tokenizer"\} (\S+)$'
+    stamp = re.search(stamped, beat.metrics, re.M)
+    assert stamp and before <= float(stamp.group(1)) <= time.time()  # the render's own time, in it
     events.pub.close()
     events.sub.close()
 

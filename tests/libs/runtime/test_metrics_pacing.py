@@ -61,7 +61,7 @@ def test_a_render_preempted_for_a_long_wall_clock_time_does_not_delay_the_next(e
         clock[0] += 30.0  # preempted
         return "up 1\n"
 
-    monkeypatch.setattr(metrics, "exposition", exposition)
+    monkeypatch.setattr(metrics, "heartbeat_exposition", exposition)
     assert ends._beat({}).metrics == "up 1\n"
     clock[0] += HEARTBEAT_S  # the next beat is due
     assert ends._beat({}).metrics == "up 1\n"
@@ -79,7 +79,7 @@ def test_the_heartbeat_measures_the_render_on_its_threads_cpu_clock(ends, monkey
         cpu[0] += 0.0015
         return "up 1\n"
 
-    monkeypatch.setattr(metrics, "exposition", exposition)
+    monkeypatch.setattr(metrics, "heartbeat_exposition", exposition)
     assert ends._beat({}).metrics == "up 1\n"
     clock[0] += HEARTBEAT_S
     assert ends._beat({}).metrics == ""  # unchanged since the last one, to the aggregator

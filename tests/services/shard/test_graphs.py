@@ -112,7 +112,7 @@ def test_graphs_refuse_a_cpu_device():
     with pytest.raises(RuntimeError):
         DecodeGraphs((1, 2), 4, BLOCKS, BS, torch.device("cpu"))
     cpu = torch.device("cpu")
-    assert build((1, 2),  None, [], None, BLOCKS, BS, cpu, "torch") == (None, "CUDA graphs need CUDA")
+    assert build((1, 2), None, [], None, BLOCKS, BS, cpu, "torch") == (None, "CUDA graphs need CUDA")
     assert build((), None, [], None, BLOCKS, BS, cpu, "triton")[0] is None
 
 
