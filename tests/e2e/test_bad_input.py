@@ -196,20 +196,25 @@ SMALL = 3  # generated token counts are capped here so the run stays fast
 
 
 def _cap(body):
-    """Keep generation short: a generated max_new_tokens / max_tokens / n / best_of is capped (or set)."""
+    """Keep generation short: a generated max_new_tokens / max_tokens / max_output_tokens / n / best_of is capped (or
+    set), in each of /vertex's instances too."""
     if not isinstance(body, dict):
         return body
+    if isinstance(body.get("instances"), list):
+        body["instances"] = [_cap(instance) for instance in body["instances"]]
     params = body.get("parameters")
     if isinstance(params, dict):
         for key in ("max_new_tokens", "best_of"):
             if isinstance(params.get(key), int) and not isinstance(params.get(key), bool) and params[key] > SMALL:
                 params[key] = SMALL
         params.setdefault("max_new_tokens", SMALL)
-    for key in ("max_tokens", "max_completion_tokens", "n"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):
         if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > SMALL:
             body[key] = SMALL
     if "messages" in body or "prompt" in body:
         body.setdefault("max_tokens", SMALL)
+    elif "input" in body:  # the Responses API
+        body.setdefault("max_output_tokens", SMALL)
     elif "inputs" in body and "parameters" not in body:
         body["parameters"] = {"max_new_tokens": SMALL, "do_sample": True}  # what an omitted object means, capped
     return body
@@ -269,6 +274,8 @@ def test_schemathesis_fuzz(tiny_server):
     for op in _operations(doc):
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             examples = 30 if op.method.upper() == "POST" else 5
+            if op.path == "/vertex":  # arrays of whole /generate bodies: each draw costs ten of another route's
+                examples = 10
 
             @settings(
                 max_examples=examples,
