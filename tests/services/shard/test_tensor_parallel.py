@@ -45,7 +45,8 @@ def _serve(runner, model_dir) -> dict[str, list[int]]:
     return {rid: out.tokens for rid, out in got.items()}
 
 
-def _rank(rank: int, model_dir: str, port: int, out: str) -> None:
+def _rank(rank: int, model_dirs: dict[str, str], port: int, out: str) -> None:
+    """One rank serving every architecture in turn, in one process group (a spawn costs seconds of imports)."""
     import torch.distributed as dist
 
     from services.shard import tensor_parallel
@@ -55,10 +56,11 @@ def _rank(rank: int, model_dir: str, port: int, out: str) -> None:
     tensor_parallel.STALE_S = 0.0  # no restart to wait out here
     tensor_parallel.init_group(rank, WORLD, port, torch.device("cpu"), timeout_s=60)
     try:
-        # no grammar side: its loader thread, still building when a fast rank exits, can abort the process
-        runner = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, grammar=False)
-        assert runner.num_kv_heads == runner.model.config.num_key_value_heads // WORLD
-        Path(f"{out}.{rank}").write_text(json.dumps(_serve(runner, model_dir)))
+        for arch, model_dir in model_dirs.items():
+            # no grammar side: its loader thread, still building when a fast rank exits, can abort the process
+            runner = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, grammar=False)
+            assert runner.num_kv_heads == runner.model.config.num_key_value_heads // WORLD
+            Path(f"{out}.{arch}.{rank}").write_text(json.dumps(_serve(runner, model_dir)))
         # both ranks out of their last collective before either tears its connections down: a rank whose peer
         # closed while gloo's background thread still read the pair can abort ('terminate called …')
         dist.barrier()
@@ -66,12 +68,19 @@ def _rank(rank: int, model_dir: str, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tiny_dirs, tmp_path_factory) -> dict[str, list[dict]]:
+    """arch → each rank's tokens by request id, from one spawn of two ranks that serve every architecture."""
+    out = str(tmp_path_factory.mktemp("tp") / "tokens")
+    dirs = {arch: str(tiny_dirs[arch]) for arch in ARCHS}
+    mp.spawn(_rank, args=(dirs, _free_port(), out), nprocs=WORLD, join=True)
+    return {arch: [json.loads(Path(f"{out}.{arch}.{r}").read_text()) for r in range(WORLD)] for arch in ARCHS}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_two_ranks_match_generate_and_one_rank(tiny_dirs, arch, tmp_path):
+def test_two_ranks_match_generate_and_one_rank(tiny_dirs, two_ranks, arch):
     model_dir = tiny_dirs[arch]
-    out = str(tmp_path / "tokens")
-    mp.spawn(_rank, args=(str(model_dir), _free_port(), out), nprocs=WORLD, join=True)
-    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(WORLD)]
+    ranks = two_ranks[arch]
     assert ranks[0] == ranks[1]  # every rank samples the same tokens from the same (whole) logits
 
     from services.shard.model_runner import ModelRunner

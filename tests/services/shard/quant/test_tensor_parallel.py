@@ -26,6 +26,7 @@ WORLD = 2
 # measured ≤ 0.27 in log-prob from the single-process W8A8 runner on these peaked models; a wrong split moves them by
 # several units
 TP_W8A8_TOL = 0.5
+GPTQ_ARCHS = ("llama", "qwen2")
 
 
 def _free_port() -> int:
@@ -50,7 +51,9 @@ def _run(runner, model_dir: Path, token_dir: Path) -> dict:
     return {"tokens": {rid: out.tokens for rid, out in got.items()}, "prompt_logprobs": prompt}
 
 
-def _rank(rank: int, model_dir: str, quantize: str, token_dir: str, port: int, out: str) -> None:
+def _rank(rank: int, jobs: dict[str, tuple[str, str, str]], port: int, out: str) -> None:
+    """One rank serving every job (model folder, quantize method, tokenizer folder) in turn, in one process group (a
+    spawn costs seconds of imports)."""
     import torch.distributed as dist
 
     from services.shard import tensor_parallel
@@ -61,22 +64,36 @@ def _rank(rank: int, model_dir: str, quantize: str, token_dir: str, port: int, o
     tensor_parallel.STALE_S = 0.0
     tensor_parallel.init_group(rank, WORLD, port, torch.device("cpu"), timeout_s=60)
     try:
-        runner = ModelRunner(model_dir, num_blocks=64, block_size=8, quantize=quantize, grammar=False)
-        layers = {n: m for n, m in runner.model.named_modules() if isinstance(m, quant_layers.QuantLinear)}
-        q = runner.model.get_submodule("model.layers.0.self_attn.q_proj")
-        o = runner.model.get_submodule("model.layers.0.self_attn.o_proj")
-        got = _run(runner, Path(model_dir), Path(token_dir))
-        got.update(kinds=sorted({type(m).__name__ for m in layers.values()}), count=len(layers),
-                   q_local=list(q.weight.shape), o_local=list(o.weight.shape))  # fmt: skip
-        Path(f"{out}.{rank}").write_text(json.dumps(got))
+        for key, (model_dir, quantize, token_dir) in jobs.items():
+            runner = ModelRunner(model_dir, num_blocks=64, block_size=8, quantize=quantize, grammar=False)
+            layers = {n: m for n, m in runner.model.named_modules() if isinstance(m, quant_layers.QuantLinear)}
+            q = runner.model.get_submodule("model.layers.0.self_attn.q_proj")
+            o = runner.model.get_submodule("model.layers.0.self_attn.o_proj")
+            got = _run(runner, Path(model_dir), Path(token_dir))
+            got.update(kinds=sorted({type(m).__name__ for m in layers.values()}), count=len(layers),
+                       q_local=list(q.weight.shape), o_local=list(o.weight.shape))  # fmt: skip
+            Path(f"{out}.{key}.{rank}").write_text(json.dumps(got))
+        dist.barrier()  # both ranks out of their last collective before either tears its connections down
     finally:
         dist.destroy_process_group()
 
 
-def _serve_two_ranks(model_dir: Path, quantize: str, token_dir: Path, tmp_path: Path) -> list[dict]:
-    out = str(tmp_path / "ranks")
-    mp.spawn(_rank, args=(str(model_dir), quantize, str(token_dir), _free_port(), out), nprocs=WORLD, join=True)
-    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(WORLD)]
+@pytest.fixture(scope="module")
+def served(tiny_dirs, tmp_path_factory) -> tuple[dict[str, Path], dict[str, list[dict]]]:
+    """(arch → its GPTQ checkpoint folder, job → each rank's results), from one spawn of two ranks serving a GPTQ
+    checkpoint of llama and of qwen2 (its q/k/v carry a bias, split with their rows) and llama quantized W8A8 at
+    load."""
+    root = tmp_path_factory.mktemp("quant-tp")
+    ckpts = {arch: write(tiny_dirs[arch], root / arch, "gptq", bits=4, group=32, sym=False) for arch in GPTQ_ARCHS}
+    jobs = {f"gptq-{arch}": (str(c / "quant"), "gptq", str(c / "twin")) for arch, c in ckpts.items()}
+    jobs["eetq-llama"] = (str(tiny_dirs["llama"]), "eetq", str(tiny_dirs["llama"]))
+    out = str(root / "ranks")
+    mp.spawn(_rank, args=(jobs, _free_port(), out), nprocs=WORLD, join=True)
+    return ckpts, {key: [json.loads(Path(f"{out}.{key}.{r}").read_text()) for r in range(WORLD)] for key in jobs}
+
+
+def _two_ranks(served, key: str, model_dir: Path) -> list[dict]:
+    ranks = served[1][key]
     assert ranks[0]["tokens"] == ranks[1]["tokens"]  # every rank samples the same token from the same logits
     hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
     for r in ranks:  # the feature fired: every linear but the LM head quantized, and each rank holds half of it
@@ -84,10 +101,10 @@ def _serve_two_ranks(model_dir: Path, quantize: str, token_dir: Path, tmp_path: 
     return ranks
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v carry a bias, split with their rows
-def test_a_gptq_checkpoint_under_two_ranks_matches_its_twin(tiny_dirs, tmp_path, arch):
-    out = write(tiny_dirs[arch], tmp_path / "ckpt", "gptq", bits=4, group=32, sym=False)
-    ranks = _serve_two_ranks(out / "quant", "gptq", out / "twin", tmp_path)
+@pytest.mark.parametrize("arch", GPTQ_ARCHS)
+def test_a_gptq_checkpoint_under_two_ranks_matches_its_twin(served, arch):
+    out = served[0][arch]
+    ranks = _two_ranks(served, f"gptq-{arch}", out / "quant")
     layers = json.loads((out / "quant" / "config.json").read_text())["num_hidden_layers"]
     assert ranks[0]["count"] == 7 * layers and ranks[0]["kinds"] == ["Int4Linear"]
     for req in (r for reqs in _arrivals(prompts_for(out / "twin")).values() for r in reqs):
@@ -98,11 +115,11 @@ def test_a_gptq_checkpoint_under_two_ranks_matches_its_twin(tiny_dirs, tmp_path,
             np.testing.assert_allclose(ranks[0]["prompt_logprobs"][rid], want, rtol=0, atol=2e-4 + WEIGHT_ONLY_TOL)
 
 
-def test_w8a8_at_load_under_two_ranks_matches_one_rank(tiny_dirs, tmp_path):
+def test_w8a8_at_load_under_two_ranks_matches_one_rank(tiny_dirs, served):
     from services.shard.model_runner import ModelRunner
 
     model_dir = tiny_dirs["llama"]
-    ranks = _serve_two_ranks(model_dir, "eetq", model_dir, tmp_path)
+    ranks = _two_ranks(served, "eetq-llama", model_dir)
     assert ranks[0]["kinds"] == ["W8A8Linear"]
     single = _run(ModelRunner(str(model_dir), num_blocks=64, block_size=8, quantize="eetq"), model_dir, model_dir)
     for rid, want in single["prompt_logprobs"].items():
