@@ -42,6 +42,20 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+@pytest.fixture(scope="session")
+def pressed_server(tiny_model_dir, tmp_path_factory):
+    """The tiny model under pressure: a KV cache of 20 blocks of 16 (preemption by recompute) and a prefill budget of
+    100 tokens (chunked prefill), for test_kv_pressure.py and test_structured_output.py."""
+    log = tmp_path_factory.mktemp("logs") / "pressed-server.log"
+    flags = ["--max-total-tokens", "256", "--max-input-tokens", "100", "--max-batch-prefill-tokens", "100"]
+    server = Server(tiny_model_dir, log, *flags, "--max-batch-total-tokens", "320")
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
 # --------------------------------------------------------------------------------------------
 # The server with the special flags (tests/e2e/api/test_limits.py)
 

@@ -10,21 +10,10 @@ import aiohttp
 import pytest
 from transformers import AutoTokenizer
 
-from tests.e2e.server import Server
 from tests.e2e.test_generate import counter_rises, generate, prompt, scheduler_counter
 from tests.reference import reference_generate
 
-
-@pytest.fixture(scope="module")
-def pressed_server(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "engine-server.log"
-    flags = ["--max-total-tokens", "160", "--max-input-tokens", "100", "--max-batch-prefill-tokens", "100"]
-    server = Server(tiny_model_dir, log, *flags, "--max-batch-total-tokens", "320")  # 20 blocks of 16
-    try:
-        server.wait_healthy()
-        yield server
-    finally:
-        server.stop()
+pytestmark = pytest.mark.e2e
 
 
 def test_prefix_chunks_and_preemption_keep_greedy_output(pressed_server, tiny_model_dir):

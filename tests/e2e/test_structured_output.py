@@ -289,18 +289,6 @@ LIST = {
 }
 
 
-@pytest.fixture(scope="module")
-def pressed_server(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "grammar-pressed.log"
-    flags = ["--max-total-tokens", "256", "--max-input-tokens", "100", "--max-batch-prefill-tokens", "100"]
-    server = Server(tiny_model_dir, log, *flags, "--max-batch-total-tokens", "320")  # 20 blocks of 16
-    try:
-        server.wait_healthy()
-        yield server
-    finally:
-        server.stop()
-
-
 def test_a_request_preempted_mid_json_ends_as_an_uninterrupted_run(pressed_server):
     url = pressed_server.url
     bodies = [
