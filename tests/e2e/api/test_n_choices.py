@@ -12,7 +12,6 @@ import pytest
 import requests
 
 from tests.e2e.test_generate import counter_rises, prompt, scheduler_counter
-from tests.e2e.test_kv_pressure import pressed_server  # noqa: F401 (a fixture)
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e
@@ -143,7 +142,7 @@ def test_n_out_of_range_is_a_422_and_the_server_keeps_serving(tiny_server, route
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
-def test_n_under_preemption_keeps_greedy_output(pressed_server, tiny_model_dir, tiny_tokenizer):  # noqa: F811
+def test_n_under_preemption_keeps_greedy_output(pressed_server, tiny_model_dir, tiny_tokenizer):
     # 20 blocks of 16: six choices of 36 + 60 tokens need 2 shared blocks and 4 of their own each
     p = prompt(45)
     ids = tiny_tokenizer(p).input_ids
