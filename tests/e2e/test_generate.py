@@ -98,11 +98,16 @@ def scheduler_counter(url: str, name: str) -> int:
     return counter_in(fresh_metrics(url, ("scheduler",)), name)
 
 
+def counter_now(url: str, name: str) -> int:
+    """A scheduler counter as its last heartbeat brought it (for polls: cheap, perhaps a render behind)."""
+    return counter_in(requests.get(url + "/metrics", timeout=10).text, name)
+
+
 def counter_rises(url: str, name: str, above: int, within: float = 30.0) -> bool:
     """Counters travel in heartbeats (one a second, later on a loaded machine): wait for one fresh enough."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        if counter_in(requests.get(url + "/metrics", timeout=10).text, name) > above:
+        if counter_now(url, name) > above:
             return True
         time.sleep(0.2)
     return False

@@ -163,5 +163,7 @@ def test_kill_under_load_loses_no_request(tiny_server, prompts, role):
     for (text, expected), o in zip(prompts, outs):
         assert o["error"] is None, (text, o["error"])
         assert o["tokens"] == expected, (text, len(o["tokens"]), o["tokens"][:8], expected[:8])
-    if role in ("scheduler", "shard"):  # it takes seconds to come back: health saw it missing
+    # the shard takes seconds to come back (its imports): health saw it missing. A restarted scheduler announces its
+    # readiness at once, within a poll of the watcher here, so its gap may pass unseen
+    if role == "shard":
         assert down, "/health never reported the missing process"

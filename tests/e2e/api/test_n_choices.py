@@ -11,7 +11,8 @@ import json
 import pytest
 import requests
 
-from tests.e2e.test_generate import counter_rises, prompt, scheduler_counter
+from tests.e2e.conftest import fresh_metrics
+from tests.e2e.test_generate import counter_in, counter_rises, prompt, scheduler_counter
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e
@@ -68,8 +69,8 @@ def test_n_after_a_prefix_hit(tiny_server, tiny_model_dir, tiny_tokenizer):
     p, ids = shared_prompt(tiny_tokenizer, 17)
     messages = [{"role": "user", "content": p}]
     post(tiny_server.url, "/v1/chat/completions", {"messages": messages, "temperature": 0, "max_tokens": 2})
-    hits = scheduler_counter(tiny_server.url, "prefix_hit_tokens")
-    shared = scheduler_counter(tiny_server.url, "sibling_shared_tokens")
+    metrics = fresh_metrics(tiny_server.url, ("scheduler",))
+    hits, shared = counter_in(metrics, "prefix_hit_tokens"), counter_in(metrics, "sibling_shared_tokens")
     body = {"messages": messages, "temperature": 0, "max_tokens": 6, "n": 3}
     out = post(tiny_server.url, "/v1/chat/completions", body)
     answers = [c["message"]["content"] for c in out["choices"]]
@@ -148,8 +149,8 @@ def test_n_under_preemption_keeps_greedy_output(pressed_server, tiny_model_dir, 
     ids = tiny_tokenizer(p).input_ids
     assert 2 * BLOCK < len(ids) <= 100
     want = text(tiny_tokenizer, reference_generate(tiny_model_dir, ids, 60))
-    preempted = scheduler_counter(pressed_server.url, "preemptions")
-    shared = scheduler_counter(pressed_server.url, "sibling_shared_tokens")
+    metrics = fresh_metrics(pressed_server.url, ("scheduler",))
+    preempted, shared = counter_in(metrics, "preemptions"), counter_in(metrics, "sibling_shared_tokens")
     body = {"prompt": p, "n": 6, "temperature": 0, "max_tokens": 60}
     out = post(pressed_server.url, "/v1/completions", body)
     assert [c["text"] for c in out["choices"]] == [want] * 6

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.e2e.server import ROOT, Server, free_port
-from tests.e2e.test_generate import WORDS, scheduler_counter
+from tests.e2e.test_generate import WORDS, counter_in
 from tests.lora_adapters import base_model, build_adapter
 
 peft = pytest.importorskip("peft")
@@ -106,11 +106,11 @@ def _fresh_counters(url: str, generated_at_least: int) -> dict[str, int]:
     """The scheduler's counters once its heartbeat has counted every token generated so far (they travel in
     heartbeats, once a second): then the prefix counters include every request sent."""
     deadline = time.monotonic() + 30
-    while scheduler_counter(url, "generated") < generated_at_least:
+    while counter_in(text := requests.get(url + "/metrics", timeout=10).text, "generated") < generated_at_least:
         assert time.monotonic() < deadline, "the scheduler's counters did not catch up"
         time.sleep(0.2)
     names = ("generated", "prefix_hit_tokens", "lora_prefix_hit_tokens", "lora_generated")
-    return {name: scheduler_counter(url, name) for name in names}
+    return {name: counter_in(text, name) for name in names}  # all from the render that counted every token
 
 
 def _mixed_batch(url: str, want: dict) -> dict:

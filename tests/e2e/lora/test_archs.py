@@ -16,7 +16,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.e2e.server import Server
-from tests.e2e.test_generate import WORDS, scheduler_counter
+from tests.e2e.test_generate import WORDS, counter_now, scheduler_counter
 from tests.lora_adapters import base_model, build_adapter
 from tests.tiny_models import build_model
 
@@ -85,7 +85,7 @@ def test_mixed_adapters_equal_peft(arch, tmp_path_factory):
         # the scheduler counted every adapter row's tokens (its counters arrive with its heartbeat)
         adapter_tokens = sum(len(v) for (_, name), v in got.items() if name)
         deadline = time.monotonic() + 30
-        while scheduler_counter(server.url, "lora_generated") < adapter_tokens:
+        while counter_now(server.url, "lora_generated") < adapter_tokens:
             assert time.monotonic() < deadline, "the scheduler counted fewer adapter tokens than were generated"
             time.sleep(0.2)
         assert scheduler_counter(server.url, "lora_generated") == adapter_tokens

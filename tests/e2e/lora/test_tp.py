@@ -13,7 +13,7 @@ import pytest
 
 from tests.e2e.lora.test_archs import PROMPTS, ROWS, generate, reference_tokens
 from tests.e2e.server import Server
-from tests.e2e.test_generate import scheduler_counter
+from tests.e2e.test_generate import counter_now
 from tests.lora_adapters import build_adapter
 
 peft = pytest.importorskip("peft")
@@ -49,7 +49,7 @@ def test_start_up_adapters_on_two_ranks_equal_peft(tiny_model_dir, tmp_path):
             assert got[case] == want[case], f"adapter {case[1]!r} on prompt {case[0][:30]!r}"
         adapter_tokens = sum(len(v) for (_, name), v in got.items() if name)
         deadline = time.monotonic() + 30
-        while scheduler_counter(server.url, "lora_generated") < adapter_tokens:
+        while counter_now(server.url, "lora_generated") < adapter_tokens:
             assert time.monotonic() < deadline, "the scheduler counted fewer adapter tokens than were generated"
             time.sleep(0.2)
     finally:
