@@ -3,10 +3,20 @@ reference; `torch_one_thread`, which the shard and engine tests take for every m
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests.tiny_models import ARCHS, build_model
+
+
+def pytest_configure(config):
+    # Under pytest-xdist each worker takes its share of the cores for in-process torch work (references, tiny
+    # models): two workers' default teams on the same cores only spin against each other.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 @pytest.fixture(scope="module")

@@ -25,14 +25,10 @@ def tiny_server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "tiny-server.log"
     # small limits so the length checks are cheap to reach
     # a short stall timeout, for test_health's hung shard (a tiny-model step takes milliseconds)
-    server = Server(
+    with Server(
         tiny_model_dir, log, "--max-total-tokens", "512", "--max-input-tokens", "400", "--shard-stall-timeout", "6"
-    )
-    try:
-        server.wait_healthy()
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -48,12 +44,8 @@ def pressed_server(tiny_model_dir, tmp_path_factory):
     100 tokens (chunked prefill), for test_kv_pressure.py and test_structured_output.py."""
     log = tmp_path_factory.mktemp("logs") / "pressed-server.log"
     flags = ["--max-total-tokens", "256", "--max-input-tokens", "100", "--max-batch-prefill-tokens", "100"]
-    server = Server(tiny_model_dir, log, *flags, "--max-batch-total-tokens", "320")
-    try:
-        server.wait_healthy()
+    with Server(tiny_model_dir, log, *flags, "--max-batch-total-tokens", "320") as server:
         yield server
-    finally:
-        server.stop()
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,12 +75,8 @@ def limits_server(tiny_model_dir, tmp_path_factory):
         *("--max-concurrent-requests", str(MAX_CONCURRENT), "--cors-allow-origin", ALLOWED_ORIGIN),
         *("--chat-template", CHAT_TEMPLATE),
     ]
-    server = Server(tiny_model_dir, log, *flags)
-    try:
-        server.wait_healthy()
+    with Server(tiny_model_dir, log, *flags, clean_log=False) as server:  # the tests provoke errors on purpose
         yield server
-    finally:
-        server.stop(clean_log=False)  # the tests provoke errors on purpose
 
 
 # --------------------------------------------------------------------------------------------

@@ -64,8 +64,19 @@ def session_processes(sid: int) -> list[int]:
 
 
 class Server:
-    def __init__(self, model_dir: str | Path | None, log_path: Path, *flags: str, env: dict | None = None):
+    """A launcher serving on a free port. As a context manager it waits until healthy on entry and stops on exit
+    (`clean_log` False where the test provokes errors on purpose)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path | None,
+        log_path: Path,
+        *flags: str,
+        env: dict | None = None,
+        clean_log: bool = True,
+    ):
         """`model_dir` None serves the embedded default model."""
+        self.clean_log = clean_log
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -77,6 +88,17 @@ class Server:
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
+
+    def __enter__(self) -> Server:
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop(self.clean_log)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop(self.clean_log)
 
     def wait_healthy(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout

@@ -58,13 +58,9 @@ def curve_server(tiny_model_dir, tmp_path_factory):
     allowed.write_text(f"# the tap\n{LISTED_PUBLIC}\n")
     flags = ("--max-total-tokens", "512", "--bus-address", f"tcp://:{router}?replicas=:{replica}")
     flags += ("--bus-curve-allowed-keys", str(allowed))
-    server = Server(tiny_model_dir, log, *flags, env={"BUS_CURVE_SECRET_KEY": SECRET})
-    server.bus_ports = (router, replica)
-    try:
-        server.wait_healthy()
+    with Server(tiny_model_dir, log, *flags, env={"BUS_CURVE_SECRET_KEY": SECRET}) as server:
+        server.bus_ports = (router, replica)
         yield server
-    finally:
-        server.stop()
 
 
 def _tap(events_bus: str, *args: str, env: dict) -> subprocess.Popen:

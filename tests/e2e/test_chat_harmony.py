@@ -42,12 +42,8 @@ TOOLS = [
 def harmony(tmp_path_factory):
     folder = build_harmony_model(tmp_path_factory.mktemp("models") / "tiny-harmony")
     log = tmp_path_factory.mktemp("logs") / "harmony.log"
-    s = Server(folder, log, "--max-total-tokens", "1024")
-    try:
-        s.wait_healthy()
+    with Server(folder, log, "--max-total-tokens", "1024") as s:
         yield s, Tokenizer.from_file(str(folder / "tokenizer.json")), log, folder
-    finally:
-        s.stop()
 
 
 def _clean(*texts):

@@ -22,12 +22,8 @@ ASK = [{"role": "user", "content": "Why is the sky blue?"}]
 @pytest.fixture(scope="module")
 def client(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "reasoning.log"
-    s = Server(tiny_model_dir, log, "--max-total-tokens", "512", "--chat-template", str(TEMPLATE))
-    try:
-        s.wait_healthy()
+    with Server(tiny_model_dir, log, "--max-total-tokens", "512", "--chat-template", str(TEMPLATE)) as s:
         yield OpenAI(base_url=s.url + "/v1", api_key="-")
-    finally:
-        s.stop()
 
 
 def _streamed(client, **kw) -> tuple[str, str]:

@@ -39,12 +39,8 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "native-tools.log"
-    s = Server(tiny_model_dir, log, "--max-total-tokens", "1024", "--chat-template", str(TEMPLATE))
-    try:
-        s.wait_healthy()
+    with Server(tiny_model_dir, log, "--max-total-tokens", "1024", "--chat-template", str(TEMPLATE)) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

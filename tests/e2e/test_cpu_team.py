@@ -30,9 +30,9 @@ def test_greedy_equals_transformers_at_each_team_size(threads, tiny_model_dir, t
     if len(usable) < threads:
         pytest.skip(f"{threads} threads need {threads} usable cores; this process has {len(usable)}")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    server = Server(tiny_model_dir, tmp_path / "server.log", "--max-total-tokens", "512", "--cpu-threads", str(threads))
-    try:
-        server.wait_healthy()
+    with Server(
+        tiny_model_dir, tmp_path / "server.log", "--max-total-tokens", "512", "--cpu-threads", str(threads)
+    ) as server:
         seen = re.findall(r"cpu team start: (\d+) threads \(torch.get_num_threads\(\) = (\d+)\)", server.tail(400))
         assert seen == [(str(threads), str(threads))], server.tail()
 
@@ -46,5 +46,3 @@ def test_greedy_equals_transformers_at_each_team_size(threads, tiny_model_dir, t
             got = list(pool.map(generate, range(len(PROMPTS))))
         for i, ids in enumerate(got):
             assert ids == reference_generate(tiny_model_dir, tokenizer(PROMPTS[i]).input_ids, 6 + 3 * i)
-    finally:
-        server.stop()

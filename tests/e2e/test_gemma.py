@@ -40,12 +40,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def gemma_server(tmp_path_factory):
-    server = Server(GEMMA, tmp_path_factory.mktemp("logs") / "gemma-server.log", *SMALL_KV)
-    try:
-        server.wait_healthy()
+    with Server(GEMMA, tmp_path_factory.mktemp("logs") / "gemma-server.log", *SMALL_KV) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_gemma_concurrent_greedy_equals_transformers(gemma_server):

@@ -33,14 +33,10 @@ def test_ctrl_c_signals_every_program_at_once(tiny_model_dir, tmp_path):
     """What the launcher's Ctrl-C does before stopping supervisord: every program gets its stop signal in one call
     (supervisord's own shutdown goes a program a second). Seen as every process STOPPED, none restarted, while
     supervisord still answers; then the usual Ctrl-C leaves nothing behind."""
-    server = Server(tiny_model_dir, tmp_path / "server.log")
-    try:
-        server.wait_healthy()
+    with Server(tiny_model_dir, tmp_path / "server.log") as server:
         stop_all_programs(Path(server.run_dir()) / "supervisor.sock")
         deadline = time.monotonic() + 30
         while {p["statename"] for p in server.rpc("getAllProcessInfo")} != {"STOPPED"}:
             assert time.monotonic() < deadline, server.rpc("getAllProcessInfo")
             time.sleep(0.1)
         assert len(server.rpc("getAllProcessInfo")) == 6  # router, scheduler, shard, tokenizer, detokenizer, http
-    finally:
-        server.stop()

@@ -30,12 +30,8 @@ CAPS = {
 def capped_server(request, tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / f"long-prompt-chunks-{request.param}.log"
     flags = ["--max-total-tokens", "512", "--max-input-tokens", "400", *CAPS[request.param]]
-    server = Server(tiny_model_dir, log, *flags)
-    try:
-        server.wait_healthy()
+    with Server(tiny_model_dir, log, *flags) as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def _stream(session, url: str, text: str, max_new: int, started: asyncio.Event) -> list[int]:

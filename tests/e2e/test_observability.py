@@ -90,12 +90,8 @@ def obs_server(tiny_model_dir, tmp_path_factory, collector):
     # spans leave each process every 100 ms instead of every 5 s (the SDK's BatchSpanProcessor)
     # no progress bars: the shard's model loading would draw them (not logs) between the JSON lines
     env = {"OTEL_BSP_SCHEDULE_DELAY": "100", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    server = Server(tiny_model_dir, log, *flags, env=env)
-    try:
-        server.wait_healthy()
+    with Server(tiny_model_dir, log, *flags, env=env, clean_log=False) as server:  # the tests provoke errors on purpose
         yield server
-    finally:
-        server.stop(clean_log=False)  # the tests provoke errors on purpose
 
 
 # --------------------------------------------------------------------------------------------

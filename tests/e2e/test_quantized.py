@@ -56,9 +56,7 @@ def test_a_gptq_checkpoint_is_served_like_its_twin_with_and_without_an_adapter(g
     quant, twin = gptq_dirs
     adapter = build_adapter(twin, tmp_path / "adapter", seed=3, r=8, lora_alpha=16, target_modules="all-linear")
     flags = ("--max-total-tokens", "256", "--lora-adapters", f"ad={adapter}")
-    server = Server(quant, tmp_path / "server.log", *flags)
-    try:
-        server.wait_healthy()
+    with Server(quant, tmp_path / "server.log", *flags) as server:
         assert requests.get(server.url + "/info").json()["quantization"] == "gptq"
 
         def ask(case):
@@ -69,8 +67,6 @@ def test_a_gptq_checkpoint_is_served_like_its_twin_with_and_without_an_adapter(g
         cases = [(p, None) for p in PROMPTS] + [(p, "ad") for p in PROMPTS[:2]]
         with ThreadPoolExecutor(len(cases)) as pool:  # one mixed batch of prefills and decodes, base and adapter
             answers = [r.json() for r in pool.map(ask, cases)]
-    finally:
-        server.stop()
     tok, model = AutoTokenizer.from_pretrained(twin), load_model(str(twin))
     for prompt, answer in zip(PROMPTS, answers):
         ids = tok(prompt).input_ids
@@ -98,9 +94,7 @@ def test_a_gptq_checkpoint_over_two_shards(tiny_model_dir, tmp_path):
     """--num-shard 2: each shard holds half of every quantized layer (its scales and zeros split with it)."""
     out = write(tiny_model_dir, tmp_path / "ckpt", "gptq", bits=4, group=32, sym=False)
     quant, twin = out / "quant", out / "twin"
-    server = Server(quant, tmp_path / "server.log", "--max-total-tokens", "256", "--num-shard", "2")
-    try:
-        server.wait_healthy()
+    with Server(quant, tmp_path / "server.log", "--max-total-tokens", "256", "--num-shard", "2") as server:
         assert requests.get(server.url + "/info").json()["quantization"] == "gptq"
         assert server.env("shard", 1)["SWITCHYARD_NUM_SHARD"] == "2"
 
@@ -110,8 +104,6 @@ def test_a_gptq_checkpoint_over_two_shards(tiny_model_dir, tmp_path):
 
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             answers = list(pool.map(ask, PROMPTS))
-    finally:
-        server.stop()
     tok = AutoTokenizer.from_pretrained(twin)
     for prompt, answer in zip(PROMPTS, answers):
         got = [t["id"] for t in answer["details"]["tokens"]]

@@ -59,12 +59,8 @@ def readme_requests() -> list[tuple[str, dict, bool]]:
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "quickstart-server.log"
-    server = Server(None, log, "--dtype", "float32", *SMALL_KV)
-    try:
-        server.wait_healthy()
+    with Server(None, log, "--dtype", "float32", *SMALL_KV) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

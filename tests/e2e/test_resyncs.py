@@ -38,12 +38,8 @@ def server(tmp_path_factory):
     # 48 KV blocks of 16 tokens for 36 streams, a third of them ~200 tokens long: running streams are preempted
     flags = ("--max-total-tokens", "512", "--max-batch-total-tokens", "768", "--speculate", "2")
     flags += ("--speculate-policy", "always")
-    srv = Server(model, log, *flags)
-    try:
-        srv.wait_healthy()
+    with Server(model, log, *flags) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def counters(text: str) -> dict[str, float]:

@@ -148,12 +148,8 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def scale_server(tiny_model_dir, tmp_path_factory):
-    server = Server(tiny_model_dir, tmp_path_factory.mktemp("logs") / "scale-server.log", *LIMITS, *SCALE_FLAGS)
-    try:
-        server.wait_healthy()
+    with Server(tiny_model_dir, tmp_path_factory.mktemp("logs") / "scale-server.log", *LIMITS, *SCALE_FLAGS) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -24,12 +24,8 @@ PREEMPTIONS = "switchyard_scheduler_priority_preemptions_total"
 def server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "priority-server.log"
     flags = ["--max-total-tokens", "2048", "--max-input-tokens", "64", "--max-batch-size", "1"]
-    server = Server(tiny_model_dir, log, *flags, "--scheduling-policy", "priority")
-    try:
-        server.wait_healthy()
+    with Server(tiny_model_dir, log, *flags, "--scheduling-policy", "priority") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -87,12 +87,10 @@ def secret_server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "secret-server.log"
     env = {"HF_TOKEN": HF_TOKEN, "HUGGING_FACE_HUB_TOKEN": HF_TOKEN, "LOG_LEVEL": "debug"}
     env["SWITCHYARD_CURVE_SECRET_KEY"] = CURVE_SECRET  # read by the launcher, handed to every service
-    server = Server(tiny_model_dir, log, "--max-total-tokens", "512", "--api-key", API_KEY, env=env)
-    try:
-        server.wait_healthy()
+    with Server(
+        tiny_model_dir, log, "--max-total-tokens", "512", "--api-key", API_KEY, env=env, clean_log=False
+    ) as server:
         yield server
-    finally:
-        server.stop(clean_log=False)
 
 
 def _listening_tcp() -> dict[int, str]:

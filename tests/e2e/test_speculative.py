@@ -34,12 +34,8 @@ def folder():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "speculate-server.log"
-    server = Server(None, log, "--dtype", "float32", "--speculate", "4", *SMALL_KV)
-    try:
-        server.wait_healthy()
+    with Server(None, log, "--dtype", "float32", "--speculate", "4", *SMALL_KV) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

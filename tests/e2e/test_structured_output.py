@@ -333,12 +333,10 @@ def test_a_request_preempted_mid_json_ends_as_an_uninterrupted_run(pressed_serve
 @pytest.fixture(scope="module")
 def disabled_server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "grammar-disabled.log"
-    server = Server(tiny_model_dir, log, "--max-total-tokens", "512", "--disable-grammar-support")
-    try:
-        server.wait_healthy()
+    with Server(
+        tiny_model_dir, log, "--max-total-tokens", "512", "--disable-grammar-support", clean_log=False
+    ) as server:
         yield server
-    finally:
-        server.stop(clean_log=False)
 
 
 def test_disabled_grammar_support_refuses_every_shape(disabled_server):

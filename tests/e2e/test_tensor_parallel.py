@@ -42,12 +42,8 @@ def check_greedy(server: Server, model_dir, tokenizer, cases=CASES) -> None:
 @pytest.fixture(scope="module")
 def tp_server(tiny_model_dir, tmp_path_factory):
     flags = ("--max-total-tokens", "512", "--max-input-tokens", "400", "--num-shard", "2")
-    server = Server(tiny_model_dir, tmp_path_factory.mktemp("logs") / "tp-server.log", *flags)
-    try:
-        server.wait_healthy()
+    with Server(tiny_model_dir, tmp_path_factory.mktemp("logs") / "tp-server.log", *flags) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_two_shards_greedy_equals_generate(tp_server, tiny_model_dir):

@@ -51,14 +51,10 @@ def serve(build: Callable[[Path], Path], name: str):
     @pytest.fixture(scope="module")
     def vision(tmp_path_factory):
         folder = build(tmp_path_factory.mktemp(name))
-        server = Server(
+        with Server(
             folder, tmp_path_factory.mktemp("logs") / f"{name}-server.log", "--max-batch-total-tokens", "4096"
-        )
-        try:
-            server.wait_healthy()
+        ) as server:
             yield VisionServer(folder, server)
-        finally:
-            server.stop()
 
     return vision
 

@@ -23,12 +23,8 @@ OVERLOADED = {"error": "Model is overloaded", "error_type": "overloaded"}
 @pytest.fixture(scope="module")
 def small_server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "overload-server.log"
-    server = Server(tiny_model_dir, log, "--max-total-tokens", "512", "--max-concurrent-requests", str(LIMIT))
-    try:
-        server.wait_healthy()
+    with Server(tiny_model_dir, log, "--max-total-tokens", "512", "--max-concurrent-requests", str(LIMIT)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_flood_beyond_the_limit(small_server):

@@ -47,12 +47,10 @@ FD_SLACK = 16  # open fds may differ by a few sockets in flight; a leak per requ
 def soak_server(tiny_model_dir, tmp_path_factory):
     """A server of its own: the other fault tests kill processes, which would spoil the comparison."""
     log = tmp_path_factory.mktemp("logs") / "soak-server.log"
-    server = Server(tiny_model_dir, log, "--max-total-tokens", "512", "--max-input-tokens", "400")
-    try:
-        server.wait_healthy()
+    with Server(
+        tiny_model_dir, log, "--max-total-tokens", "512", "--max-input-tokens", "400", clean_log=False
+    ) as server:  # the invalid requests log their errors on purpose
         yield server
-    finally:
-        server.stop(clean_log=False)  # the invalid requests log their errors on purpose
 
 
 # --------------------------------------------------------------------------------------------

@@ -87,12 +87,10 @@ def expected(tiny_model_dir, adapter_dirs):
 def lora_server(tiny_model_dir, adapter_dirs, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "lora-server.log"
     flags = ["--lora-adapters", ",".join(f"{name}={path}" for name, path in adapter_dirs.items())]
-    server = Server(tiny_model_dir, log, *flags, "--max-total-tokens", "512", "--max-input-tokens", "400")
-    try:
-        server.wait_healthy()
+    with Server(
+        tiny_model_dir, log, *flags, "--max-total-tokens", "512", "--max-input-tokens", "400", clean_log=False
+    ) as server:  # the unknown-adapter test provokes errors on purpose
         yield server
-    finally:
-        server.stop(clean_log=False)  # the unknown-adapter test provokes errors on purpose
 
 
 def _generate(url: str, text: str, adapter: str | None) -> list[int]:

@@ -74,9 +74,9 @@ def test_mixed_adapters_equal_peft(arch, tmp_path_factory):
             enumerate(ADAPTERS.items())}  # fmt: skip
     want = reference_tokens(model_dir, dirs)
     flags = ["--lora-adapters", ",".join(f"{name}={path}" for name, path in dirs.items())]
-    server = Server(model_dir, root / "server.log", *flags, "--max-total-tokens", "512", "--max-input-tokens", "400")
-    try:
-        server.wait_healthy()
+    with Server(
+        model_dir, root / "server.log", *flags, "--max-total-tokens", "512", "--max-input-tokens", "400"
+    ) as server:
         cases = [(text, name) for text in PROMPTS for name in ROWS]
         with ThreadPoolExecutor(len(cases)) as pool:
             got = dict(zip(cases, pool.map(lambda case: generate(server.url, *case), cases)))
@@ -89,5 +89,3 @@ def test_mixed_adapters_equal_peft(arch, tmp_path_factory):
             assert time.monotonic() < deadline, "the scheduler counted fewer adapter tokens than were generated"
             time.sleep(0.2)
         assert scheduler_counter(server.url, "lora_generated") == adapter_tokens
-    finally:
-        server.stop()

@@ -84,12 +84,8 @@ def want(tiny_model_dir, dirs):
 def server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "lora-hot.log"
     flags = ["--api-key", KEY, "--max-total-tokens", "512", "--max-input-tokens", "400"]
-    server = Server(tiny_model_dir, log, *flags)
-    try:
-        server.wait_healthy()
+    with Server(tiny_model_dir, log, *flags, clean_log=False) as server:  # bad adapters are refused on purpose
         yield server
-    finally:
-        server.stop(clean_log=False)  # bad adapters are refused on purpose
 
 
 def _post(url, route, body, headers=AUTH, timeout=120):
@@ -216,9 +212,7 @@ def test_hot_load_on_two_tensor_parallel_ranks(tiny_model_dir, dirs, want, tmp_p
     """--num-shard 2: both ranks load their slices before the route answers (the scheduler waits for both acks),
     so the output equals peft's; a bad adapter is refused by the ranks; unload drops it from both."""
     flags = ["--api-key", KEY, "--max-total-tokens", "512", "--max-input-tokens", "400", "--num-shard", "2"]
-    server = Server(tiny_model_dir, tmp_path / "tp.log", *flags)
-    try:
-        server.wait_healthy()
+    with Server(tiny_model_dir, tmp_path / "tp.log", *flags, clean_log=False) as server:
         url = server.url
         r = _load(url, "tp", dirs["first"])
         assert r.status_code == 200, r.text
@@ -231,5 +225,3 @@ def test_hot_load_on_two_tensor_parallel_ranks(tiny_model_dir, dirs, want, tmp_p
         assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "tp"}).status_code == 200
         _until(lambda: server.log_path.read_text().count("LoRA adapters loaded: none") == 2, "both ranks dropped it")
         assert _post(url, "/generate", {"inputs": PROMPT, "parameters": {"adapter_id": "tp"}}).status_code == 422
-    finally:
-        server.stop(clean_log=False)

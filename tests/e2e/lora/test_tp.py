@@ -33,10 +33,8 @@ def test_start_up_adapters_on_two_ranks_equal_peft(tiny_model_dir, tmp_path):
     assert list(dirs) == ROWS[1:]  # reference_tokens's rows: the base model, then these
     want = reference_tokens(tiny_model_dir, dirs)
     flags = ["--lora-adapters", ",".join(f"{name}={path}" for name, path in dirs.items()), "--num-shard", "2"]
-    server = Server(tiny_model_dir, tmp_path / "server.log", *flags, "--max-total-tokens", "512",
-                    "--max-input-tokens", "400")  # fmt: skip
-    try:
-        server.wait_healthy()
+    with Server(tiny_model_dir, tmp_path / "server.log", *flags, "--max-total-tokens", "512",
+                    "--max-input-tokens", "400") as server:  # fmt: skip
         # one start-up line per rank
         deadline = time.monotonic() + 30
         while len(re.findall(r"LoRA adapters loaded: all, qv_mlp_rs", server.log_path.read_text())) < 2:
@@ -52,5 +50,3 @@ def test_start_up_adapters_on_two_ranks_equal_peft(tiny_model_dir, tmp_path):
         while counter_now(server.url, "lora_generated") < adapter_tokens:
             assert time.monotonic() < deadline, "the scheduler counted fewer adapter tokens than were generated"
             time.sleep(0.2)
-    finally:
-        server.stop()
