@@ -33,8 +33,11 @@ model-gemma: install
 serve: model
 	$(VENV)/bin/switchyard serve
 
+# TEST_WORKERS pytest processes share the tests a file at a time (a module's server starts once); 0 runs them all in
+# pytest's own process
+TEST_WORKERS ?= 2
 test: model model-gemma
-	$(PY) -m pytest -q -ra --durations=40 --ignore=tests/bench
+	$(PY) -m pytest -q -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile --ignore=tests/bench
 
 # the benchmarks' own tests (bench/ is a wing of its own: smoke runs of each benchmark, its tables and plots);
 # CI runs them after `make test`
