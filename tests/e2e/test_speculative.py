@@ -34,7 +34,10 @@ def folder():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "speculate-server.log"
-    with Server(None, log, "--dtype", "float32", "--speculate", "4", *SMALL_KV) as server:
+    # every match is drafted: the adaptive rule prices drafts by measured step times, and a loaded stretch (another
+    # test worker) turned drafting off for a whole stream, so no step carried several tokens
+    flags = ("--speculate", "4", "--speculate-policy", "always")
+    with Server(None, log, "--dtype", "float32", *flags, *SMALL_KV) as server:
         yield server
 
 
