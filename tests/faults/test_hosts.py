@@ -167,6 +167,11 @@ class Tap:
         return any(b["role"] == "scheduler" and b["index"] == index and b["ready"] and b["pid"] != not_pid
                    for b in self.beats())  # fmt: skip
 
+    def scheduler_idle(self, index: int) -> bool:
+        """Replica `index`'s latest beat holds no request: the router's view of its load is current."""
+        beats = [b for b in self.beats() if b["role"] == "scheduler" and b["index"] == index]
+        return bool(beats) and beats[-1]["queue"] == 0 and beats[-1]["running"] == 0
+
     def scheduler_pid(self, index: int) -> int:
         return [b["pid"] for b in self.beats() if b["role"] == "scheduler" and b["index"] == index][-1]
 
@@ -244,6 +249,8 @@ def test_replicas_on_other_hosts_join_die_drain_and_survive_a_router_restart(hos
         check(outs, texts, expected, "router restart")
 
         # replica 1's host dies outright mid-stream: http resubmits its streams once it is gone; replica 0 ends them
+        # a beat that still counts the ended streams would send every new one to the other replica (least loaded)
+        tap.wait(lambda: tap.scheduler_idle(0) and tap.scheduler_idle(1), 10, "both replicas idle")
         before = tap.placed()
         pid_1 = tap.scheduler_pid(1)
         outs = client.streams(texts, LONG)
