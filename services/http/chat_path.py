@@ -17,6 +17,7 @@ import msgspec
 from aiohttp import web
 
 from libs.protocol.messages import GenerateRequest
+from libs.protocol.params import Parameters
 from services.http.chat_formats import ChatFormats
 from services.http.errors import Failure
 from services.http.generation import bus_request
@@ -55,8 +56,20 @@ def chat_turn(
         raise Failure(f"Invalid request: {e}", "validation") from None
     parameters = oa.chat_parameters(body, model_id)
     parameters.top_k = top_k
-    tool_choice = msgspec.to_builtins(body.tool_choice)
-    wire = bus_request(
+    wire = chat_wire(request, ingress, body, parameters, mode, budget)
+    fmt = formats.of(wire.model)  # the format of the model the request is for
+    mode = fmt.answer_mode(body, wire.tool_choice)
+    if isinstance(mode, str):
+        return ChatTurn(body, wire, None, mode, fmt.keeps_special)
+    return ChatTurn(body, wire, mode, None)
+
+
+def chat_wire(
+    request: web.Request, ingress: int, body: oa.ChatRequest, parameters: Parameters, mode: str, budget: int | None
+) -> GenerateRequest:
+    """The GenerateRequest of a chat body: its messages and tools go to the tokenizer as sent, which renders them
+    through the model's chat template, selects the tools and compiles the grammar that forces a call."""
+    return bus_request(
         request,
         ingress,
         parameters,
@@ -66,17 +79,13 @@ def chat_turn(
         stream=body.stream,
         messages=body.messages,
         tools=body.tools,
-        tool_choice=tool_choice,
+        tool_choice=msgspec.to_builtins(body.tool_choice),
         tool_prompt=body.tool_prompt,
         chat_template_kwargs=oa.template_kwargs(body),
+        documents=body.documents,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         thinking_budget=budget,
     )
-    fmt = formats.of(wire.model)  # the format of the model the request is for
-    mode = fmt.answer_mode(body, tool_choice)
-    if isinstance(mode, str):
-        return ChatTurn(body, wire, None, mode, fmt.keeps_special)
-    return ChatTurn(body, wire, mode, None)
 
 
 class Call(msgspec.Struct):

@@ -18,6 +18,7 @@ from aiohttp import web
 from libs.protocol.messages import GenerateRequest
 from libs.runtime.settings import Settings
 from services.http.chat_formats import ChatFormats
+from services.http.chat_path import chat_wire
 from services.http.errors import Failure, OpenAIFailure, error_response, openai_error_response, openai_stream_error
 from services.http.generation import Permits, bus_request
 from services.http.models import check_model
@@ -115,31 +116,13 @@ class OpenAIRoutes:
 
     # ---- helpers --------------------------------------------------------------------------
     async def _chat_request(self, request: web.Request, mode: str = "generate"):
-        """The body, its GenerateRequest, and how its answer is read (tools.tool_mode); raises Failure.
-
-        tools and tool_choice go to the tokenizer as sent: it selects the tools, renders them and compiles the
-        grammar that forces the answer (its tool errors come back before any stream, as TGI's)."""
+        """The body, its GenerateRequest (chat_path.chat_wire), and how its answer is read (tools.tool_mode); raises
+        Failure. The tokenizer's tool errors come back before any stream, as TGI's."""
         body = parse_body(await request.read(), oa.ChatRequest)
         check_model(body.model, self.settings)
-        tool_choice = msgspec.to_builtins(body.tool_choice)
-        wire = bus_request(
-            request,
-            self.ingress.index,
-            oa.chat_parameters(body, self.settings.model_id),
-            inputs="",
-            add_special_tokens=False,  # the template holds the special tokens
-            mode=mode,
-            stream=body.stream,
-            messages=body.messages,
-            tools=body.tools,
-            tool_choice=tool_choice,
-            tool_prompt=body.tool_prompt,
-            chat_template_kwargs=oa.template_kwargs(body),
-            documents=body.documents,
-            parallel_tool_calls=body.parallel_tool_calls is not False,
-            thinking_budget=_budget(body),
-        )
-        return body, wire, self.formats.of(wire.model).answer_mode(body, tool_choice)
+        parameters = oa.chat_parameters(body, self.settings.model_id)
+        wire = chat_wire(request, self.ingress.index, body, parameters, mode, _budget(body))
+        return body, wire, self.formats.of(wire.model).answer_mode(body, wire.tool_choice)
 
     # ---- /v1/chat/completions --------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
