@@ -11,6 +11,7 @@ for, services.http.chat_formats), else TGI's tool shape (services.http.openai.to
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import msgspec
@@ -24,6 +25,8 @@ from services.http.generation import bus_request
 from services.http.openai import requests as oa
 from services.http.openai import tools
 from services.http.openai.answer import AnswerReader
+from services.http.responses import open_stream
+from services.http.sse_writer import StepWriter
 
 
 class ChatTurn(msgspec.Struct):
@@ -150,3 +153,35 @@ class AnswerStream:
             else:
                 out.append(("call", delta[1], delta[2]))
         return out
+
+
+async def stream_turn(request: web.Request, turn: ChatTurn, events, ingress, permits, refusal) -> tuple:
+    """A turn's answer streamed as an API's `events` (its EventStream: start, push, end); the stream opens with the
+    first token, so a Failure before it (template, tools, permits) is raised, to be answered with an HTTP status.
+    One after it is written as `refusal(failure)`, the API's error event. Returns (the response, how it went:
+    "ended", "failed" or "gone", the client having left); the caller ends the response unless it is gone."""
+    http = None
+    answer = AnswerStream(turn)
+    try:
+        with permits.hold():
+            async with contextlib.aclosing(ingress.generate(turn.wire)) as rows:
+                async for row in rows:
+                    if http is None:
+                        http = await open_stream(request, turn.body.characters)
+                        writer = StepWriter(http)
+                        await http.write(b"".join(events.start()))
+                    final = row.final is not None
+                    out = [e for d in answer.push(answer.piece(row), final) for e in events.push(d)]
+                    if final:
+                        out += events.end(row.final)
+                    # a step's events in one write (services/http/sse_writer.py)
+                    await writer.add_all(out, not final and ingress.ready(turn.wire.request_id))
+    except Failure as e:
+        if http is None:
+            raise
+        await writer.flush()
+        await http.write(refusal(e))
+        return http, "failed"
+    except ConnectionResetError:  # the client went away; closing the rows above aborted the request
+        return http or web.Response(), "gone"
+    return http, "ended"

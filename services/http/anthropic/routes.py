@@ -8,7 +8,6 @@ Anthropic's `{"type": "error", "error": {type, message}}` with its HTTP status; 
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import msgspec
@@ -26,12 +25,11 @@ from services.http.anthropic.schemas import (
     TokensCount,
 )
 from services.http.chat_formats import ChatFormats
-from services.http.chat_path import AnswerStream, chat_turn, read_answer
+from services.http.chat_path import chat_turn, read_answer, stream_turn
 from services.http.errors import Failure
 from services.http.generation import Permits, collect
 from services.http.models import check_model
-from services.http.responses import json_response, open_stream
-from services.http.sse_writer import StepWriter
+from services.http.responses import json_response
 from services.http.tgi.schemas import parse_body
 from services.http.timing import Timing
 
@@ -41,6 +39,7 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
+    424: "api_error",  # TGI's failure during generation: the server's, not the request's
     429: "rate_limit_error",
     503: "overloaded_error",
 }
@@ -94,32 +93,15 @@ class AnthropicRoutes:
         return json_response(message)
 
     async def _stream(self, request, turn, events: EventStream) -> web.StreamResponse:
-        """The events as the tokens come; the stream opens with the first token, so errors found before it
-        (template, tools, permits) are still an HTTP status."""
-        http = None
-        answer = AnswerStream(turn)
+        def refusal(e: Failure) -> bytes:
+            return error_event(error_type(e.status), e.message)
+
         try:
-            with self.permits.hold():
-                async with contextlib.aclosing(self.ingress.generate(turn.wire)) as rows:
-                    async for row in rows:
-                        if http is None:
-                            http = await open_stream(request, turn.body.characters)
-                            writer = StepWriter(http)
-                            await http.write(b"".join(events.start()))
-                        final = row.final is not None
-                        out = [e for d in answer.push(answer.piece(row), final) for e in events.push(d)]
-                        if final:
-                            out += events.end(row.final)
-                        # a step's events in one write (services/http/sse_writer.py)
-                        await writer.add_all(out, not final and self.ingress.ready(turn.wire.request_id))
+            http, outcome = await stream_turn(request, turn, events, self.ingress, self.permits, refusal)
         except Failure as e:
-            if http is None:
-                return error_response(e)
-            await writer.flush()
-            await http.write(error_event(error_type(e.status), e.message))
-        except ConnectionResetError:  # the client went away; closing the rows above aborted the request
-            return http or web.Response()
-        await http.write_eof()
+            return error_response(e)
+        if outcome != "gone":
+            await http.write_eof()
         return http
 
     async def count_tokens(self, request: web.Request) -> web.Response:

@@ -7,7 +7,6 @@ A request is translated (translate.py) into the chat body of the internal chat p
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import msgspec
@@ -15,11 +14,11 @@ from aiohttp import web
 
 from libs.runtime.settings import Settings
 from services.http.chat_formats import ChatFormats
-from services.http.chat_path import AnswerStream, chat_turn, read_answer
+from services.http.chat_path import chat_turn, read_answer, stream_turn
 from services.http.errors import Failure, OpenAIFailure, openai_error_response
 from services.http.generation import Permits, collect
 from services.http.models import check_model
-from services.http.responses import json_response, open_stream
+from services.http.responses import json_response
 from services.http.responses_api import translate
 from services.http.responses_api.events import EventStream, finish, new_id, whole_output
 from services.http.responses_api.schemas import (
@@ -30,7 +29,6 @@ from services.http.responses_api.schemas import (
     ResponsesRequest,
 )
 from services.http.responses_api.store import ResponseStore
-from services.http.sse_writer import StepWriter
 from services.http.tgi.schemas import parse_body
 from services.http.timing import Timing
 
@@ -123,36 +121,19 @@ class ResponsesRoutes:
             self.store.put(response, conversation + translate.output_messages(response.output))
 
     async def _stream(self, request, body: ResponsesRequest, turn, response: Response, conversation: list[dict]):
-        """The events as the tokens come; the stream opens with the first token, so errors found before it
-        (template, tools, permits) are still an HTTP status."""
-        http = None
         events = EventStream(response)
-        answer = AnswerStream(turn)
+
+        def refusal(e: Failure) -> bytes:
+            return b"".join(events.error(e.error_type, e.message))
+
         try:
-            with self.permits.hold():
-                async with contextlib.aclosing(self.ingress.generate(turn.wire)) as rows:
-                    async for row in rows:
-                        if http is None:
-                            http = await open_stream(request, turn.body.characters)
-                            writer = StepWriter(http)
-                            await http.write(b"".join(events.start()))
-                        final = row.final is not None
-                        out = [e for d in answer.push(answer.piece(row), final) for e in events.push(d)]
-                        if final:
-                            out += events.end(row.final)
-                        # a step's events in one write (services/http/sse_writer.py)
-                        await writer.add_all(out, not final and self.ingress.ready(turn.wire.request_id))
+            http, outcome = await stream_turn(request, turn, events, self.ingress, self.permits, refusal)
         except Failure as e:
-            if http is None:
-                return error_response(e)
-            await writer.flush()
-            await http.write(b"".join(events.error(e.error_type, e.message)))
+            return error_response(e)
+        if outcome == "ended":
+            self._keep(body, response, conversation)  # before the end: a next turn may name it at once
+        if outcome != "gone":
             await http.write_eof()
-            return http
-        except ConnectionResetError:  # the client went away; closing the rows above aborted the request
-            return http or web.Response()
-        self._keep(body, response, conversation)
-        await http.write_eof()
         return http
 
     async def retrieve(self, request: web.Request) -> web.Response:

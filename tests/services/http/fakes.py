@@ -72,7 +72,7 @@ class FakeIngress:
     index = 0
 
     def __init__(self, answer=None):
-        # answer(req, n) -> list[TextRow] | Failure, n counting the requests so far
+        # answer(req, n) -> list[TextRow | Failure] | Failure, n counting the requests so far
         self.answer = answer or (lambda req, n: rows(req.request_id, [" Paris", "."], [-0.5, -1.0]))
         self.sent: list[GenerateRequest] = []
         self.closed: list[str] = []  # requests whose stream was closed before its end (aborted)
@@ -100,6 +100,8 @@ class FakeIngress:
                 timing.accepted = time.monotonic()
             for row in answer:
                 await asyncio.sleep(0)
+                if isinstance(row, Failure):  # a failure after some rows: a request that fails mid-stream
+                    raise row
                 if timing is not None:
                     timing.first = timing.first or time.monotonic()
                     timing.last = time.monotonic()
