@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import stat
 
@@ -12,18 +11,13 @@ import pytest
 import zmq
 
 from launcher import bus_flags, keygen, tap
-from launcher.cli import build_parser, main, programs, settings_from
+from launcher.cli import main, programs, settings_from
 from libs.runtime import bus, bus_auth
+from tests.launcher.serve_argv import parse
 
 SECRET_VAR, PUBLIC_VAR = bus_flags.SECRET_VAR, bus_flags.PUBLIC_VAR
 # the variables the launcher's rule gives the key flags (--bus-curve-secret-key ← BUS_CURVE_SECRET_KEY, …)
 RULE_VARS = ("BUS_CURVE_SECRET_KEY", "BUS_CURVE_PUBLIC_KEY", "BUS_CURVE_CLIENT_KEY", "BUS_CURVE_ALLOWED_KEYS")
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
-    return tmp_path
 
 
 @pytest.fixture(autouse=True)
@@ -32,10 +26,6 @@ def no_keys_in_env(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     for var in ("SWITCHYARD_CURVE_ALLOWED_KEYS", "SWITCHYARD_BUS_INSECURE"):
         monkeypatch.delenv(var, raising=False)
-
-
-def parse(*argv):
-    return build_parser().parse_args(["serve", *argv])
 
 
 @pytest.mark.parametrize(

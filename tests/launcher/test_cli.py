@@ -11,18 +11,9 @@ from launcher.cli import build_parser, settings_from
 from launcher.serve_settings import parse_cuda_graphs
 from libs.runtime import cpu
 from libs.runtime.settings import Settings
+from tests.launcher.serve_argv import parse
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
-    return tmp_path
-
-
-def parse(*argv):
-    return build_parser().parse_args(["serve", *argv])
 
 
 def test_env_fallbacks(monkeypatch, model_dir):
@@ -209,7 +200,6 @@ def test_cuda_flags_are_settings(model_dir, monkeypatch, caplog):
 
 
 def test_dtype_is_chosen_once_by_the_launcher_and_logged(tmp_path, caplog):
-    import json
     import logging
 
     from launcher.serve_settings import resolve_dtype

@@ -1,24 +1,13 @@
 """--cpu-threads, --cpu-bind, --cpu-reserved and vLLM's variable names: checked at launch with clear errors, carried
 to the services as given, and the wait policy chosen at start from others' load."""
 
-import json
-
 import pytest
 
-from launcher.cli import build_parser, settings_from
+from launcher.cli import settings_from
 from launcher.serve_settings import omp_environment
 from libs.runtime import cpu_team
 from libs.runtime.settings import Settings
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
-    return tmp_path
-
-
-def parse(*argv):
-    return build_parser().parse_args(["serve", *argv])
+from tests.launcher.serve_argv import parse
 
 
 def test_defaults_are_auto(model_dir):

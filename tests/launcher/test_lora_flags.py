@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.lora_flags import AdapterSpec, LoraFlagError, from_flag_or_env, parse_lora_adapters, resolve, resolve_all
+from tests.launcher.serve_argv import parse
 
 
 def test_the_three_forms_in_order():
@@ -78,34 +79,18 @@ def test_hub_id_resolves_from_the_cache_offline(tmp_path, monkeypatch):
         resolve(parse_lora_adapters("org/adapter@v2")[0])
 
 
-def _serve_args(*argv):
-    from launcher.cli import build_parser
-
-    return build_parser().parse_args(["serve", *argv])
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    import json
-
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
-    return tmp_path
-
-
 def test_serve_resolves_adapters_into_settings(tmp_path, model_dir, monkeypatch):
     from launcher.cli import settings_from
 
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-    s = settings_from(
-        _serve_args("--lora-adapters", f"a={tmp_path / 'a'},b={tmp_path / 'b'}", "--max-loras", "3"), model_dir
-    )
+    s = settings_from(parse("--lora-adapters", f"a={tmp_path / 'a'},b={tmp_path / 'b'}", "--max-loras", "3"), model_dir)
     assert s.lora_adapters == f"a={(tmp_path / 'a').resolve()},b={(tmp_path / 'b').resolve()}"
     assert (s.lora_names, s.max_loras, s.max_lora_rank, s.lora_fold) == (["a", "b"], 3, 64, True)
-    assert not settings_from(_serve_args("--disable-lora-fold"), model_dir).lora_fold
-    assert settings_from(_serve_args(), model_dir).lora_names == []
+    assert not settings_from(parse("--disable-lora-fold"), model_dir).lora_fold
+    assert settings_from(parse(), model_dir).lora_names == []
     monkeypatch.setenv("LORA_ADAPTERS", f"c={tmp_path / 'a'}")  # the variable, when no flag is given
-    assert settings_from(_serve_args(), model_dir).lora_names == ["c"]
+    assert settings_from(parse(), model_dir).lora_names == ["c"]
 
 
 @pytest.mark.parametrize(
@@ -119,7 +104,7 @@ def test_serve_refuses_bad_adapters(model_dir, value, message):
     from launcher.cli import settings_from
 
     with pytest.raises(SystemExit) as e:
-        settings_from(_serve_args("--lora-adapters", value), model_dir)
+        settings_from(parse("--lora-adapters", value), model_dir)
     assert str(e.value.code) == message  # SystemExit with a text: printed, exit status 1
 
 
@@ -128,6 +113,4 @@ def test_serve_refuses_more_adapters_than_max_loras(tmp_path, model_dir):
 
     (tmp_path / "a").mkdir()
     with pytest.raises(SystemExit, match="more than --max-loras 1"):
-        settings_from(
-            _serve_args("--lora-adapters", f"a={tmp_path / 'a'},b={tmp_path / 'a'}", "--max-loras", "1"), model_dir
-        )
+        settings_from(parse("--lora-adapters", f"a={tmp_path / 'a'},b={tmp_path / 'a'}", "--max-loras", "1"), model_dir)

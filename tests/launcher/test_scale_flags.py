@@ -4,24 +4,14 @@ and supervisord.conf turning that layout into process groups."""
 from __future__ import annotations
 
 import configparser
-import json
 from pathlib import Path
 
 import pytest
 
-from launcher.cli import ROLES, build_parser, programs, settings_from
+from launcher.cli import ROLES, programs, settings_from
+from tests.launcher.serve_argv import parse
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
-    return tmp_path
-
-
-def parse(*argv):
-    return build_parser().parse_args(["serve", *argv])
 
 
 def test_worker_flags_reach_settings(model_dir):

@@ -1,22 +1,11 @@
 """--scheduling-policy and --priority-aging-seconds reach the settings, from flags or their variables, and bad
 values are refused before anything starts."""
 
-import json
-
 import pytest
 
-from launcher.cli import build_parser, settings_from
+from launcher.cli import settings_from
 from libs.runtime.settings import Settings
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
-    return tmp_path
-
-
-def parse(*argv):
-    return build_parser().parse_args(["serve", *argv])
+from tests.launcher.serve_argv import parse
 
 
 def test_scheduling_policy_flags(model_dir, monkeypatch):
