@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,37 +14,13 @@ from pathlib import Path
 import requests
 from supervisor.xmlrpc import SupervisorTransport
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 # A KV cache of 16k tokens for the real models' servers (the default is 64k): the shard zeroes its KV pages at start,
 # 2.4-3 GB for Gemma-3-270M and SmolLM2 by default, which took 35-60 s of a test's setup on a VM whose memory is
 # backed on first touch. The tests that serve them need a few thousand tokens at most.
 SMALL_KV = ("--max-batch-total-tokens", "16384")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_range(n: int) -> int:
-    """The first of n consecutive tcp ports free on 127.0.0.1 now (a tcp bus takes a run of ports)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 def session_processes(sid: int) -> list[int]:

@@ -28,7 +28,8 @@ from tokenizers import Tokenizer
 from libs.protocol.messages import GenerateRequest
 from libs.protocol.params import Parameters
 from libs.runtime import bus, bus_auth
-from tests.e2e.server import ROOT, Server, free_port_range, session_processes
+from tests.e2e.server import ROOT, Server, session_processes
+from tests.ports import free_port_range
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e

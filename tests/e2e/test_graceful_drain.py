@@ -17,8 +17,9 @@ import requests
 
 from libs.protocol.messages import Heartbeat, TokenBatch
 from libs.runtime import bus
-from tests.e2e.server import Server, free_port_range, session_processes
+from tests.e2e.server import Server, session_processes
 from tests.e2e.test_scale import Tap, generate, prompt
+from tests.ports import free_port_range
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e

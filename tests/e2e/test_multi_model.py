@@ -15,9 +15,10 @@ import torch
 from libs.protocol.messages import Heartbeat
 from libs.runtime import bus
 from tests.e2e.conftest import sse_events
-from tests.e2e.server import Server, free_port_range
+from tests.e2e.server import Server
 from tests.e2e.test_scale import LIMITS, Tap, prompt
 from tests.lora_adapters import base_model, build_adapter, peft
+from tests.ports import free_port_range
 from tests.reference import reference_generate
 from tests.tiny_models import build_model
 

@@ -10,8 +10,9 @@ import pytest
 
 from libs.protocol.messages import Accepted, Heartbeat
 from libs.runtime import bus
-from tests.e2e.server import Server, free_port_range
+from tests.e2e.server import Server
 from tests.e2e.test_scale import LIMITS, Tap, check_greedy, prompt
+from tests.ports import free_port_range
 
 pytestmark = pytest.mark.e2e
 

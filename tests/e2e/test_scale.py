@@ -25,7 +25,8 @@ from launcher.tap import TAP_TOPIC, attach
 from libs.protocol import ProtocolError, codec
 from libs.protocol.messages import Heartbeat, TextBatch, TokenBatch
 from libs.runtime import bus
-from tests.e2e.server import ROOT, Server, free_port_range
+from tests.e2e.server import ROOT, Server
+from tests.ports import free_port_range
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.e2e

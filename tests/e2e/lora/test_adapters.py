@@ -19,9 +19,10 @@ import requests
 import torch
 from transformers import AutoTokenizer
 
-from tests.e2e.server import ROOT, Server, free_port
+from tests.e2e.server import ROOT, Server
 from tests.e2e.test_generate import WORDS, counter_in
 from tests.lora_adapters import base_model, build_adapter
+from tests.ports import free_port
 
 peft = pytest.importorskip("peft")
 

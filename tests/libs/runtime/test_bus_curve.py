@@ -8,7 +8,6 @@ is re-read when it changes (rotation), and a refused key is logged once, by its 
 from __future__ import annotations
 
 import logging
-import socket as pysocket
 import time
 
 import pytest
@@ -17,12 +16,11 @@ import zmq
 from libs.protocol.messages import Hello
 from libs.runtime import bus, bus_auth
 from libs.runtime.settings import Settings
+from tests.ports import free_port
 
 
 def loopback() -> str:
-    with pysocket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def test_every_bus_socket_is_bounded():

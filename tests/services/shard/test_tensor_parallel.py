@@ -6,7 +6,6 @@ single-process runner's."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.engine import Engine, request
+from tests.ports import free_port
 from tests.reference import reference_generate
 from tests.services.shard.test_model_runner import Steps
 from tests.tiny_models import ARCHS, prompts_for
@@ -21,12 +21,6 @@ from tests.tiny_models import ARCHS, prompts_for
 WORLD = 2
 BLOCK_SIZE = 8
 NUM_BLOCKS = 22  # fewer than the requests take in all, enough for those running at once
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _arrivals(prompts: list[list[int]]) -> dict[int, list]:
@@ -73,7 +67,7 @@ def two_ranks(tiny_dirs, tmp_path_factory) -> dict[str, list[dict]]:
     """arch → each rank's tokens by request id, from one spawn of two ranks that serve every architecture."""
     out = str(tmp_path_factory.mktemp("tp") / "tokens")
     dirs = {arch: str(tiny_dirs[arch]) for arch in ARCHS}
-    mp.spawn(_rank, args=(dirs, _free_port(), out), nprocs=WORLD, join=True)
+    mp.spawn(_rank, args=(dirs, free_port(), out), nprocs=WORLD, join=True)
     return {arch: [json.loads(Path(f"{out}.{arch}.{r}").read_text()) for r in range(WORLD)] for arch in ARCHS}
 
 

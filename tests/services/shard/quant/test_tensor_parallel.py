@@ -6,7 +6,6 @@ generate() on its dense twin; W8A8 quantized at load gives the single-process W8
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.engine import Engine, request
+from tests.ports import free_port
 from tests.reference import reference_generate
 from tests.services.shard.quant.checkpoints import write
 from tests.services.shard.quant.test_layers import WEIGHT_ONLY_TOL
@@ -27,12 +27,6 @@ WORLD = 2
 # several units
 TP_W8A8_TOL = 0.5
 GPTQ_ARCHS = ("llama", "qwen2")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _arrivals(prompts: list[list[int]]) -> dict[int, list]:
@@ -88,7 +82,7 @@ def served(tiny_dirs, tmp_path_factory) -> tuple[dict[str, Path], dict[str, list
     jobs = {f"gptq-{arch}": (str(c / "quant"), "gptq", str(c / "twin")) for arch, c in ckpts.items()}
     jobs["eetq-llama"] = (str(tiny_dirs["llama"]), "eetq", str(tiny_dirs["llama"]))
     out = str(root / "ranks")
-    mp.spawn(_rank, args=(jobs, _free_port(), out), nprocs=WORLD, join=True)
+    mp.spawn(_rank, args=(jobs, free_port(), out), nprocs=WORLD, join=True)
     return ckpts, {key: [json.loads(Path(f"{out}.{key}.{r}").read_text()) for r in range(WORLD)] for key in jobs}
 
 

@@ -1,0 +1,17 @@
+"""tests/ports.py: each pytest-xdist worker draws its ports from its own blocks, and a range stays in one block."""
+
+import socket
+
+from tests.ports import BLOCK, free_port_range
+
+
+def test_workers_draw_from_their_own_blocks(monkeypatch):
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    for worker in range(3):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{worker}")
+        for _ in range(20):
+            base = free_port_range(6)
+            assert base // BLOCK % 3 == worker and base % BLOCK + 6 <= BLOCK
+            for port in range(base, base + 6):  # free when drawn
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
