@@ -1,7 +1,8 @@
 """The one chat path that the translation layers (the Responses API, Anthropic's Messages API) feed: an OpenAI
 chat body (messages, tools, tool_choice, response_format, sampling) becomes the very GenerateRequest that
 /v1/chat/completions sends (the tokenizer renders it through the model's chat template), and the generated text
-is read back as reasoning, content and tool calls, whole or as stream deltas.
+is read back as reasoning, content and tool calls, whole or as stream deltas (stream_turn writes them as the
+layer's own events).
 
 Each layer translates its request into the chat body and the answer out of these deltas into its own shapes.
 How the text is read is chosen as /v1/chat/completions chooses it: the model's own format where the template's
@@ -155,7 +156,9 @@ class AnswerStream:
         return out
 
 
-async def stream_turn(request: web.Request, turn: ChatTurn, events, ingress, permits, refusal) -> tuple:
+async def stream_turn(
+    request: web.Request, turn: ChatTurn, events, ingress, permits, refusal
+) -> tuple[web.StreamResponse, str]:
     """A turn's answer streamed as an API's `events` (its EventStream: start, push, end); the stream opens with the
     first token, so a Failure before it (template, tools, permits) is raised, to be answered with an HTTP status.
     One after it is written as `refusal(failure)`, the API's error event. Returns (the response, how it went:
