@@ -91,6 +91,7 @@ class SchedulerService:
         )
         self.ready = False  # shards answered the probe plan
         self.ready_told = False  # `ready` as our last heartbeat said it
+        self.idle_told = True  # whether our last heartbeat said we hold no request
         self.shard_ranks: set[int] = {0}  # shards do not heartbeat: their process_up is ours to report
         self.step = 0
         self.step_sent = 0.0  # when the plan in flight was sent (0: none in flight)
@@ -383,15 +384,17 @@ class SchedulerService:
     # ---- heartbeat ------------------------------------------------------------------------
     def _beat(self) -> None:
         """When a heartbeat is due: refresh the gauges it goes with, expire ended streams, send our load. A drain
-        that began, and the shards' readiness when it changed, are announced at once, out of turn: the router must
-        stop placing here now, or may start to (a server is healthy as soon as its router hears it)."""
+        that began, the shards' readiness when it changed, and the end of the last request held are announced at
+        once, out of turn: the router must stop placing here now, or may start to (a server is healthy as soon as
+        its router hears it), or would go on counting ended requests as our load for up to a beat and send a
+        burst that comes meanwhile to the other replicas."""
         draining = self.drain.active and self.drain.announced is None
+        held = len(self.batcher.waiting) + len(self.batcher.running)
         if draining:
-            held = len(self.batcher.waiting) + len(self.batcher.running)
             self.log.info("SIGTERM: draining (%d requests held, up to %gs)", held, self.drain.timeout)
-        if draining or self.ready != self.ready_told:
+        if draining or self.ready != self.ready_told or (held == 0 and not self.idle_told):
             self.events.publish(self.events.hb_topic, self.events.heartbeat_message(**self.load()))
-            self.ready_told = self.ready
+            self.ready_told, self.idle_told = self.ready, held == 0
             if draining:
                 self.drain.beat_sent()
         if not self.events.heartbeat_due():
@@ -402,7 +405,7 @@ class SchedulerService:
         for rank in self.shard_ranks:  # shard index as the launcher numbers them: replica-major
             self.observer.shard_up(self.replica * self.settings.num_shard + rank, self.ready)
         self.events.heartbeat(**self.load())
-        self.ready_told = self.ready
+        self.ready_told, self.idle_told = self.ready, held == 0
         self.lora.announce()  # a restarted http or tokenizer learns the current adapters within a beat
 
     def load(self) -> dict:

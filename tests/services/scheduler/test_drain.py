@@ -1,7 +1,8 @@
 """A replica's drain as its scheduler runs it (services/scheduler/drain.py): SIGTERM wakes the loop at once and the
 next heartbeat says `draining` out of turn; an idle replica stops once the router has had its time to hear it; one
 still holding requests at the timeout answers each `Unknown` (http resubmits it elsewhere) before it stops; a second
-SIGTERM stops at once. The shards' readiness goes out of turn the same way, both when it comes and when it goes.
+SIGTERM stops at once. The shards' readiness goes out of turn the same way, both when it comes and when it goes, and
+so does the end of the last request a replica held.
 The real SchedulerService on an ipc bus of its own, no model, no router."""
 
 from __future__ import annotations
@@ -94,3 +95,26 @@ def test_readiness_is_announced_out_of_turn_when_it_changes(service):
     svc._shard_lost()
     svc._beat()
     assert [hb.ready for hb in received(events, Heartbeat)] == [False]
+
+
+def test_the_end_of_the_last_request_is_announced_out_of_turn(service):
+    """The router counts a replica's load from its beats: told at once that the replica is idle, it does not send a
+    burst that comes right after to the other replicas only."""
+    svc, events = service
+    subscribed(svc, events)
+    for rid, max_new in (("a", 2), ("b", 3)):
+        r = req(rid, 5, max_new)
+        r.detokenizer = 0  # the router's choice
+        svc.batcher.add(r)
+    svc._beat()  # the regular beat: two held
+    assert [(hb.queue, hb.running) for hb in received(events, Heartbeat)] == [(2, 0)]
+    step(svc, 1, 40)
+    step(svc, 2, 41)  # `a` has its two tokens and ends; `b` runs on
+    svc._beat()  # one still held, none due: silence
+    assert received(events, Heartbeat, timeout_ms=300) == []
+    step(svc, 3, 42)  # `b` ends too
+    assert not svc.batcher.running and not svc.batcher.waiting
+    svc._beat()  # the last beat was just now, yet the router hears at once that nothing is held
+    assert [(hb.queue, hb.running) for hb in received(events, Heartbeat)] == [(0, 0)]
+    svc._beat()  # said already: silence until the regular beat
+    assert received(events, Heartbeat, timeout_ms=300) == []
