@@ -37,8 +37,9 @@ def pytest_runtest_protocol(item, nextitem):
     started, (own, reaped) = time.monotonic(), _cpu()
     yield
     own_after, reaped_after = _cpu()
-    row = {"test": item.nodeid, "wall": time.monotonic() - started, "own": own_after - own}
-    _sink.write(json.dumps({**row, "reaped": reaped_after - reaped}) + "\n")
+    wall = time.monotonic() - started
+    row = {"test": item.nodeid, "wall": wall, "own": own_after - own, "reaped": reaped_after - reaped}
+    _sink.write(json.dumps(row) + "\n")
     _sink.flush()
 
 

@@ -249,7 +249,8 @@ def test_replicas_on_other_hosts_join_die_drain_and_survive_a_router_restart(hos
         check(outs, texts, expected, "router restart")
 
         # replica 1's host dies outright mid-stream: http resubmits its streams once it is gone; replica 0 ends them
-        # a beat that still counts the ended streams would send every new one to the other replica (least loaded)
+        # the router places by the load it last heard: both replicas' beats say they hold nothing (each says so
+        # at once when its last request ends), so the new streams spread over both
         tap.wait(lambda: tap.scheduler_idle(0) and tap.scheduler_idle(1), 10, "both replicas idle")
         before = tap.placed()
         pid_1 = tap.scheduler_pid(1)
