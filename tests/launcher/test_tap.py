@@ -121,27 +121,26 @@ def test_find_bus_attaches_only_to_a_live_server():
 
 @pytest.fixture
 def proxy(tmp_path):
-    """The router's event proxy (XSUB/XPUB) on an ipc run dir, and a PUB into it."""
+    """The router's event proxy (XSUB/XPUB) on an ipc run dir, and a PUB into it. The proxy is told to stop and
+    joined before its sockets close: a socket closed under another thread's zmq.proxy can abort the process."""
     ctx = zmq.Context.instance()
     addresses = Addresses.parse(f"ipc://{tmp_path}")
     xsub, xpub = ctx.socket(zmq.XSUB), ctx.socket(zmq.XPUB)
     xsub.bind(addresses.events_in)
     xpub.bind(addresses.events_out)
-    thread = threading.Thread(target=lambda: _proxy(xsub, xpub), daemon=True)
+    control, steer = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    control.bind(f"inproc://tap-test-proxy-{id(control)}")
+    steer.connect(f"inproc://tap-test-proxy-{id(control)}")
+    thread = threading.Thread(target=zmq.proxy_steerable, args=(xsub, xpub, None, control), daemon=True)
     thread.start()
     pub = ctx.socket(zmq.PUB)
     pub.connect(addresses.events_in)
     yield f"ipc://{tmp_path}", pub
-    pub.close(0)
-    xsub.close(0)
-    xpub.close(0)
-
-
-def _proxy(a, b):
-    try:
-        zmq.proxy(a, b)
-    except zmq.ZMQError:
-        pass
+    steer.send(b"TERMINATE")
+    thread.join(10)
+    assert not thread.is_alive(), "the proxy did not stop"
+    for sock in (pub, steer, control, xsub, xpub):
+        sock.close(0)
 
 
 def _sigint_ignored_and_blocked() -> None:
