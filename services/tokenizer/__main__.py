@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
 
@@ -27,7 +28,9 @@ from libs.protocol.lora import AdapterSet
 from libs.protocol.messages import ChatFormatNote, GenerateRequest, Heartbeat, RequestError, TokenizedRequest
 from libs.runtime import bus, metrics, service, tracing
 from libs.runtime.settings import Settings
-from services.tokenizer.processor import Processor
+from services.tokenizer.images.lane import Lane
+from services.tokenizer.images.processor import holds_images
+from services.tokenizer.processor import Processor, Result
 
 ROLE = "tokenizer"
 ANNOUNCE_WAIT_S = 2.5  # the schedulers announce their LoRA adapters with every heartbeat (1 s)
@@ -52,7 +55,11 @@ class TokenizerService:
         self._apart = False  # said once: the router serves another model
         self.foreign: set[int] = set()  # replicas of another model: their adapter sets are not ours
         self.handled = self.rejected = self.tokenized = 0
-        self.processor.grammars.on_wait = self._heartbeat  # a long grammar compile still beats
+        self.processor.grammars.on_wait = self._beat_on_loop  # a long grammar compile still beats
+        # a vision model's requests with images go to the lane (images/lane.py); None: a text-only model
+        self.lane = Lane(self._process, settings.image_nice) if self.processor.images is not None else None
+        if self.lane is not None:
+            self.poller.register(self.lane.fd, zmq.POLLIN)
         # announced with every heartbeat: an http process whose own model is another reads our answers by it
         templates = self.processor.templates
         self.chat_format = ChatFormatNote(
@@ -64,14 +71,24 @@ class TokenizerService:
         )
 
     def handle(self, req: GenerateRequest) -> None:
+        if self.lane is not None and holds_images(req.inputs, req.messages):
+            self.lane.submit(req)  # fetched, decoded and tokenized off this loop (images/lane.py)
+            return
         started = time.perf_counter()
+        result = self._process(req)
+        self._finish(req, result, time.perf_counter() - started)
+
+    def _process(self, req: GenerateRequest) -> Result:
         # the tokenizer's span is a child of http's; the request carries it on to the router
         with tracing.span("tokenizer", req.traceparent, request_id=req.request_id, mode=req.mode) as sp:
             req.traceparent = tracing.traceparent_of(sp) or req.traceparent
             result = self.processor.process(req)
             if isinstance(result, RequestError) and sp.is_recording():
                 sp.set_status(Status(StatusCode.ERROR, result.message))
-        self._record(result, time.perf_counter() - started)
+        return result
+
+    def _finish(self, req: GenerateRequest, result: Result, seconds: float) -> None:
+        self._record(result, seconds)
         if isinstance(result, TokenizedRequest):
             self.handled += 1
             result.model = req.model  # the router places it on a replica of that model
@@ -140,6 +157,9 @@ class TokenizerService:
         self.events.start()
         while True:
             ready = dict(self.poller.poll(500))
+            if self.lane is not None and self.lane.fd in ready:
+                for req, result, seconds in self.lane.ready():
+                    self._finish(req, result, seconds)
             if self.inbox is not None and self.inbox in ready:
                 msg = bus.recv(self.inbox)
                 if isinstance(msg, GenerateRequest):
@@ -150,6 +170,11 @@ class TokenizerService:
                 req = self.named.popleft()
                 self._drain_events(req)
                 self.handle(req)
+            self._heartbeat()
+
+    def _beat_on_loop(self) -> None:
+        # the lane's threads wait on compiles too: they touch no socket, and the loop beats on its own meanwhile
+        if threading.current_thread() is threading.main_thread():
             self._heartbeat()
 
     def _heartbeat(self) -> None:

@@ -1,11 +1,15 @@
 """End to end on a tiny LLaVA (tests/vision_models.py) through the six processes: /info says it takes images; a
 TGI markdown image on /generate and an OpenAI image_url part on /v1/chat/completions give transformers' greedy
 tokens for the processor's inputs, image tokens counted in the prompt (and by /tokenize); two images give two
-answers; bad images get a 422 in TGI's shape and the server keeps serving; the image metrics count."""
+answers; bad images get a 422 in TGI's shape and the server keeps serving; the image metrics count; an image URL
+that hangs holds up no text request through the one tokenizer."""
 
 from __future__ import annotations
 
+import http.server
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -14,7 +18,8 @@ from tests.e2e.vision_server import markdown_answers, serve
 from tests.vision_models import IMAGE_TOKENS, build_llava, data_uri, image, prompt_ids
 
 pytestmark = pytest.mark.e2e
-llava = serve(build_llava, "llava")
+SLOW_HOST = "127.0.0.2"  # a loopback address of its own: the server may fetch from it, not from 127.0.0.1
+llava = serve(build_llava, "llava", "--allowed-media-domains", SLOW_HOST)
 
 
 def test_info_says_images(llava):
@@ -69,3 +74,39 @@ COUNTED = (
 
 def count(metrics: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name))
+
+
+def test_a_hanging_image_url_holds_up_no_text_request(llava):
+    """The tokenizer fetches and preprocesses images off its loop (services/tokenizer/images/lane.py): while one
+    request's image URL hangs, a text request through the same (only) tokenizer is answered, and the image request
+    is answered once its picture comes."""
+    asked, release = threading.Event(), threading.Event()
+    picture = image(5)
+
+    class Hanging(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            asked.set()
+            release.wait(30)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(picture)))
+            self.end_headers()
+            self.wfile.write(picture)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer((SLOW_HOST, 0), Hanging)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(llava.generate, f"Look ![](http://{SLOW_HOST}:{server.server_address[1]}/cat.png)")
+            assert asked.wait(30), "the tokenizer never fetched the image"
+            r = llava.generate("Only text here", prefill=False)
+            assert r.status_code == 200, r.text
+            assert not slow.done(), "the image request ended before its picture came"
+            release.set()
+            assert slow.result().status_code == 200, slow.result().text
+    finally:
+        release.set()
+        server.shutdown()

@@ -44,15 +44,15 @@ class VisionServer:
         return r.json()["usage"]["prompt_tokens"]
 
 
-def serve(build: Callable[[Path], Path], name: str):
-    """A module-scoped fixture: the model `build` makes in a temporary folder, served (a KV cache of 4096 tokens)
-    until the module's tests are done; it yields a VisionServer."""
+def serve(build: Callable[[Path], Path], name: str, *flags: str):
+    """A module-scoped fixture: the model `build` makes in a temporary folder, served (a KV cache of 4096 tokens,
+    then `flags`) until the module's tests are done; it yields a VisionServer."""
 
     @pytest.fixture(scope="module")
     def vision(tmp_path_factory):
         folder = build(tmp_path_factory.mktemp(name))
         with Server(
-            folder, tmp_path_factory.mktemp("logs") / f"{name}-server.log", "--max-batch-total-tokens", "4096"
+            folder, tmp_path_factory.mktemp("logs") / f"{name}-server.log", "--max-batch-total-tokens", "4096", *flags
         ) as server:
             yield VisionServer(folder, server)
 
