@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -65,6 +66,9 @@ class ImageProcessor:
     def __init__(self, model_path: str, limits: ImageLimits = ImageLimits()) -> None:
         self.processor = _model_processor(model_path)
         self.limits = limits
+        # one image decoded and preprocessed at a time, whatever the threads calling (the tokenizer's lane): they
+        # are there to wait on downloads, and a tokenizer process stays one core's worth of work
+        self._cpu = threading.Lock()
         self.image_token: str = self.processor.image_token
         self.image_token_id: int = self.processor.image_token_id
         self.placeholder_id: int = _placeholder_id(self.processor)
@@ -123,11 +127,13 @@ class ImageProcessor:
         started = time.perf_counter()
         out = Images()
         for url in urls:
-            img = decode(load(url, self.limits.fetch), self.limits.max_pixels)
-            finish = {"do_rescale": False, "do_normalize": False} if self.sends_bytes else {}
-            got = self.processor(
-                text=self.image_token, images=[img], add_special_tokens=False, return_tensors="np", **finish
-            )
+            data = load(url, self.limits.fetch)
+            with self._cpu:
+                img = decode(data, self.limits.max_pixels)
+                finish = {"do_rescale": False, "do_normalize": False} if self.sends_bytes else {}
+                got = self.processor(
+                    text=self.image_token, images=[img], add_special_tokens=False, return_tensors="np", **finish
+                )
             if self.tiled:
                 idefics3.check_mask(got)
             out.token_ids.append(np.asarray(got["input_ids"][0], np.int32))
@@ -222,4 +228,20 @@ def has_image_parts(messages: list[dict]) -> bool:
             isinstance(part, dict) and (part.get("type") == "image_url" or "image_url" in part) for part in content
         ):
             return True
+    return False
+
+
+def holds_images(inputs: str | None, messages: list[dict] | None) -> bool:
+    """Whether a request may carry images: a markdown image in its inputs or in a message's text, or an image part.
+    Cheap, and never false for a request that has one (the tokenizer's lane takes those off its loop)."""
+    if messages is None:
+        return inputs is not None and "![](" in inputs
+    if has_image_parts(messages):
+        return True
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else [content]:
+            text = part.get("text") if isinstance(part, dict) else part
+            if isinstance(text, str) and "![](" in text:
+                return True
     return False
