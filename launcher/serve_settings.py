@@ -76,6 +76,8 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
     speculate = args.speculate or 0  # TGI's default is None: no speculation
     if speculate < 0:
         raise SystemExit("error: --speculate must be >= 0")
+    if not 0 <= args.image_nice <= 19:
+        raise SystemExit(f"error: --image-nice must be a nice value from 0 to 19, not {args.image_nice}")
     if args.scheduling_policy not in SCHEDULING_POLICIES:  # argparse checks a flag's choices, not an env default
         raise SystemExit(f"error: --scheduling-policy must be fcfs or priority, not {args.scheduling_policy!r}")
     if args.priority_aging_seconds < 0:
@@ -169,6 +171,7 @@ def settings_from(args: argparse.Namespace, model_path: Path) -> Settings:
         max_image_bytes=args.max_image_bytes,
         max_images_per_request=args.max_images_per_request,
         image_fetch_timeout_s=args.image_fetch_timeout,
+        image_nice=args.image_nice,
         allowed_media_domains=",".join(d.strip() for d in (args.allowed_media_domains or "").split(",") if d.strip()),
         json_output=args.json_output,
         otlp_endpoint=args.otlp_endpoint or "",

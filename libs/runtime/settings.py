@@ -114,6 +114,8 @@ class Settings:
     image_fetch_timeout_s: float = 10.0
     image_fetch_max_redirects: int = 3
     allowed_media_domains: str = ""
+    # the nice value of the tokenizer's image threads (images/lane.py): on busy cores decoding comes first
+    image_nice: int = 19
     json_output: bool = False  # logs as one JSON object per line
     otlp_endpoint: str = ""  # OpenTelemetry collector (gRPC), "" = no tracing export
     otlp_service_name: str = "text-generation-inference.router"

@@ -231,6 +231,16 @@ def test_speculate_acts(model_dir, monkeypatch, caplog):
         settings_from(parse(), model_dir)
 
 
+def test_image_nice(model_dir, monkeypatch):
+    assert settings_from(parse(), model_dir).image_nice == 19
+    assert settings_from(parse("--image-nice", "5"), model_dir).image_nice == 5
+    monkeypatch.setenv("IMAGE_NICE", "0")
+    assert settings_from(parse(), model_dir).image_nice == 0
+    for bad in ("-1", "20"):
+        with pytest.raises(SystemExit, match="--image-nice must be a nice value from 0 to 19"):
+            settings_from(parse("--image-nice", bad), model_dir)
+
+
 def test_settings_come_without_torch_on_a_cpu_build(model_dir):
     """On a CPU-only torch build the launcher derives every setting, the dtype included, without importing torch or
     transformers (seconds of each start, before any service starts)."""
