@@ -32,10 +32,12 @@ class Ledger:
         self.encodes += encodes
 
     async def counted(self, timeout: float = 30) -> dict[str, float]:
-        """The image metrics' counts and sums once everything sent is counted (or, after `timeout`, as they are:
-        then what was counted becomes the ledger's, so that a request the server never read stalls no later poll)."""
+        """The image metrics' counts and sums once everything sent is counted (or, once `timeout` s pass with nothing
+        more counted, as they are: then what was counted becomes the ledger's, so that a request the server never
+        read stalls no later poll). A tokenizer still working through the images of a flood's closed requests keeps
+        counting: the wait goes on while it does."""
         async with loadgen.aiohttp.ClientSession() as session:
-            deadline = time.monotonic() + timeout
+            deadline, last = time.monotonic() + timeout, None
             while True:
                 m = await scrape(session, self.url)
                 now = {f"{n}_{s}": m.get(f"{n}_{s}", 0.0) for n in IMAGE_METRICS for s in ("count", "sum")}
@@ -48,6 +50,8 @@ class Ledger:
                 )
                 if requests >= self.requests and encodes >= self.encodes:
                     return now
+                if (requests, encodes) != last:
+                    deadline, last = time.monotonic() + timeout, (requests, encodes)
                 if time.monotonic() > deadline:
                     self.requests, self.encodes = int(requests), int(encodes)
                     return now
