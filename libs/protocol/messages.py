@@ -382,6 +382,8 @@ class Heartbeat(Message, tag="hb", kw_only=True):
     max_batch: int = 0
     draining: bool = False  # a replica finishing its streams before it stops: no new request is placed on it
     chat_format: ChatFormatNote | None = None  # a tokenizer's: its model's chat format (None: not announced)
+    # a tokenizer's: the requests it still works on (its image lane), which http's watchdog hears as alive
+    holding: list[str] = []
 
 
 ANY_MESSAGE = (

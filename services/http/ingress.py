@@ -138,6 +138,10 @@ class Ingress:
                 if not self.liveness.record(msg):  # a second run claiming a live identity: not its series
                     continue
                 self.agg.observe(msg)
+                now = time.monotonic()
+                for rid in msg.holding:  # a tokenizer still works on it (an image): not silent, no resubmission
+                    if (p := self.pending.get(rid)) is not None:
+                        p.heard = now
                 heard = self._heard_now.pop(msg.role, None)
                 if heard is not None:
                     heard.set()

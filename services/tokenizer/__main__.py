@@ -72,7 +72,9 @@ class TokenizerService:
 
     def handle(self, req: GenerateRequest) -> None:
         if self.lane is not None and holds_images(req.inputs, req.messages):
-            self.lane.submit(req)  # fetched, decoded and tokenized off this loop (images/lane.py)
+            # a copy http resubmitted before our beat named it as held: the lane will answer the one it has
+            if not self.lane.held(req.request_id):
+                self.lane.submit(req)  # fetched, decoded and tokenized off this loop (images/lane.py)
             return
         started = time.perf_counter()
         result = self._process(req)
@@ -182,6 +184,7 @@ class TokenizerService:
             counters={"handled": self.handled, "rejected": self.rejected, "tokenized": self.tokenized},
             model=self.settings.model_id,
             chat_format=self.chat_format,
+            holding=self.lane.holds() if self.lane is not None and self.events.heartbeat_due() else [],
         )
 
 

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from libs.runtime.timeouts import STALL_S
 from tests.e2e.vision_server import markdown_answers, serve
 from tests.vision_models import IMAGE_TOKENS, build_llava, data_uri, image, prompt_ids
 
@@ -79,13 +80,16 @@ def count(metrics: str, name: str) -> float:
 def test_a_hanging_image_url_holds_up_no_text_request(llava):
     """The tokenizer fetches and preprocesses images off its loop (services/tokenizer/images/lane.py): while one
     request's image URL hangs, a text request through the same (only) tokenizer is answered, and the image request
-    is answered once its picture comes."""
-    asked, release = threading.Event(), threading.Event()
+    is answered once its picture comes. It waits past http's resubmission time (STALL_S) and is fetched once: the
+    tokenizer's heartbeats name it as held."""
+    asked, again, release = threading.Event(), threading.Event(), threading.Event()
+    fetches = []
     picture = image(5)
 
     class Hanging(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            asked.set()
+            fetches.append(self.path)
+            (again if asked.is_set() else asked).set()
             release.wait(30)
             self.send_response(200)
             self.send_header("Content-Type", "image/png")
@@ -105,6 +109,9 @@ def test_a_hanging_image_url_holds_up_no_text_request(llava):
             r = llava.generate("Only text here", prefill=False)
             assert r.status_code == 200, r.text
             assert not slow.done(), "the image request ended before its picture came"
+            # http resubmits what is not accepted after STALL_S unless something names it: a second fetch would be
+            # a resubmitted copy preprocessed again
+            assert not again.wait(2 * STALL_S + 1), f"the image was fetched again: {fetches}"
             release.set()
             assert slow.result().status_code == 200, slow.result().text
     finally:

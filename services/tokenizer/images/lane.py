@@ -7,8 +7,10 @@ leaves: images wait, running streams keep their pace. The loop polls `fd` and co
 
 The threads call the same Processor as the loop (tokenizers, jinja and llguidance all take concurrent calls); they
 touch no socket. The loop keeps reading its inbox whatever the lane holds, so a text request never waits behind an
-image; what the lane may hold is bounded by http's --max-concurrent-requests. A request in the lane dies with the
-process like any other (http resubmits it).
+image; what the lane may hold is bounded by http's --max-concurrent-requests. The tokenizer's heartbeats name the
+requests the lane `holds`, so that http's watchdog, which resubmits a request not accepted within a few seconds,
+hears them while they wait behind other images; a request in the lane dies with the process like any other (its
+beats stop naming it, and http resubmits it).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from libs.protocol.messages import GenerateRequest
@@ -31,7 +34,7 @@ class Lane:
     def __init__(self, work: Callable[[GenerateRequest], object], nice: int) -> None:
         self.work = work
         self.nice = nice
-        self.pending = 0  # submitted, not yet collected
+        self._held: Counter[str] = Counter()  # request ids submitted, not yet collected
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._read, self._write = os.pipe()  # a byte per finished request wakes the loop's poller
         os.set_blocking(self._read, False)
@@ -44,8 +47,19 @@ class Lane:
     def fd(self) -> int:
         return self._read
 
+    @property
+    def pending(self) -> int:
+        return self._held.total()
+
+    def holds(self) -> list[str]:
+        """The ids of the requests in the lane (submitted, not yet collected)."""
+        return list(self._held)
+
+    def held(self, request_id: str) -> bool:
+        return request_id in self._held
+
     def submit(self, req: GenerateRequest) -> None:
-        self.pending += 1
+        self._held[req.request_id] += 1
         self._pool.submit(self._run, req, time.perf_counter())
 
     def ready(self) -> list[tuple[GenerateRequest, object, float]]:
@@ -62,7 +76,9 @@ class Lane:
                 req, result, started = self._done.get_nowait()
             except queue.Empty:
                 break
-            self.pending -= 1
+            self._held[req.request_id] -= 1
+            if not self._held[req.request_id]:
+                del self._held[req.request_id]
             if isinstance(result, BaseException):
                 raise result
             out.append((req, result, time.perf_counter() - started))

@@ -6,10 +6,15 @@ from __future__ import annotations
 import os
 import select
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from services.tokenizer.images.lane import Lane
+
+
+def req(request_id: str) -> SimpleNamespace:
+    return SimpleNamespace(request_id=request_id)
 
 
 def collect(lane: Lane, want: int) -> list:
@@ -25,13 +30,13 @@ def collect(lane: Lane, want: int) -> list:
 def test_work_runs_on_threads_at_the_lanes_nice_value():
     base = os.getpriority(os.PRIO_PROCESS, 0)
     lane = Lane(
-        lambda req: (threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())),
+        lambda r: (threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())),
         nice=base + 7,
     )
     try:
-        lane.submit("a")
-        [(req, (thread, nice), seconds)] = collect(lane, 1)
-        assert req == "a" and thread.startswith("images") and nice == base + 7 and seconds >= 0
+        lane.submit(req("a"))
+        [(done, (thread, nice), seconds)] = collect(lane, 1)
+        assert done.request_id == "a" and thread.startswith("images") and nice == base + 7 and seconds >= 0
         assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the loop's own thread keeps its priority
         assert lane.pending == 0
     finally:
@@ -41,32 +46,34 @@ def test_work_runs_on_threads_at_the_lanes_nice_value():
 def test_a_slow_request_holds_up_no_other():
     release = threading.Event()
 
-    def work(req):
-        if req == "slow":
+    def work(r):
+        if r.request_id == "slow":
             assert release.wait(10)
-        return req.upper()
+        return r.request_id.upper()
 
     lane = Lane(work, nice=0)
     try:
-        lane.submit("slow")
-        lane.submit("fast")
-        [(req, result, _)] = collect(lane, 1)
-        assert (req, result) == ("fast", "FAST") and lane.pending == 1
+        lane.submit(req("slow"))
+        lane.submit(req("fast"))
+        [(done, result, _)] = collect(lane, 1)
+        assert (done.request_id, result) == ("fast", "FAST") and lane.pending == 1
+        # what the heartbeats name, so that http's watchdog does not resubmit it
+        assert lane.holds() == ["slow"] and lane.held("slow") and not lane.held("fast")
         release.set()
-        [(req, result, _)] = collect(lane, 1)
-        assert (req, result) == ("slow", "SLOW") and lane.pending == 0
+        [(done, result, _)] = collect(lane, 1)
+        assert (done.request_id, result) == ("slow", "SLOW") and lane.pending == 0 and lane.holds() == []
     finally:
         release.set()
         lane.close()
 
 
 def test_an_exception_in_the_work_is_raised_on_the_loop():
-    def work(req):
-        raise RuntimeError(f"broken {req}")
+    def work(r):
+        raise RuntimeError(f"broken {r.request_id}")
 
     lane = Lane(work, nice=0)
     try:
-        lane.submit("x")
+        lane.submit(req("x"))
         select.select([lane.fd], [], [], 10)
         with pytest.raises(RuntimeError, match="broken x"):
             lane.ready()
