@@ -160,7 +160,9 @@ def test_a_grammar_or_counter_keys_keep_the_stages():
 def test_a_bf16_runner_draws_the_same_tokens_alone_and_in_a_batch(tiny_dirs):
     """Through the engine: each sampled request's tokens depend on its seed alone, with the kernel choosing."""
     model_dir = tiny_dirs["llama"]
-    prompts = prompts_for(model_dir)[:3]
+    # prompts of one length: the grouped prefill pads a row's keys to its group's longest, and in bf16 a padded
+    # reduction may round otherwise on some CPUs (AMX) — the forward's batch dependence, not the draws' under test
+    prompts = [p[:17] for p in prompts_for(model_dir)[1:4]]
 
     def run(ids: list[int]) -> dict:
         runner = ModelRunner(str(model_dir), num_blocks=96, block_size=4, dtype=torch.bfloat16, cpu_kernels=True)
