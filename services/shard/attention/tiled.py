@@ -6,8 +6,9 @@ query, on a full-attention layer its causal prefix. The row's keys are gathered 
 each tile's keys are a view of that gather and its [tile queries, tile keys] bool mask is built as it runs, so a
 row needs beyond its own K/V one tile's mask (and, on the eager path, one tile's scores). `choose_kernel` picks a
 tile's kernel: the eager math where a soft-cap is needed (Gemma-2), `half` (two half-precision GEMMs) on CPU in
-bf16/fp16, else PyTorch's SDPA (float32 on CPU, the exact mode; a full-attention row from position 0 is one
-`is_causal` call). docs/attention.md tells why; `python -m bench.kernels.attention` compares the kernels and tile sizes.
+bf16/fp16 without AMX, else PyTorch's SDPA (float32 on CPU, the exact mode, and bf16 on AMX; a full-attention row
+from position 0 is one `is_causal` call). docs/attention.md tells why; `python -m bench.kernels.attention` compares
+the kernels and tile sizes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from libs.runtime import cpu
 
 # Rows with at least this many queries in a step take the tiled path; shorter rows (decodes, short chunks) keep
 # the grouped path, where batching many small rows into one matmul pays more than a kernel per row.
@@ -146,11 +149,12 @@ def attend_tiled(
 
 def choose_kernel(query: torch.Tensor, softcap: float | None) -> str:
     """The kernel for tiles of this layer: eager where a soft-cap is needed, half-precision GEMMs on CPU in half
-    precision (faster there than SDPA's flash kernel), else SDPA."""
+    precision (faster there than SDPA's flash kernel), else SDPA. In bf16 on a CPU with AMX, SDPA: its flash kernel's
+    bf16 blocks run on the AMX tiles, faster than the two GEMMs with a softmax pass between them."""
     if softcap is not None:
         return "eager"
     if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
-        return "half"
+        return "sdpa" if query.dtype == torch.bfloat16 and "amx_bf16" in cpu.flags() else "half"
     return "sdpa"
 
 

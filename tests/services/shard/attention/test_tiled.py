@@ -16,6 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from bench.engine import Engine, request
+from libs.runtime import cpu
 from services.shard.attention import paged, tiled
 from services.shard.attention.tiled import STATS, eager_tile
 from services.shard.model_runner import ModelRunner
@@ -139,9 +140,12 @@ def _dense(q, k, v, q_pos: int, window: int, scaling: float, softcap: float | No
 @pytest.mark.parametrize("ctx", [0, 21])
 @pytest.mark.parametrize("d", [16, 256])
 @pytest.mark.parametrize("scaling", [0.3, 0.25])  # a power of two: the half kernel scales the queries instead
-def test_tiles_equal_dense_attention(monkeypatch, softcap, window, dtype, ctx, d, scaling):
-    """One row (from position 0, or with context before it), GQA 4:2 (sdpa in float32, half GEMMs in bfloat16,
-    eager when soft-capped), against dense eager paged."""
+@pytest.mark.parametrize("amx", [False, True])
+def test_tiles_equal_dense_attention(monkeypatch, softcap, window, dtype, ctx, d, scaling, amx):
+    """One row (from position 0, or with context before it), GQA 4:2 (sdpa in float32 and in bfloat16 on a CPU with
+    AMX, half GEMMs in bfloat16 without it, eager when soft-capped), against dense eager paged."""
+    flags = cpu.flags() | {"amx_bf16"} if amx else cpu.flags() - {"amx_bf16"}
+    monkeypatch.setattr(tiled.cpu, "flags", lambda: flags)
     monkeypatch.setattr(tiled, "TILE_MIN_QUERIES", 8)
     monkeypatch.setattr(tiled, "TILE_QUERIES", 13)
     gen = torch.Generator().manual_seed(0)
@@ -167,13 +171,16 @@ def test_tiles_equal_dense_attention(monkeypatch, softcap, window, dtype, ctx, d
     out = torch.full((n, heads, d), float("nan"), dtype=dtype)
     STATS.clear()
     tiled.attend_tiled(q, k_cache, v_cache, rows, out, scaling, softcap, window)
-    kernel = "eager" if softcap else "half" if dtype == torch.bfloat16 else "sdpa"
+    kernel = "eager" if softcap else "half" if dtype == torch.bfloat16 and not amx else "sdpa"
     assert tiled.choose_kernel(q, softcap) == kernel
     square = not window and not ctx and kernel == "sdpa"
     assert STATS == ({"sdpa-causal": 1} if square else {kernel: -(-n // 13)})
     k = k_cache[:, table].reshape(kv_heads, -1, d)[:, : ctx + n]
     v = v_cache[:, table].reshape(kv_heads, -1, d)[:, : ctx + n]
     want = _dense(q, k, v, ctx, window, scaling, softcap)
+    if kernel == "sdpa" and dtype != torch.float32:
+        # SDPA keeps the scores in float32 where eager rounds them to bf16: against the float32 math of these inputs
+        want = _dense(q.float(), k.float(), v.float(), ctx, window, scaling, softcap).to(dtype)
     tol = (1e-5 if dtype == torch.float32 else 3e-2) * (1 if d == 16 else 2)
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     if window:  # the window matters here: a wider one gives other outputs
