@@ -1,15 +1,29 @@
 """Free tcp ports on 127.0.0.1 for the servers and ranks the tests start.
 
 Under pytest-xdist each worker draws its ports from its own blocks of BLOCK ports (the block's number modulo the
-workers), so two workers never pick the same port between the check here and the bind that follows.
+workers), so two workers never pick the same port between the check here and the bind that follows. The ports lie
+below the kernel's ephemeral range, so no process's outgoing connection takes one in that interval either (a
+server then failed to bind a port of its range: "Address already in use").
 """
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 
 BLOCK = 32
+LOWEST = 20000  # above the ports services commonly listen on
+_draw = random.Random()  # its own generator: a test that seeds `random` does not make two draws alike
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands to outgoing connections (Linux; 32768, its default, elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _mine(port: int, n: int = 1) -> bool:
@@ -24,11 +38,14 @@ def free_port() -> int:
 
 def free_port_range(n: int) -> int:
     """The first of n consecutive tcp ports free now (a tcp bus takes a run of ports)."""
+    top = _ephemeral_low()
+    if top - LOWEST < 4 * BLOCK:  # an unusual ephemeral range: draw from the ports above it (ephemeral, then)
+        lowest, top = max(LOWEST, top), 65536
+    else:
+        lowest = LOWEST
     for _ in range(2000):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535 or not _mine(base, n):
+        base = _draw.randrange(lowest, top - n)
+        if not _mine(base, n):
             continue
         socks = []
         try:
