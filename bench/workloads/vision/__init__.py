@@ -64,8 +64,7 @@ async def _level(url: str, ledger: Ledger, jobs: Jobs, c: int, rounds: int, turn
     shared host's speed hits every kind alike (a turn starts once the last one's requests have all ended)."""
     for kind in KINDS:  # unmeasured: first use of this batch shape
         await loadgen.drive(url, DIALECT, jobs.make(kind, c, 2), c)
-        # images that come together are encoded in one step or more
-        ledger.sent(c, int(kind == "image"), c if kind == "image" else 0)
+        ledger.sent(c, int(kind == "image"))  # images that come together are encoded in one step or more
     per = {k: {"samples": [], "wall": 0.0, "metrics": None} for k in KINDS}
     for r in range(rounds):
         for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
@@ -73,7 +72,7 @@ async def _level(url: str, ledger: Ledger, jobs: Jobs, c: int, rounds: int, turn
             before = await ledger.counted()
             samples, started, ended = await loadgen.drive(url, DIALECT, todo, c)
             encodes = (len(todo) if c == 1 else 1) if kind == "image" else 0  # c=1: one step each
-            ledger.sent(len(todo), encodes, len(todo) if kind == "image" else 0)
+            ledger.sent(len(todo), encodes)
             moved = delta(await ledger.counted(), before)
             acc = per[kind]
             acc["samples"] += samples
@@ -123,7 +122,7 @@ def _model(args) -> tuple[str, Path, str]:
 async def _image_prompt_tokens(url: str, ledger: Ledger, jobs: Jobs) -> tuple[int, int]:
     """(prompt tokens of an image request, of its text alone) as the server counts them."""
     await ledger.counted()  # the metrics before any request
-    ledger.sent(2, 1, 1)
+    ledger.sent(2, 1)
     text, _ = jobs.prompts.make(jobs.text_tokens)
     counts = []
     async with loadgen.aiohttp.ClientSession() as session:

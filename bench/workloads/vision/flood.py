@@ -86,10 +86,8 @@ async def _streams_round(url: str, ledger: Ledger, jobs: list[loadgen.Job], floo
         flooding.cancel()
         await asyncio.gather(flooding, return_exceptions=True)
     results = await asyncio.gather(*tasks)
-    ledger.sent(len(sent), images=len(sent))
-    # every flood image preprocessed before the next round (the lane at its low priority may be behind), or one
-    # cancelled unread: nothing more counted for 10 s
-    after = await ledger.counted(timeout=10)
+    ledger.sent(len(sent))
+    after = await ledger.counted(timeout=10)  # every flood request counted (one cancelled unread: not after 10 s)
     gaps = []
     for (sample,), _, _ in results:
         if sample.error is not None:
@@ -114,7 +112,7 @@ async def check(url: str, ledger: Ledger, jobs: Jobs, args, root: int) -> dict:
     warm = [loadgen.Job(f"![]({pool[0]})\n{prompt}", jobs.image_prompt_tokens, 1)]
     warm += jobs.prompts.fixed(args.vision_streams, 64, 2)
     await loadgen.drive(url, DIALECT, warm, len(warm))
-    ledger.sent(len(warm), 1, 1)
+    ledger.sent(len(warm), 1)
     order = [False, True, True, False] * (args.vision_flood_rounds // 4) + [False, True, True][
         : args.vision_flood_rounds % 4
     ]

@@ -19,20 +19,17 @@ class Ledger:
     """The image metrics against what this run has sent. A tokenizer counts every request (the images it carried, 0
     for text, and their preprocessing time: one snapshot of its metrics), a scheduler every encoder step; both reach
     /metrics in the metrics texts that heartbeats carry, a beat or more late. `counted` polls until every request
-    sent, every image it carried and every encoder step known to be due is there, so that a snapshot between two
-    turns splits them. Encoder steps are known exactly only for images that come one at a time (c=1): several at
-    once share steps."""
+    sent and every encoder step known to be due is there, so that a snapshot between two turns splits them. Encoder
+    steps are known exactly only for images that come one at a time (c=1): several at once share steps."""
 
     def __init__(self, url: str):
         self.url, self.base = url, None
         self.requests = 0  # requests sent
         self.encodes = 0  # encoder steps they must have taken (at least)
-        self.images = 0  # images they carried
 
-    def sent(self, requests: int, encodes: int = 0, images: int = 0) -> None:
+    def sent(self, requests: int, encodes: int = 0) -> None:
         self.requests += requests
         self.encodes += encodes
-        self.images += images
 
     async def counted(self, timeout: float = 30) -> dict[str, float]:
         """The image metrics' counts and sums once everything sent is counted (or, once `timeout` s pass with nothing
@@ -47,17 +44,16 @@ class Ledger:
                 if self.base is None:
                     self.base = now
                 seen = delta(now, self.base)
-                requests, encodes, images = (
+                requests, encodes = (
                     seen["switchyard_request_images_count"],
                     seen["switchyard_image_encode_seconds_count"],
-                    seen["switchyard_request_images_sum"],
                 )
-                if requests >= self.requests and encodes >= self.encodes and images >= self.images:
+                if requests >= self.requests and encodes >= self.encodes:
                     return now
-                if (requests, encodes, images) != last:
-                    deadline, last = time.monotonic() + timeout, (requests, encodes, images)
+                if (requests, encodes) != last:
+                    deadline, last = time.monotonic() + timeout, (requests, encodes)
                 if time.monotonic() > deadline:
-                    self.requests, self.encodes, self.images = int(requests), int(encodes), int(images)
+                    self.requests, self.encodes = int(requests), int(encodes)
                     return now
                 await asyncio.sleep(0.1)
 
