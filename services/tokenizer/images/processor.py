@@ -235,13 +235,13 @@ def holds_images(inputs: str | None, messages: list[dict] | None) -> bool:
     """Whether a request may carry images: a markdown image in its inputs or in a message's text, or an image part.
     Cheap, and never false for a request that has one (the tokenizer's lane takes those off its loop)."""
     if messages is None:
-        return inputs is not None and "![](" in inputs
+        return inputs is not None and MARKDOWN_IMAGE.search(inputs) is not None
     if has_image_parts(messages):
         return True
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
         for part in content if isinstance(content, list) else [content]:
             text = part.get("text") if isinstance(part, dict) else part
-            if isinstance(text, str) and "![](" in text:
+            if isinstance(text, str) and MARKDOWN_IMAGE.search(text):
                 return True
     return False
