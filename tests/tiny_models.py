@@ -83,14 +83,14 @@ def build_tokenizer(out_dir: str | Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def _config(arch: str, vocab: int):
+def _config(arch: str, vocab: int, head_dim: int = 16):
     from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Qwen2Config
 
     common = dict(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=2048,
         bos_token_id=BOS,
         eos_token_id=EOS,
@@ -126,8 +126,9 @@ def _config(arch: str, vocab: int):
     raise ValueError(f"unknown tiny arch {arch!r}; known: {ARCHS}")
 
 
-def build_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
-    """Build (once) a tiny random `arch` model with the test tokenizer into `out_dir`; returns the folder."""
+def build_model(out_dir: str | Path, arch: str, seed: int = 0, head_dim: int = 16) -> Path:
+    """Build (once) a tiny random `arch` model with the test tokenizer into `out_dir`; returns the folder. Heads of 16
+    by default; kernels that need wider heads (the flash kernel: multiples of 32) get them by `head_dim`."""
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -137,7 +138,7 @@ def build_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
         return out
     build_tokenizer(out)
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
-    config = _config(arch, vocab)
+    config = _config(arch, vocab, head_dim)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)

@@ -267,7 +267,8 @@ def attend_layer(
     if tiled:
         if out is None:
             out = query.new_empty(query.shape)
-        attend_tiled(query.transpose(0, 1), k_cache, v_cache, tiled, out, scaling, softcap, window)
+        attend_tiled(query.transpose(0, 1), k_cache, v_cache, tiled, out, scaling, softcap, window,
+                     kernels=paged.backend == "cpu")  # fmt: skip
     if short is not None and len(short.rows):
         out = cpu.attend(short, layer, query, key, value, paged, scaling, softcap, window, False, out)
     return out

@@ -6,13 +6,15 @@ query, on a full-attention layer its causal prefix. The row's keys are gathered 
 each tile's keys are a view of that gather and its [tile queries, tile keys] bool mask is built as it runs, so a
 row needs beyond its own K/V one tile's mask (and, on the eager path, one tile's scores). `choose_kernel` picks a
 tile's kernel: the eager math where a soft-cap is needed (Gemma-2), `half` (two half-precision GEMMs) on CPU in
-bf16/fp16 without AMX, else PyTorch's SDPA (float32 on CPU, the exact mode, and bf16 on AMX; a full-attention row
-from position 0 is one `is_causal` call). docs/attention.md tells why; `python -m bench.kernels.attention` compares
-the kernels and tile sizes.
+bf16/fp16 without AMX, in bf16 on AMX our flash kernel (services/shard/cpu_kernels/flash_attention.cpp: the whole
+row in one call, no mask) where the runner loaded the C++ kernels, else PyTorch's SDPA (float32 on CPU, the exact
+mode; a full-attention row from position 0 is one `is_causal` call). docs/attention.md tells why; `python -m
+bench.kernels.attention` compares the kernels and tile sizes.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -36,10 +38,12 @@ TILE_QUERIES = 128
 TILE_SCORES = 256 * 8192
 TILE_FLOOR = 32
 
-# Forces one kernel ("sdpa" / "half" / "eager") on every tiled row: for benchmarks; None lets each layer choose.
+# Forces one kernel ("flash" / "sdpa" / "half" / "eager") on every tiled row: for benchmarks; None lets each layer
+# choose.
 KERNEL: str | None = None
 
-# Kernel calls, by kernel ("sdpa" / "sdpa-causal" / "half" / "eager"): lets tests see that the tiled path ran.
+# Kernel calls, by kernel ("flash": one a row; "sdpa" / "sdpa-causal" / "half" / "eager"): lets tests see that the
+# tiled path ran.
 STATS: Counter = Counter()
 
 
@@ -107,10 +111,11 @@ def attend_tiled(
     scaling: float,
     softcap: float | None,
     window: int,
-    kernel: str | None = None,  # "sdpa" / "half" / "eager"; None: choose_kernel (benchmarks force one)
+    kernel: str | None = None,  # "flash" / "sdpa" / "half" / "eager"; None: choose_kernel (benchmarks force one)
+    kernels: bool = False,  # the runner loaded the C++ kernels (services/shard/cpu_kernels/)
 ) -> None:
-    kernel = kernel or KERNEL or choose_kernel(query, softcap)
-    if kernel in ("sdpa", "half") and softcap is not None:
+    kernel = kernel or KERNEL or choose_kernel(query, softcap, kernels and k_cache.dtype == query.dtype)
+    if kernel in ("flash", "sdpa", "half") and softcap is not None:
         raise ValueError(f"the {kernel} kernel cannot soft-cap attention scores")
     heads, _, head_dim = query.shape
     kv_heads = k_cache.shape[0]
@@ -118,6 +123,12 @@ def attend_tiled(
         # the row's keys once per layer: [kv_heads, NB, bs, D] is [kv_heads, keys, D] as it stands
         k = k_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
         v = v_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
+        if kernel == "flash":  # the whole row in one call: the kernel reads only the key blocks each query sees
+            n = sum(tile[1] for tile in row.tiles)
+            q, o = query[:, row.q_start : row.q_start + n], out[row.q_start : row.q_start + n]
+            torch.ops.switchyard_cpu.flash_attention(q, k, v, o, row.q_pos, row.k_pos, window, scaling)
+            STATS["flash"] += 1
+            continue
         if kernel == "sdpa" and row.causal_square:
             n = sum(tile[1] for tile in row.tiles)
             o = F.scaled_dot_product_attention(
@@ -147,15 +158,25 @@ def attend_tiled(
             out[row.q_start + t0 : row.q_start + t0 + tq] = o.transpose(0, 1)
 
 
-def choose_kernel(query: torch.Tensor, softcap: float | None) -> str:
+def choose_kernel(query: torch.Tensor, softcap: float | None, kernels: bool = False) -> str:
     """The kernel for tiles of this layer: eager where a soft-cap is needed, half-precision GEMMs on CPU in half
-    precision (faster there than SDPA's flash kernel), else SDPA. In bf16 on a CPU with AMX, SDPA: its flash kernel's
-    bf16 blocks run on the AMX tiles, faster than the two GEMMs with a softmax pass between them."""
+    precision (faster there than SDPA's flash kernel), else SDPA. In bf16 on a CPU with AMX, our flash kernel
+    (cpu_kernels/flash_attention.cpp) where the C++ kernels are loaded (`kernels`), else SDPA: both run their bf16
+    blocks on the AMX tiles, faster than the two GEMMs with a softmax pass between them; ours reads only the key
+    blocks a query sees, so a sliding-window layer costs its window."""
     if softcap is not None:
         return "eager"
     if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
-        return "sdpa" if query.dtype == torch.bfloat16 and "amx_bf16" in cpu.flags() else "half"
+        if query.dtype != torch.bfloat16 or "amx_bf16" not in cpu.flags():
+            return "half"
+        return "flash" if kernels and query.shape[-1] % 32 == 0 and flash_ready() else "sdpa"
     return "sdpa"
+
+
+@functools.cache
+def flash_ready() -> bool:
+    """Whether the flash kernel runs here (the C++ kernels loaded, oneDNN's brgemm in bf16: a CPU with AMX)."""
+    return torch.ops.switchyard_cpu.flash_attention_ready()
 
 
 def _sdpa_tile(q, k, v, mask, scaling) -> torch.Tensor:

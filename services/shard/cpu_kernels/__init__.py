@@ -29,7 +29,7 @@ from libs.runtime import cpu, model_store
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("attention.cpp", "norm.cpp", "rotary.cpp", "activation.cpp", "sampling.cpp")
+SOURCES = ("attention.cpp", "flash_attention.cpp", "norm.cpp", "rotary.cpp", "activation.cpp", "sampling.cpp")
 HEADERS = ("common.h",)
 # -fopenmp: at::parallel_for is OpenMP in the headers; the library binds to the libgomp torch has loaded
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]

@@ -9,6 +9,7 @@ the attention math the tiled path uses: its sdpa implementation, or eager for a 
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from tokenizers import Tokenizer
 
 from bench.engine import Engine, request
 from libs.runtime import cpu
+from services.shard import cpu_kernels
 from services.shard.attention import paged, tiled
 from services.shard.attention.tiled import STATS, eager_tile
 from services.shard.model_runner import ModelRunner
@@ -112,7 +114,7 @@ def test_a_wrong_window_breaks_equality(tiny_dirs, small_tiles, monkeypatch):
     model_dir = tiny_dirs[arch]
     build, attend = paged.build_tiled, paged.attend_tiled
     monkeypatch.setattr(paged, "build_tiled", lambda paged, rows, window, dev: build(paged, rows, 2 * window, dev))
-    monkeypatch.setattr(paged, "attend_tiled", lambda *a: attend(*a[:-1], 2 * a[-1]))
+    monkeypatch.setattr(paged, "attend_tiled", lambda *a, **kw: attend(*a[:-1], 2 * a[-1], **kw))
     got = _serve(ModelRunner(str(model_dir), num_blocks=160, block_size=BLOCK_SIZE[arch]), model_dir)
     assert STATS["sdpa"] > 0
     requests = [r for reqs in _arrivals(_long_prompts(model_dir)).values() for r in reqs]
@@ -185,6 +187,83 @@ def test_tiles_equal_dense_attention(monkeypatch, softcap, window, dtype, ctx, d
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     if window:  # the window matters here: a wider one gives other outputs
         assert not torch.allclose(_dense(q, k, v, ctx, window + 3, scaling, softcap), want, atol=tol, rtol=tol)
+
+
+flash_only = pytest.mark.skipif(
+    not (cpu_kernels.load() and torch.ops.switchyard_cpu.flash_attention_ready()),
+    reason="the flash kernel needs oneDNN's bf16 brgemm (a CPU with AMX)",
+)
+
+
+@flash_only
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_bf16_runner_prefills_long_rows_by_the_flash_kernel(tmp_path_factory, small_tiles, monkeypatch, arch):
+    """A bf16 runner with the C++ kernels prefills the tiled rows by the flash kernel (no SDPA call), through pages,
+    chunks and Gemma-3's sliding layers; teacher-forced over every prompt (its tokens' logprobs), it is as close to
+    the float32 answer as the SDPA kernel is."""
+    from tests.tiny_models import build_model
+
+    model_dir = build_model(tmp_path_factory.mktemp(f"{arch}-heads-of-32"), arch, head_dim=32)
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+
+    def run(kernel, dtype=torch.bfloat16):
+        monkeypatch.setattr(tiled, "KERNEL", kernel)
+        runner = ModelRunner(str(model_dir), num_blocks=96, block_size=16, dtype=dtype)
+        assert runner.cpu_kernels == (dtype == torch.bfloat16)
+        engine = Engine.build(runner, model_dir, **BUDGET)
+        STATS.clear()
+        arrivals = {
+            step: [request(r.request_id, r.input_ids, 1, prompt_logprobs=True) for r in reqs]
+            for step, reqs in _arrivals(_long_prompts(model_dir)).items()
+        }
+        got = engine.run(arrivals)
+        return torch.tensor([x for rid in sorted(got) for x in got[rid].prompt_logprobs[1:]]), dict(STATS)
+
+    flash, stats = run(None)
+    assert set(stats) == {"flash"} and stats["flash"] >= 2 * layers  # the long rows, every layer: no SDPA call
+    sdpa, sdpa_stats = run("sdpa")
+    assert "flash" not in sdpa_stats
+    exact, _ = run(None, torch.float32)
+    assert len(flash) == len(exact) == sum(len(p) - 1 for p in _long_prompts(model_dir))
+    flash_err, sdpa_err = (flash - exact).abs().mean(), (sdpa - exact).abs().mean()
+    assert flash_err <= 1.25 * sdpa_err, (flash_err, sdpa_err)
+
+
+@flash_only
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("ctx", [0, 21])
+def test_flash_kernel_takes_bf16_rows_where_the_kernels_are_loaded(monkeypatch, window, ctx):
+    """In bf16 on AMX with the C++ kernels loaded, each long row is one call of the flash kernel, reading the pages
+    the row's table names (shuffled here), and equals the float32 math; without the kernels SDPA serves."""
+    monkeypatch.setattr(tiled, "TILE_MIN_QUERIES", 8)
+    gen = torch.Generator().manual_seed(0)
+    bs, n, heads, kv_heads, d = 16, 150, 4, 2, 64
+    blocks = -(-(ctx + n) // bs)
+    table = np.random.default_rng(0).permutation(blocks + 3)[:blocks]
+    k_cache, v_cache = (torch.randn(kv_heads, blocks + 3, bs, d, generator=gen).bfloat16() for _ in range(2))
+    q = (torch.randn(n, heads, d, generator=gen) * 3).bfloat16().transpose(0, 1)
+    batch = paged.PagedBatch(
+        kv_cache=[(k_cache, v_cache)],
+        slot_mapping=None,
+        cu_seqlens_q=None,
+        context_lens=None,
+        block_tables=None,
+        block_size=bs,
+        host_cu=np.array([0, n]),
+        host_context=np.array([ctx]),
+        host_tables=table[None].astype(np.int64),
+    )
+    _, rows = batch.plan(window, torch.device("cpu"))
+    assert tiled.choose_kernel(q, None, kernels=True) == "flash"
+    assert tiled.choose_kernel(q, None) == "sdpa"
+    out = torch.full((n, heads, d), float("nan"), dtype=torch.bfloat16)
+    STATS.clear()
+    tiled.attend_tiled(q, k_cache, v_cache, rows, out, d**-0.5, None, window, kernels=True)
+    assert STATS == {"flash": 1}
+    k = k_cache[:, table].reshape(kv_heads, -1, d)[:, : ctx + n]
+    v = v_cache[:, table].reshape(kv_heads, -1, d)[:, : ctx + n]
+    want = _dense(q.float(), k.float(), v.float(), ctx, window, d**-0.5, None).bfloat16()
+    torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])

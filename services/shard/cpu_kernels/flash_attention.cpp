@@ -1,0 +1,231 @@
+// Attention of one long prefill row in bf16 on AMX: flash attention (an online softmax over blocks of keys), both
+// products by oneDNN's brgemm ukernel (at::native::cpublas, the AMX tiles), the heads that share a KV head folded
+// into one block of queries so that each packed key block serves all of them. Every query block reads only the
+// key blocks its queries can see (causal, and a sliding window where given), so a windowed layer costs its window,
+// not its prefix. Scores, the softmax and the output's sums stay float32; the probabilities enter the second
+// product in bf16, as PyTorch's flash kernel rounds them.
+//
+// flash_attention(q [heads, n_q, D], k [kv_heads, n_k, D], v, out [n_q, heads, D], q_pos, k_pos, window, scale):
+// query i sits at position q_pos + i and key j at k_pos + j; a query sees the keys at or before it, and with a
+// window w > 0 only those less than w before it (transformers' sliding window). Strides are free but for D's.
+#include "common.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <vector>
+
+// The kernel is built where the compiler targets AVX-512 with bf16 conversions (every CPU with AMX has them);
+// elsewhere the op says so and `flash_attention_ready` is false.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define SWITCHYARD_FLASH 1
+#include <immintrin.h>
+#else
+#define SWITCHYARD_FLASH 0
+#endif
+
+namespace {
+
+using namespace switchyard_cpu;
+using bf16 = c10::BFloat16;
+
+constexpr int64_t QUERIES = 64;  // queries of one head in a block; a block's rows are QUERIES x the heads of a KV head
+constexpr int64_t KEYS = 128;    // keys in a block: a multiple of 32 (AMX's tile width in VNNI pairs)
+constexpr int64_t COLUMNS = 64;  // the widest B oneDNN's ukernel packs: V's D columns go in slices of it
+
+// V's columns per slice: COLUMNS, or 32 where D is an odd multiple of 32
+inline int64_t slice_width(int64_t D) { return D % COLUMNS == 0 ? COLUMNS : 32; }
+
+#if SWITCHYARD_FLASH
+// Each KV head's keys as the first product's B (Kᵀ [D, KEYS] a block, in slices of COLUMNS keys) and its values as
+// the second's (V [KEYS, D], in slices of `slice_width` columns), packed by cpublas::pack into the layout brgemm
+// reads. Keys past n_k are zero (their columns are always masked).
+void pack_blocks(const at::Tensor& k, const at::Tensor& v, int64_t blocks, bf16* k_packed, bf16* v_packed) {
+  const int64_t kv_heads = k.size(0), n_k = k.size(1), D = k.size(2), wide = slice_width(D);
+  const bf16* kp = k.data_ptr<bf16>();
+  const bf16* vp = v.data_ptr<bf16>();
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<bf16> kt(D * KEYS), vb(KEYS * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / blocks, j0 = item % blocks * KEYS, keys = std::min(KEYS, n_k - j0);
+      const bf16* kh = kp + h * k.stride(0) + j0 * k.stride(1);
+      const bf16* vh = vp + h * v.stride(0) + j0 * v.stride(1);
+      if (keys < KEYS) {
+        std::fill(kt.begin(), kt.end(), bf16(0.f));
+        std::fill(vb.begin(), vb.end(), bf16(0.f));
+      }
+      for (int64_t j = 0; j < keys; ++j) {  // Kᵀ as [D, KEYS]; V's rows as they are
+        const bf16* kr = kh + j * k.stride(1);
+        for (int64_t d = 0; d < D; ++d) kt[d * KEYS + j] = kr[d];
+        std::memcpy(vb.data() + j * D, vh + j * v.stride(1), D * sizeof(bf16));
+      }
+      for (int64_t c = 0; c < KEYS; c += COLUMNS) {
+        at::native::cpublas::pack(D, COLUMNS, KEYS, COLUMNS, at::kBFloat16, at::kBFloat16, kt.data() + c,
+                                  k_packed + item * D * KEYS + c * D);
+      }
+      for (int64_t c = 0; c < D; c += wide) {
+        at::native::cpublas::pack(KEYS, wide, D, wide, at::kBFloat16, at::kBFloat16, vb.data() + c,
+                                  v_packed + item * KEYS * D + c * KEYS);
+      }
+    }
+  });
+}
+
+// 2^y, y <= 0, 16 lanes: y = n + f with |f| <= 1/2, 2^f by its Taylor polynomial to degree 5 (relative error
+// ~2e-6: the probabilities are bf16, the sums float), times 2^n by scalef; below -126 it is 2^-126 (masked lanes are
+// zeroed by the caller)
+inline __m512 exp2_nonpositive16(__m512 y) {
+  y = _mm512_max_ps(y, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row of a block's scores through the online softmax, in base 2: its visible columns [lo, hi) times `scale`
+// (the attention's scale times log2 e), the row's running maximum `top` (in those units) and sum `total` updated,
+// its probabilities into `p` (bf16, zero where hidden) and its output accumulator `acc` (D floats) rescaled to the
+// new maximum.
+inline void online_softmax(const float* s, int64_t lo, int64_t hi, float scale, float& top, float& total, bf16* p,
+                           float* acc, int64_t D) {
+  constexpr int64_t V = KEYS / 16;
+  if (hi <= lo) {  // nothing visible: no probability, the running state as it was
+    std::memset(p, 0, KEYS * sizeof(bf16));
+    return;
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const bool whole = lo == 0 && hi == KEYS;
+  __m512 x[V];
+  __mmask16 seen[V];
+  __m512 most = _mm512_set1_ps(neg_inf);
+  for (int64_t v = 0; v < V; ++v) {
+    const int64_t c = v * 16;
+    if (whole) {
+      seen[v] = 0xffff;
+    } else {
+      const int64_t from = std::clamp<int64_t>(lo - c, 0, 16), to = std::clamp<int64_t>(hi - c, 0, 16);
+      seen[v] = static_cast<__mmask16>(((1u << to) - 1u) & ~((1u << from) - 1u));
+    }
+    x[v] = _mm512_loadu_ps(s + c);
+    most = _mm512_mask_max_ps(most, seen[v], most, x[v]);
+  }
+  const float now = std::max(top, _mm512_reduce_max_ps(most) * scale);
+  const float rescale = top == neg_inf ? 0.f : top == now ? 1.f : std::exp2(top - now);
+  const __m512 by = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-now);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t v = 0; v < V; ++v) {
+    const __m512 e = _mm512_maskz_mov_ps(seen[v], exp2_nonpositive16(_mm512_fmadd_ps(x[v], by, shift)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + v * 16), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  top = now;
+  total = total * rescale + _mm512_reduce_add_ps(sum);
+  if (rescale != 1.f) {
+    const __m512 r = _mm512_set1_ps(rescale);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), r));
+  }
+}
+
+// Work items: (KV head, query block), ordered so that a contiguous share of them holds cheap and costly blocks
+// alike (a causal row's later blocks see more keys): the blocks of each KV head go first, last, second, ...
+inline int64_t zigzag(int64_t t, int64_t n) { return t % 2 == 0 ? t / 2 : n - 1 - t / 2; }
+
+void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, int64_t q_pos,
+                     int64_t k_pos, int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q, k, v, out: 3-d");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "flash_attention is bf16");
+  const int64_t heads = q.size(0), n_q = q.size(1), D = q.size(2), kv_heads = k.size(0), n_k = k.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && v.sizes() == k.sizes() && k.size(2) == D, "k, v: [kv_heads, n_k, D]");
+  TORCH_CHECK(out.size(0) == n_q && out.size(1) == heads && out.size(2) == D, "out: [n_q, heads, D]");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1, "D contiguous");
+  TORCH_CHECK(D % 32 == 0, "head_dim must be a multiple of 32");
+  TORCH_CHECK(k_pos <= q_pos && q_pos + n_q <= k_pos + n_k, "the keys must run from k_pos past the last query");
+  const int64_t wide = slice_width(D), n_rep = heads / kv_heads, blocks = (n_k + KEYS - 1) / KEYS, q_blocks = (n_q + QUERIES - 1) / QUERIES;
+  auto k_packed = at::empty({kv_heads * blocks * D * KEYS}, q.options());
+  auto v_packed = at::empty({kv_heads * blocks * KEYS * D}, q.options());
+  pack_blocks(k, v, blocks, k_packed.data_ptr<bf16>(), v_packed.data_ptr<bf16>());
+  const bf16* qp = q.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const float fscale = static_cast<float>(scale * 1.4426950408889634), neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t rows_max = n_rep * QUERIES;
+
+  at::parallel_for(0, kv_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<bf16> q_rows(rows_max * D), probs(rows_max * KEYS);
+    std::vector<float> scores(rows_max * KEYS), acc(rows_max * D), top(rows_max), total(rows_max);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / q_blocks, qb = zigzag(item % q_blocks, q_blocks);
+      const int64_t i0 = qb * QUERIES, queries = std::min(QUERIES, n_q - i0), rows = n_rep * queries;
+      // row r: query head h * n_rep + r / queries, query i0 + r % queries
+      for (int64_t r = 0; r < rows; ++r) {
+        const bf16* src = qp + (h * n_rep + r / queries) * q.stride(0) + (i0 + r % queries) * q.stride(1);
+        std::memcpy(q_rows.data() + r * D, src, D * sizeof(bf16));
+      }
+      std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
+      std::fill(top.begin(), top.begin() + rows, neg_inf);
+      std::fill(total.begin(), total.begin() + rows, 0.f);
+      const int64_t first_pos = q_pos + i0, last_pos = first_pos + queries - 1;
+      const int64_t j_lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1 - k_pos) : 0;
+      const int64_t j_hi = std::min(n_k, last_pos - k_pos + 1);
+      for (int64_t b = j_lo / KEYS; b * KEYS < j_hi; ++b) {
+        const int64_t j0 = b * KEYS, packed = h * blocks + b;
+        const bf16* kb = k_packed.data_ptr<bf16>() + packed * D * KEYS;
+        for (int64_t c = 0; c < KEYS; c += COLUMNS) {
+          at::native::cpublas::brgemm(rows, COLUMNS, D, D, COLUMNS, KEYS, false, q_rows.data(), kb + c * D,
+                                      scores.data() + c);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t pos = first_pos + r % queries;
+          // the row's visible columns of the block: one interval
+          const int64_t lo = std::max<int64_t>(0, window > 0 ? pos - window + 1 - k_pos - j0 : 0);
+          const int64_t hi = std::min({KEYS, pos - k_pos - j0 + 1, n_k - j0});
+          online_softmax(scores.data() + r * KEYS, lo, hi, fscale, top[r], total[r], probs.data() + r * KEYS,
+                         acc.data() + r * D, D);
+        }
+        const bf16* vb = v_packed.data_ptr<bf16>() + packed * KEYS * D;
+        for (int64_t c = 0; c < D; c += wide) {
+          at::native::cpublas::brgemm(rows, wide, KEYS, KEYS, wide, D, true, probs.data(), vb + c * KEYS,
+                                      acc.data() + c);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        bf16* dst = op + (i0 + r % queries) * out.stride(0) + (h * n_rep + r / queries) * out.stride(1);
+        const float* a = acc.data() + r * D;
+        const float inv = 1.f / total[r];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) store(dst + d, a[d] * inv);
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+
+#else
+void flash_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                     int64_t, double) {
+  TORCH_CHECK(false, "flash_attention needs AVX-512 with bf16 (this build's CPU has none)");
+}
+#endif
+
+// Whether brgemm runs bf16 here (oneDNN's ukernel on a CPU with AMX): where it does not, the tiled path keeps SDPA.
+bool flash_attention_ready() { return SWITCHYARD_FLASH && at::native::cpublas::could_pack(at::kBFloat16); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(switchyard_cpu, m) {
+  m.def(
+      "flash_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int q_pos, int k_pos, int window, float scale) "
+      "-> ()");
+  m.def("flash_attention_ready() -> bool", &flash_attention_ready);
+}
+
+TORCH_LIBRARY_IMPL(switchyard_cpu, CPU, m) { m.impl("flash_attention", &flash_attention); }
