@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 SOURCES = ("attention.cpp", "flash_attention.cpp", "norm.cpp", "rotary.cpp", "activation.cpp", "sampling.cpp")
 HEADERS = ("common.h",)
 # -fopenmp: at::parallel_for is OpenMP in the headers; the library binds to the libgomp torch has loaded
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno"]
 
 _state: dict = {}  # "ok": bool, "reason": str, "build_s": float (once per process)
 
