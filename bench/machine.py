@@ -44,10 +44,13 @@ def load() -> list[float]:
 
 def shard_threads(default: int | None = None) -> int:
     """Sets torch's threads as the shard process does (Settings.torch_threads, SWITCHYARD_TORCH_THREADS; else
-    `default`, else every core) and returns them."""
+    `default`, else every core) and returns them; keeps the heap for reuse as the shard does."""
     import torch
 
+    from libs.runtime import heap
     from libs.runtime.settings import Settings
+
+    heap.keep_for_reuse()
 
     threads = Settings.from_env().torch_threads or default or cpu.summary()["cores"]
     torch.set_num_threads(threads)

@@ -11,7 +11,7 @@ import zmq
 from libs.protocol import Addresses
 from libs.protocol.lora import ShardAdapters, ShardAdaptersAck
 from libs.protocol.step_messages import ShardReady, StepPlan, StepResult
-from libs.runtime import bus, cpu, cpu_team, service
+from libs.runtime import bus, cpu, cpu_team, heap, service
 from libs.runtime.settings import BLOCK_SIZE, Settings
 from services.shard import cpu_tuning, tensor_parallel
 from services.shard.model_runner import ModelRunner
@@ -127,6 +127,7 @@ class ShardService:
 
 def main() -> None:
     def body(settings: Settings, log) -> None:
+        heap.keep_for_reuse()  # a step's large tensors from the heap, not fresh mappings (libs/runtime/heap.py)
         # supervisord numbers the replicas × num_shard shard processes 0…; process i serves replica
         # i // num_shard as rank i % num_shard
         replica, rank = divmod(settings.index, max(1, settings.num_shard))

@@ -1,0 +1,52 @@
+"""The shard's heap kept for reuse (libs/runtime/heap.py): after `keep_for_reuse`, a 20 MiB block comes from the heap
+(glibc's default maps it afresh) and, freed, stays at the heap's top for the next one instead of going back to the
+system. Each case runs in a process of its own (the thresholds are process-wide); glibc's own counters
+(mallinfo2) say where the block went."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from libs.runtime import heap
+
+PROBE = """
+import ctypes, json, sys
+from libs.runtime import heap
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "keep":
+    assert heap.keep_for_reuse()
+before = libc.mallinfo2().hblks
+block = libc.malloc(20 << 20)
+mapped = libc.mallinfo2().hblks - before
+libc.free(block)
+print(json.dumps({"mapped": mapped, "kept": libc.mallinfo2().keepcost}))
+"""
+
+
+def _probe(mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(not heap.keep_for_reuse(), reason="the C library is not glibc")
+def test_a_large_block_comes_from_the_heap_and_stays_there():
+    default, kept = _probe("default"), _probe("keep")
+    assert default["mapped"] == 1 and default["kept"] < 20 << 20  # mapped afresh, unmapped on free
+    assert kept["mapped"] == 0 and kept["kept"] >= 20 << 20  # from the heap, kept at its top for the next
+
+
+def test_the_thresholds_are_set_once():
+    assert heap.keep_for_reuse() == heap.keep_for_reuse()
