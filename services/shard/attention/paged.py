@@ -268,7 +268,7 @@ def attend_layer(
         if out is None:
             out = query.new_empty(query.shape)
         attend_tiled(query.transpose(0, 1), k_cache, v_cache, tiled, out, scaling, softcap, window,
-                     kernels=paged.backend == "cpu")  # fmt: skip
+                     kernels=paged.backend == "cpu", fresh=(key, value))  # fmt: skip
     if short is not None and len(short.rows):
         out = cpu.attend(short, layer, query, key, value, paged, scaling, softcap, window, False, out)
     return out

@@ -113,6 +113,7 @@ def attend_tiled(
     window: int,
     kernel: str | None = None,  # "flash" / "sdpa" / "half" / "eager"; None: choose_kernel (benchmarks force one)
     kernels: bool = False,  # the runner loaded the C++ kernels (services/shard/cpu_kernels/)
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,  # the step's new K/V, [T, kv_heads, D] each
 ) -> None:
     kernel = kernel or KERNEL or choose_kernel(query, softcap, kernels and k_cache.dtype == query.dtype)
     if kernel in ("flash", "sdpa", "half") and softcap is not None:
@@ -120,15 +121,20 @@ def attend_tiled(
     heads, _, head_dim = query.shape
     kv_heads = k_cache.shape[0]
     for row in rows:
-        # the row's keys once per layer: [kv_heads, NB, bs, D] is [kv_heads, keys, D] as it stands
-        k = k_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
-        v = v_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
         if kernel == "flash":  # the whole row in one call: the kernel reads only the key blocks each query sees
             n = sum(tile[1] for tile in row.tiles)
             q, o = query[:, row.q_start : row.q_start + n], out[row.q_start : row.q_start + n]
+            if row.q_pos == 0 and fresh is not None:  # no context: its keys are the step's own, no gather
+                k, v = (t[row.q_start : row.q_start + n].transpose(0, 1) for t in fresh)
+            else:
+                k = k_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
+                v = v_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
             torch.ops.switchyard_cpu.flash_attention(q, k, v, o, row.q_pos, row.k_pos, window, scaling)
             STATS["flash"] += 1
             continue
+        # the row's keys once per layer: [kv_heads, NB, bs, D] is [kv_heads, keys, D] as it stands
+        k = k_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
+        v = v_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
         if kernel == "sdpa" and row.causal_square:
             n = sum(tile[1] for tile in row.tiles)
             o = F.scaled_dot_product_attention(

@@ -33,12 +33,14 @@ def _reference(q, k, v, q_pos, k_pos, window, scale) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
-def _row(heads, kv_heads, d, n, ctx, seed=0):
+def _row(heads, kv_heads, d, n, ctx, seed=0, token_major=False):
     g = torch.Generator().manual_seed(seed)
     # queries token-major as the model makes them, seen head-major (the tiled path's view)
     q = (torch.randn(n, heads, d, generator=g) * 2).bfloat16().transpose(0, 1)
     k = (torch.randn(kv_heads, ctx + n, d, generator=g) * 2).bfloat16()
     v = torch.randn(kv_heads, ctx + n, d, generator=g).bfloat16()
+    if token_major:  # the step's own K/V as the model makes them ([tokens, kv_heads, D]), seen head-major
+        k, v = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (k, v))
     return q, k, v
 
 
@@ -46,9 +48,10 @@ def _row(heads, kv_heads, d, n, ctx, seed=0):
     "heads,kv_heads,d", [(9, 3, 64), (4, 1, 256), (2, 2, 32), (8, 2, 128), (4, 4, 96)]
 )  # SmolLM2's and Gemma-3's heads; one slice of 32; 96 = a slice of 64 and one of 32
 @pytest.mark.parametrize("window", [0, 37, 300])
-@pytest.mark.parametrize("n,ctx", [(300, 0), (129, 77), (64, 500)])
-def test_flash_attention_equals_the_float32_math(heads, kv_heads, d, window, n, ctx):
-    q, k, v = _row(heads, kv_heads, d, n, ctx)
+@pytest.mark.parametrize("n,ctx,token_major", [(300, 0, False), (300, 0, True), (129, 77, False), (64, 500, False)])
+def test_flash_attention_equals_the_float32_math(heads, kv_heads, d, window, n, ctx, token_major):
+    q, k, v = _row(heads, kv_heads, d, n, ctx, token_major=token_major)
+    assert k.stride(1) == (kv_heads if token_major else 1) * d  # token-major: a key's heads lie side by side
     k_pos = max(0, ctx - window + 1) if window else 0  # the keys start where the first query's window does
     k, v = k[:, k_pos:], v[:, k_pos:]
     out = torch.full((n, heads, d), float("nan"), dtype=torch.bfloat16)
