@@ -137,6 +137,7 @@ def main() -> None:
         tuner.start()
         shard = ShardService(settings, replica=replica, rank=rank)
         shard.tuner = tuner
+        heap.release()  # what loading left free goes back: the kept heap holds only what serving needs
         log.info(
             "replica %d rank %d: model loaded from %s (%s on %s); %d KV blocks",
             replica,
