@@ -2,7 +2,8 @@
 
 Why the shard runs long prefill rows the way it does (services/shard/attention/tiled.py). Candidates, each reading
 its keys from the paged cache as the shard does: `eager-whole` (the grouped path's whole [heads, n, n] scores),
-the tiled path's kernels (`eager-tiles`, `sdpa-tiles`, `half-tiles` in bf16/fp16), one SDPA call for the row
+the tiled path's kernels (`eager-tiles`, `sdpa-tiles`, `half-tiles` in bf16/fp16, `flash` in bf16 on AMX: one
+call a row, services/shard/cpu_kernels/flash_attention.cpp), one SDPA call for the row
 (`sdpa-row`) and, with `--flex`, torch.compile'd FlexAttention; interleaved, each one's median and its time
 relative to `sdpa-tiles`. `--model DIR`: the same at that model's attention shape, beside its whole prefill on the
 shard's path (bench/engine.py); with `--chunk`, the prompt in chunks with each chunk's forward and the peak RSS.
@@ -109,6 +110,8 @@ def candidates(n: int, shape: tuple, dtype, window: int, flex: bool, sweep: bool
         ways["sdpa-tiles"] = tiles("sdpa", 256)
         if dtype in (torch.bfloat16, torch.float16):  # what the shard runs on CPU in half precision
             ways["half-tiles"] = tiles("half", 128)
+        if dtype == torch.bfloat16 and d % 32 == 0 and _flash_ready():  # the shard's kernel on AMX: one call a row
+            ways["flash"] = tiles("flash", 256)
         if sweep:  # the tile size
             ways["sdpa-tiles-128"], ways["sdpa-tiles-512"] = tiles("sdpa", 128), tiles("sdpa", 512)
 
@@ -140,6 +143,14 @@ def candidates(n: int, shape: tuple, dtype, window: int, flex: bool, sweep: bool
         compile_s = clock.wall() - t
         ways["flex"] = flex_run
     return ways, compile_s
+
+
+def _flash_ready() -> bool:
+    """Whether the shard's flash kernel runs here (the C++ kernels built, oneDNN's bf16 brgemm: a CPU with AMX)."""
+    from services.shard import cpu_kernels
+    from services.shard.attention import tiled
+
+    return cpu_kernels.load() and tiled.flash_ready()
 
 
 def measure(ns, shapes: dict, dtypes, rounds: int, flex: bool, sweep_at=(2048,), progress=None, by=clock.wall):
@@ -239,7 +250,7 @@ def chunked(model_dir: str, n: int, chunk: int, dtype_name: str) -> tuple[list[f
 
 
 NAMES = ["eager-whole", "eager-tiles", "sdpa-tiles", "sdpa-tiles-128", "sdpa-tiles-512", "sdpa-row", "half-tiles",
-         "flex"]  # fmt: skip
+         "flash", "flex"]  # fmt: skip
 
 
 def _line(r: dict) -> None:
