@@ -8,6 +8,22 @@ import torch
 from services.shard.attention import paged
 
 
+def host_batch(k_cache, v_cache, q_lens, ctx_lens, tables) -> paged.PagedBatch:
+    """A PagedBatch of one layer's pages from host arrays alone (what planning and the CPU paths read): rows of
+    `q_lens` queries after `ctx_lens` tokens, their block `tables` ([rows, max_blocks], -1 padded)."""
+    return paged.PagedBatch(
+        kv_cache=[(k_cache, v_cache)],
+        slot_mapping=None,
+        cu_seqlens_q=None,
+        context_lens=None,
+        block_tables=None,
+        block_size=k_cache.shape[2],
+        host_cu=np.concatenate([[0], np.cumsum(q_lens)]),
+        host_context=np.array(ctx_lens),
+        host_tables=np.asarray(tables, dtype=np.int64),
+    )
+
+
 def _batch(q_lens, ctx_lens, bs=4, kv_heads=2, d=8, seed=0):
     gen = torch.Generator().manual_seed(seed)
     per_row = [-(-(c + q) // bs) for q, c in zip(q_lens, ctx_lens)]
@@ -17,18 +33,7 @@ def _batch(q_lens, ctx_lens, bs=4, kv_heads=2, d=8, seed=0):
         tables[i, :n] = np.arange(start, start + n)
         start += n
     k_cache, v_cache = (torch.randn(kv_heads, start, bs, d, generator=gen) for _ in range(2))
-    batch = paged.PagedBatch(
-        kv_cache=[(k_cache, v_cache)],
-        slot_mapping=None,
-        cu_seqlens_q=None,
-        context_lens=None,
-        block_tables=None,
-        block_size=bs,
-        host_cu=np.concatenate([[0], np.cumsum(q_lens)]),
-        host_context=np.array(ctx_lens),
-        host_tables=tables,
-    )
-    return batch, k_cache, v_cache, tables
+    return host_batch(k_cache, v_cache, q_lens, ctx_lens, tables), k_cache, v_cache, tables
 
 
 def test_decodes_keep_the_one_query_group_beside_a_verified_draft():

@@ -22,6 +22,7 @@ from services.shard import cpu_kernels
 from services.shard.attention import paged, tiled
 from services.shard.attention.tiled import STATS, eager_tile
 from services.shard.model_runner import ModelRunner
+from tests.services.shard.attention.test_paged import host_batch
 from tests.services.shard.test_model_runner import Steps
 from tests.tiny_models import ARCHS, CORPUS, SLIDING_WINDOW
 
@@ -157,17 +158,7 @@ def test_tiles_equal_dense_attention(monkeypatch, softcap, window, dtype, ctx, d
     k_cache = torch.randn(kv_heads, blocks + 3, bs, d, generator=gen).to(dtype)
     v_cache = torch.randn(kv_heads, blocks + 3, bs, d, generator=gen).to(dtype)
     q = (torch.randn(heads, n, d, generator=gen) * 3).to(dtype)
-    batch = paged.PagedBatch(
-        kv_cache=[(k_cache, v_cache)],
-        slot_mapping=None,
-        cu_seqlens_q=None,
-        context_lens=None,
-        block_tables=None,
-        block_size=bs,
-        host_cu=np.array([0, n]),
-        host_context=np.array([ctx]),
-        host_tables=table[None].astype(np.int64),
-    )
+    batch = host_batch(k_cache, v_cache, [n], [ctx], table[None])
     groups, rows = batch.plan(window, torch.device("cpu"))
     assert not groups and len(rows[0].tiles) == -(-n // 13)
     out = torch.full((n, heads, d), float("nan"), dtype=dtype)
@@ -242,17 +233,7 @@ def test_flash_kernel_takes_bf16_rows_where_the_kernels_are_loaded(monkeypatch, 
     table = np.random.default_rng(0).permutation(blocks + 3)[:blocks]
     k_cache, v_cache = (torch.randn(kv_heads, blocks + 3, bs, d, generator=gen).bfloat16() for _ in range(2))
     q = (torch.randn(n, heads, d, generator=gen) * 3).bfloat16().transpose(0, 1)
-    batch = paged.PagedBatch(
-        kv_cache=[(k_cache, v_cache)],
-        slot_mapping=None,
-        cu_seqlens_q=None,
-        context_lens=None,
-        block_tables=None,
-        block_size=bs,
-        host_cu=np.array([0, n]),
-        host_context=np.array([ctx]),
-        host_tables=table[None].astype(np.int64),
-    )
+    batch = host_batch(k_cache, v_cache, [n], [ctx], table[None])
     _, rows = batch.plan(window, torch.device("cpu"))
     assert tiled.choose_kernel(q, None, kernels=True) == "flash"
     assert tiled.choose_kernel(q, None) == "sdpa"
@@ -279,17 +260,7 @@ def test_a_long_context_gets_smaller_tiles(monkeypatch, softcap):
     blocks = -(-(ctx + n) // bs)
     k_cache, v_cache = (torch.randn(kv_heads, blocks, bs, d, generator=gen) for _ in range(2))
     q = torch.randn(heads, n, d, generator=gen) * 3
-    batch = paged.PagedBatch(
-        kv_cache=[(k_cache, v_cache)],
-        slot_mapping=None,
-        cu_seqlens_q=None,
-        context_lens=None,
-        block_tables=None,
-        block_size=bs,
-        host_cu=np.array([0, n]),
-        host_context=np.array([ctx]),
-        host_tables=np.arange(blocks)[None],
-    )
+    batch = host_batch(k_cache, v_cache, [n], [ctx], np.arange(blocks)[None])
     k, v = k_cache.reshape(kv_heads, -1, d), v_cache.reshape(kv_heads, -1, d)
     for window, per_tile in ((0, 16 * 20 // 70), (9, 16)):  # 70 keys: 4 queries a tile; the window keeps 16
         _, rows = batch.plan(window, torch.device("cpu"))
