@@ -29,7 +29,7 @@ def keep_for_reuse() -> bool:
     """Sets glibc's thresholds once per process; False (and why, logged once) where the C library is not glibc."""
     if "ok" in _state:
         return _state["ok"]
-    ok, why = False, ""
+    ok, why, libc = False, "", None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
@@ -40,7 +40,7 @@ def keep_for_reuse() -> bool:
             why = "" if ok else "mallopt refused the thresholds"
     except OSError as e:
         why = str(e)
-    _state["ok"], _state["libc"] = ok, libc if ok else None
+    _state["ok"], _state["libc"] = ok, libc if ok else None  # `release` trims only a heap kept here
     if ok:
         log.info("heap: large blocks come from the heap and are reused (no mmap, trim past %d MiB)", TRIM_BYTES >> 20)
     else:

@@ -60,6 +60,11 @@ class TiledRow:
     # (is_causal: no mask, masked blocks skipped) exactly as transformers' sdpa attention does
     causal_square: bool = False
 
+    @property
+    def queries(self) -> int:
+        """The row's queries: its tiles' together."""
+        return sum(tile[1] for tile in self.tiles)
+
 
 def long_rows(n_q: np.ndarray) -> np.ndarray:
     """Indices of the rows that take the tiled path."""
@@ -121,22 +126,18 @@ def attend_tiled(
     heads, _, head_dim = query.shape
     kv_heads = k_cache.shape[0]
     for row in rows:
+        n = row.queries
+        if kernel == "flash" and row.q_pos == 0 and fresh is not None:  # no context: the step's own K/V, no gather
+            k, v = (t[row.q_start : row.q_start + n].transpose(0, 1) for t in fresh)
+        else:  # the row's keys once per layer: [kv_heads, NB, bs, D] is [kv_heads, keys, D] as it stands
+            k = k_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
+            v = v_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
         if kernel == "flash":  # the whole row in one call: the kernel reads only the key blocks each query sees
-            n = sum(tile[1] for tile in row.tiles)
             q, o = query[:, row.q_start : row.q_start + n], out[row.q_start : row.q_start + n]
-            if row.q_pos == 0 and fresh is not None:  # no context: its keys are the step's own, no gather
-                k, v = (t[row.q_start : row.q_start + n].transpose(0, 1) for t in fresh)
-            else:
-                k = k_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
-                v = v_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
             torch.ops.switchyard_cpu.flash_attention(q, k, v, o, row.q_pos, row.k_pos, window, scaling)
             STATS["flash"] += 1
             continue
-        # the row's keys once per layer: [kv_heads, NB, bs, D] is [kv_heads, keys, D] as it stands
-        k = k_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
-        v = v_cache.index_select(1, row.kv_blocks).view(kv_heads, -1, head_dim)
         if kernel == "sdpa" and row.causal_square:
-            n = sum(tile[1] for tile in row.tiles)
             o = F.scaled_dot_product_attention(
                 query[None, :, row.q_start : row.q_start + n],
                 k[None, :, :n],

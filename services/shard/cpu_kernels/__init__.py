@@ -5,12 +5,14 @@ tens of ATen calls, each a parallel region whose threads meet at a barrier: thei
 decode, and a thread the kernel preempts stalls every one of them. Each kernel here does one such stretch in one
 pass and one parallel region: the attention of short rows reading the pages in place (attention.cpp), the residual
 add with the RMSNorm after it (norm.cpp), Gemma-3's q/k norms with the rotary embedding (rotary.cpp), the gated
-activation (activation.cpp); after the forward, the token choice over the logits as they are (sampling.cpp). The
-norm, rotary and SiLU kernels round where the torch ops round (bit-identical to them); the attention keeps its
-scores, softmax and sums in float32 and rounds once. The float32 exact mode never calls them (bit-identity with
-transformers is the torch path's).
+activation (activation.cpp); after the forward, the token choice over the logits as they are (sampling.cpp). For
+prefill, long bf16 rows on a CPU with AMX take a flash attention of their own (flash_attention.cpp, called by the
+tiled path). The norm, rotary and SiLU kernels round where the torch ops round (bit-identical to them); the
+attentions keep their scores and sums in float32. The float32 exact mode never calls them (bit-identity
+with transformers is the torch path's).
 
-Built on first use by torch's extension builder (g++, `-O3 -march=native`) and cached in the model cache's
+Built on first use by torch's extension builder (g++, FLAGS: `-march=native` with 512-bit vectors where the CPU has
+them, which change no result since nothing is reassociated) and cached in the model cache's
 `cpu_kernels/` folder under a key of the sources, the torch version and the CPU's flags, so a second start loads the
 library in a fraction of a second and a cache shared between different CPUs never runs another CPU's build. Where
 no compiler or build works, `load` says why once and the callers keep the torch path.

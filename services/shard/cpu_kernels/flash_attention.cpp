@@ -34,7 +34,7 @@ using bf16 = c10::BFloat16;
 
 constexpr int64_t QUERIES = 64;  // queries of one head in a block; a block's rows are QUERIES x the heads of a KV head
 constexpr int64_t KEYS = 128;    // keys in a block: a multiple of 32 (AMX's tile width in VNNI pairs)
-constexpr int64_t COLUMNS = 64;  // the widest B oneDNN's ukernel packs: V's D columns go in slices of it
+constexpr int64_t COLUMNS = 64;  // the widest B oneDNN's ukernel packs: a block's keys and V's columns go in slices
 
 // V's columns per slice: COLUMNS, or 32 where D is an odd multiple of 32
 inline int64_t slice_width(int64_t D) { return D % COLUMNS == 0 ? COLUMNS : 32; }
