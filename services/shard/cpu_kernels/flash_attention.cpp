@@ -15,12 +15,13 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#include <initializer_list>
 #include <limits>
 #include <vector>
 
 // The kernel is built where the compiler targets AVX-512 with bf16 conversions (every CPU with AMX has them);
 // elsewhere the op says so and `flash_attention_ready` is false.
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define SWITCHYARD_FLASH 1
 #include <immintrin.h>
 #else
@@ -33,7 +34,7 @@ using namespace switchyard_cpu;
 using bf16 = c10::BFloat16;
 
 constexpr int64_t QUERIES = 64;  // queries of one head in a block; a block's rows are QUERIES x the heads of a KV head
-constexpr int64_t KEYS = 128;    // keys in a block: a multiple of 32 (AMX's tile width in VNNI pairs)
+constexpr int64_t KEYS = 256;    // keys in a block: a multiple of COLUMNS; past 256 a row's scores leave the registers
 constexpr int64_t COLUMNS = 64;  // the widest B oneDNN's ukernel packs: a block's keys and V's columns go in slices
 
 // V's columns per slice: COLUMNS, or 32 where D is an odd multiple of 32
@@ -41,43 +42,66 @@ inline int64_t slice_width(int64_t D) { return D % COLUMNS == 0 ? COLUMNS : 32; 
 
 #if SWITCHYARD_FLASH
 // Each KV head's keys as the first product's B (Kᵀ [D, KEYS] a block, in slices of COLUMNS keys) and its values as
-// the second's (V [KEYS, D], in slices of `slice_width` columns), packed by cpublas::pack into the layout brgemm
-// reads. Keys past n_k are zero (their columns are always masked).
+// the second's (V [KEYS, D], in slices of `slice_width` columns), written straight into the VNNI layout brgemm reads
+// for bf16 (cpublas::pack's): B [K, N] with leading dimension N as [K / 2][N][2], the two rows of a K pair side by
+// side. For Kᵀ a VNNI pair is two neighbouring dimensions of one key, a 32-bit word of K's row, so a slice is K's
+// words transposed (gathered 16 keys at a time); for V it is the same column of two neighbouring keys, so a slice
+// interleaves V's rows in pairs. Keys past n_k are zero (their columns are always masked).
 void pack_blocks(const at::Tensor& k, const at::Tensor& v, int64_t blocks, bf16* k_packed, bf16* v_packed) {
-  const int64_t kv_heads = k.size(0), n_k = k.size(1), D = k.size(2), wide = slice_width(D);
+  const int64_t kv_heads = k.size(0), n_k = k.size(1), D = k.size(2), wide = slice_width(D), words = D / 2;
   const bf16* kp = k.data_ptr<bf16>();
   const bf16* vp = v.data_ptr<bf16>();
+  const int64_t k_row = k.stride(1), v_row = v.stride(1);
+  TORCH_CHECK(16 * k_row * 2 <= std::numeric_limits<int32_t>::max(), "K's rows are too far apart to gather");
+  // byte offsets of 16 keys' rows, for the gather; VNNI index vectors that interleave two rows' halves
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int32_t>(k_row * 2)));
+  alignas(64) int16_t low[32], high[32];
+  for (int i = 0; i < 16; ++i) {
+    low[2 * i] = i, low[2 * i + 1] = 32 + i;
+    high[2 * i] = 16 + i, high[2 * i + 1] = 48 + i;
+  }
+  const __m512i to_low = _mm512_load_si512(low), to_high = _mm512_load_si512(high);
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<bf16> kt(D * KEYS), vb(KEYS * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / blocks, j0 = item % blocks * KEYS, keys = std::min(KEYS, n_k - j0);
-      const bf16* kh = kp + h * k.stride(0) + j0 * k.stride(1);
-      const bf16* vh = vp + h * v.stride(0) + j0 * v.stride(1);
-      if (keys < KEYS) {
-        std::fill(kt.begin(), kt.end(), bf16(0.f));
-        std::fill(vb.begin(), vb.end(), bf16(0.f));
+      const bf16* kh = kp + h * k.stride(0) + j0 * k_row;
+      const bf16* vh = vp + h * v.stride(0) + j0 * v_row;
+      // Kᵀ: word w of key j goes to [w][j] of its slice
+      uint32_t* kd = reinterpret_cast<uint32_t*>(k_packed + item * D * KEYS);
+      for (int64_t j = 0; j < KEYS; j += 16) {
+        const __mmask16 real = static_cast<__mmask16>(keys - j >= 16 ? 0xffff : keys > j ? (1u << (keys - j)) - 1u : 0u);
+        uint32_t* slice = kd + j / COLUMNS * words * COLUMNS + j % COLUMNS;
+        const bf16* rows = kh + std::min(j, keys) * k_row;
+        for (int64_t w = 0; w < words; ++w) {
+          const __m512i got = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, lanes, rows + 2 * w, 1);
+          _mm512_storeu_si512(slice + w * COLUMNS, got);
+        }
       }
-      for (int64_t j = 0; j < keys; ++j) {  // Kᵀ as [D, KEYS]; V's rows as they are
-        const bf16* kr = kh + j * k.stride(1);
-        for (int64_t d = 0; d < D; ++d) kt[d * KEYS + j] = kr[d];
-        std::memcpy(vb.data() + j * D, vh + j * v.stride(1), D * sizeof(bf16));
-      }
-      for (int64_t c = 0; c < KEYS; c += COLUMNS) {
-        at::native::cpublas::pack(D, COLUMNS, KEYS, COLUMNS, at::kBFloat16, at::kBFloat16, kt.data() + c,
-                                  k_packed + item * D * KEYS + c * D);
-      }
-      for (int64_t c = 0; c < D; c += wide) {
-        at::native::cpublas::pack(KEYS, wide, D, wide, at::kBFloat16, at::kBFloat16, vb.data() + c,
-                                  v_packed + item * KEYS * D + c * KEYS);
+      // V: keys 2p and 2p + 1 side by side, column by column
+      bf16* vd = v_packed + item * KEYS * D;
+      for (int64_t j = 0; j < KEYS; j += 2) {
+        for (int64_t c = 0; c < D; c += 32) {
+          const __m512i a = j < keys ? _mm512_loadu_si512(vh + j * v_row + c) : _mm512_setzero_si512();
+          const __m512i b = j + 1 < keys ? _mm512_loadu_si512(vh + (j + 1) * v_row + c) : _mm512_setzero_si512();
+          bf16* dst = vd + c / wide * wide * KEYS + j * wide + c % wide * 2;
+          _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, to_low, b));
+          _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, to_high, b));
+        }
       }
     }
   });
 }
 
-// 2^y, y <= 0, 16 lanes: y = n + f with |f| <= 1/2, 2^f by its Taylor polynomial to degree 5 (relative error
+// How far a block's scores may rise above a row's running maximum before the maximum moves, in base 2: up to 2^8,
+// probabilities and sums stay well inside float and bf16, and a row rescales its accumulator only when its scores
+// grow by more than that, not at every new maximum.
+constexpr float SLACK = 8.f;
+
+// 2^y, y <= SLACK, 16 lanes: y = n + f with |f| <= 1/2, 2^f by its Taylor polynomial to degree 5 (relative error
 // ~2e-6: the probabilities are bf16, the sums float), times 2^n by scalef; below -126 it is 2^-126 (masked lanes are
 // zeroed by the caller)
-inline __m512 exp2_nonpositive16(__m512 y) {
+inline __m512 exp2_16(__m512 y) {
   y = _mm512_max_ps(y, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
@@ -91,9 +115,9 @@ inline __m512 exp2_nonpositive16(__m512 y) {
 }
 
 // One row of a block's scores through the online softmax, in base 2: its visible columns [lo, hi) times `scale`
-// (the attention's scale times log2 e), the row's running maximum `top` (in those units) and sum `total` updated,
-// its probabilities into `p` (bf16, zero where hidden) and its output accumulator `acc` (D floats) rescaled to the
-// new maximum.
+// (the attention's scale times log2 e), the row's reference maximum `top` (in those units; it moves only past
+// SLACK) and sum `total` updated, its probabilities into `p` (bf16, zero where hidden) and its output accumulator
+// `acc` (D floats) rescaled when `top` moves.
 inline void online_softmax(const float* s, int64_t lo, int64_t hi, float scale, float& top, float& total, bf16* p,
                            float* acc, int64_t D) {
   constexpr int64_t V = KEYS / 16;
@@ -117,12 +141,14 @@ inline void online_softmax(const float* s, int64_t lo, int64_t hi, float scale, 
     x[v] = _mm512_loadu_ps(s + c);
     most = _mm512_mask_max_ps(most, seen[v], most, x[v]);
   }
-  const float now = std::max(top, _mm512_reduce_max_ps(most) * scale);
-  const float rescale = top == neg_inf ? 0.f : top == now ? 1.f : std::exp2(top - now);
+  const float block_top = _mm512_reduce_max_ps(most) * scale;
+  const float now = block_top > top + SLACK ? block_top : top;  // top is -inf until the row's first visible key
+  // before its first visible key a row's accumulator and sum are still zero: nothing to rescale
+  const float rescale = top == neg_inf || top == now ? 1.f : std::exp2(top - now);
   const __m512 by = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-now);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t v = 0; v < V; ++v) {
-    const __m512 e = _mm512_maskz_mov_ps(seen[v], exp2_nonpositive16(_mm512_fmadd_ps(x[v], by, shift)));
+    const __m512 e = _mm512_maskz_mov_ps(seen[v], exp2_16(_mm512_fmadd_ps(x[v], by, shift)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + v * 16), (__m256i)_mm512_cvtneps_pbh(e));
   }
@@ -133,6 +159,31 @@ inline void online_softmax(const float* s, int64_t lo, int64_t hi, float scale, 
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), r));
   }
 }
+
+// A worker's arrays in one allocation, each on its own cache lines and each one line further from a 4 KiB boundary
+// than the last: the block loop streams through scores, probabilities and the accumulator at once, and arrays that
+// start at the same offset in a page compete for the same L1 sets (where the heap put separate vectors, the kernel
+// ran ~6 % slower on 64-wide heads).
+class Scratch {
+ public:
+  explicit Scratch(std::initializer_list<int64_t> bytes) {
+    int64_t at = 0;
+    for (const int64_t b : bytes) {
+      at = (at + 4095) / 4096 * 4096 + 64 * (1 + static_cast<int64_t>(starts_.size()));
+      starts_.push_back(at);
+      at += b;
+    }
+    memory_ = at::empty({at + 64}, at::kByte);
+  }
+  template <typename T>
+  T* array(int i) const {
+    return reinterpret_cast<T*>(memory_.data_ptr<uint8_t>() + starts_[i]);
+  }
+
+ private:
+  std::vector<int64_t> starts_;
+  at::Tensor memory_;
+};
 
 // Work items: (KV head, query block), ordered so that a contiguous share of them holds cheap and costly blocks
 // alike (a causal row's later blocks see more keys): the blocks of each KV head go first, last, second, ...
@@ -160,17 +211,21 @@ void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t rows_max = n_rep * QUERIES;
 
   at::parallel_for(0, kv_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<bf16> q_rows(rows_max * D), probs(rows_max * KEYS);
-    std::vector<float> scores(rows_max * KEYS), acc(rows_max * D), top(rows_max), total(rows_max);
+    Scratch scratch({rows_max * D * 2, rows_max * KEYS * 2, rows_max * KEYS * 4, rows_max * D * 4});
+    bf16* q_rows = scratch.array<bf16>(0);
+    bf16* probs = scratch.array<bf16>(1);
+    float* scores = scratch.array<float>(2);
+    float* acc = scratch.array<float>(3);
+    std::vector<float> top(rows_max), total(rows_max);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / q_blocks, qb = zigzag(item % q_blocks, q_blocks);
       const int64_t i0 = qb * QUERIES, queries = std::min(QUERIES, n_q - i0), rows = n_rep * queries;
       // row r: query head h * n_rep + r / queries, query i0 + r % queries
       for (int64_t r = 0; r < rows; ++r) {
         const bf16* src = qp + (h * n_rep + r / queries) * q.stride(0) + (i0 + r % queries) * q.stride(1);
-        std::memcpy(q_rows.data() + r * D, src, D * sizeof(bf16));
+        std::memcpy(q_rows + r * D, src, D * sizeof(bf16));
       }
-      std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
+      std::fill(acc, acc + rows * D, 0.f);
       std::fill(top.begin(), top.begin() + rows, neg_inf);
       std::fill(total.begin(), total.begin() + rows, 0.f);
       const int64_t first_pos = q_pos + i0, last_pos = first_pos + queries - 1;
@@ -180,26 +235,26 @@ void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         const int64_t j0 = b * KEYS, packed = h * blocks + b;
         const bf16* kb = k_packed.data_ptr<bf16>() + packed * D * KEYS;
         for (int64_t c = 0; c < KEYS; c += COLUMNS) {
-          at::native::cpublas::brgemm(rows, COLUMNS, D, D, COLUMNS, KEYS, false, q_rows.data(), kb + c * D,
-                                      scores.data() + c);
+          at::native::cpublas::brgemm(rows, COLUMNS, D, D, COLUMNS, KEYS, false, q_rows, kb + c * D,
+                                      scores + c);
         }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t pos = first_pos + r % queries;
           // the row's visible columns of the block: one interval
           const int64_t lo = std::max<int64_t>(0, window > 0 ? pos - window + 1 - k_pos - j0 : 0);
           const int64_t hi = std::min({KEYS, pos - k_pos - j0 + 1, n_k - j0});
-          online_softmax(scores.data() + r * KEYS, lo, hi, fscale, top[r], total[r], probs.data() + r * KEYS,
-                         acc.data() + r * D, D);
+          online_softmax(scores + r * KEYS, lo, hi, fscale, top[r], total[r], probs + r * KEYS,
+                         acc + r * D, D);
         }
         const bf16* vb = v_packed.data_ptr<bf16>() + packed * KEYS * D;
         for (int64_t c = 0; c < D; c += wide) {
-          at::native::cpublas::brgemm(rows, wide, KEYS, KEYS, wide, D, true, probs.data(), vb + c * KEYS,
-                                      acc.data() + c);
+          at::native::cpublas::brgemm(rows, wide, KEYS, KEYS, wide, D, true, probs, vb + c * KEYS,
+                                      acc + c);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
         bf16* dst = op + (i0 + r % queries) * out.stride(0) + (h * n_rep + r / queries) * out.stride(1);
-        const float* a = acc.data() + r * D;
+        const float* a = acc + r * D;
         const float inv = 1.f / total[r];
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) store(dst + d, a[d] * inv);

@@ -65,6 +65,27 @@ def test_flash_attention_equals_the_float32_math(heads, kv_heads, d, window, n, 
         assert (full - want).abs().max().item() > 0.05
 
 
+@pytest.mark.parametrize("window", [0, 600])
+def test_scores_that_keep_rising_move_the_running_maximum(window):
+    """Later keys score far above earlier ones: the last query's maximum grows by 25-120 in base 2 from its first
+    256 visible keys (aligned as the kernel's key blocks are) to the rest, so a row's reference maximum must move
+    past its slack of 8, and its sums be rescaled, more than once; the output is the float32 math still. Without
+    the moves the probabilities would overflow."""
+    heads, kv_heads, d, n = 4, 1, 64, 1400
+    q, k, v = _row(heads, kv_heads, d, n, 0, seed=5)
+    q = q.abs()  # every query leans the same way, so that a key's growing length raises every row's scores
+    k = (k.float().abs() * torch.linspace(0.1, 4, n)[None, :, None]).bfloat16()
+    out = torch.empty(n, heads, d, dtype=torch.bfloat16)
+    torch.ops.switchyard_cpu.flash_attention(q, k, v, out, 0, 0, window, d**-0.5)
+    want = _reference(q, k, v, 0, 0, window, d**-0.5)
+    last = (q.float()[:, -1] @ k.float()[0].T) * d**-0.5 * 1.4427  # the last query's scores, base 2
+    first = (n - window if window else 0) // 256 * 256
+    assert (last[:, first:].amax(-1) - last[:, first : first + 256].amax(-1)).min().item() > 16
+    rounding = (want.bfloat16().float() - want).abs().max().item()
+    assert torch.isfinite(out.float()).all()
+    assert (out.float() - want).abs().max().item() <= 2 * rounding + 2e-3
+
+
 def test_a_hidden_key_never_reaches_the_output():
     """Keys after a query and before its window hold huge values; the output is the float32 math all the same."""
     heads, kv_heads, d, n, ctx, window = 4, 2, 64, 200, 100, 50
