@@ -114,23 +114,25 @@ inline __m512 exp2_16(__m512 y) {
   return _mm512_scalef_ps(p, n);
 }
 
-// One row of a block's scores through the online softmax, in base 2: its visible columns [lo, hi) times `scale`
+// One row of a block's scores through the online softmax, in base 2, over the block's computed columns [from, to)
+// (multiples of 16; the others are neither scored nor read): its visible columns [lo, hi) times `scale`
 // (the attention's scale times log2 e), the row's reference maximum `top` (in those units; it moves only past
 // SLACK) and sum `total` updated, its probabilities into `p` (bf16, zero where hidden) and its output accumulator
 // `acc` (D floats) rescaled when `top` moves.
-inline void online_softmax(const float* s, int64_t lo, int64_t hi, float scale, float& top, float& total, bf16* p,
-                           float* acc, int64_t D) {
+inline void online_softmax(const float* s, int64_t from, int64_t to, int64_t lo, int64_t hi, float scale, float& top,
+                           float& total, bf16* p, float* acc, int64_t D) {
   constexpr int64_t V = KEYS / 16;
   if (hi <= lo) {  // nothing visible: no probability, the running state as it was
-    std::memset(p, 0, KEYS * sizeof(bf16));
+    std::memset(p + from, 0, (to - from) * sizeof(bf16));
     return;
   }
+  const int64_t v0 = from / 16, v1 = to / 16;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const bool whole = lo == 0 && hi == KEYS;
+  const bool whole = lo <= from && hi >= to;
   __m512 x[V];
   __mmask16 seen[V];
   __m512 most = _mm512_set1_ps(neg_inf);
-  for (int64_t v = 0; v < V; ++v) {
+  for (int64_t v = v0; v < v1; ++v) {
     const int64_t c = v * 16;
     if (whole) {
       seen[v] = 0xffff;
@@ -147,7 +149,7 @@ inline void online_softmax(const float* s, int64_t lo, int64_t hi, float scale, 
   const float rescale = top == neg_inf || top == now ? 1.f : std::exp2(top - now);
   const __m512 by = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-now);
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t v = 0; v < V; ++v) {
+  for (int64_t v = v0; v < v1; ++v) {
     const __m512 e = _mm512_maskz_mov_ps(seen[v], exp2_16(_mm512_fmadd_ps(x[v], by, shift)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + v * 16), (__m256i)_mm512_cvtneps_pbh(e));
@@ -234,7 +236,10 @@ void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       for (int64_t b = j_lo / KEYS; b * KEYS < j_hi; ++b) {
         const int64_t j0 = b * KEYS, packed = h * blocks + b;
         const bf16* kb = k_packed.data_ptr<bf16>() + packed * D * KEYS;
-        for (int64_t c = 0; c < KEYS; c += COLUMNS) {
+        // the block's columns some row of the block sees, in whole slices: the rest is neither scored nor summed
+        const int64_t from = std::max<int64_t>(0, j_lo - j0) / COLUMNS * COLUMNS;
+        const int64_t to = (std::min(KEYS, j_hi - j0) + COLUMNS - 1) / COLUMNS * COLUMNS;
+        for (int64_t c = from; c < to; c += COLUMNS) {
           at::native::cpublas::brgemm(rows, COLUMNS, D, D, COLUMNS, KEYS, false, q_rows, kb + c * D,
                                       scores + c);
         }
@@ -243,13 +248,13 @@ void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           // the row's visible columns of the block: one interval
           const int64_t lo = std::max<int64_t>(0, window > 0 ? pos - window + 1 - k_pos - j0 : 0);
           const int64_t hi = std::min({KEYS, pos - k_pos - j0 + 1, n_k - j0});
-          online_softmax(scores + r * KEYS, lo, hi, fscale, top[r], total[r], probs + r * KEYS,
+          online_softmax(scores + r * KEYS, from, to, lo, hi, fscale, top[r], total[r], probs + r * KEYS,
                          acc + r * D, D);
         }
         const bf16* vb = v_packed.data_ptr<bf16>() + packed * KEYS * D;
         for (int64_t c = 0; c < D; c += wide) {
-          at::native::cpublas::brgemm(rows, wide, KEYS, KEYS, wide, D, true, probs, vb + c * KEYS,
-                                      acc + c);
+          at::native::cpublas::brgemm(rows, wide, to - from, KEYS, wide, D, true, probs + from,
+                                      vb + c * KEYS + from * wide, acc + c);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
