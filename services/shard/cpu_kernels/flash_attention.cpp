@@ -98,19 +98,18 @@ void pack_blocks(const at::Tensor& k, const at::Tensor& v, int64_t blocks, bf16*
 // grow by more than that, not at every new maximum.
 constexpr float SLACK = 8.f;
 
-// 2^y, y <= SLACK, 16 lanes: y = n + f with |f| <= 1/2, 2^f by its Taylor polynomial to degree 5 (relative error
-// ~2e-6: the probabilities are bf16, the sums float), times 2^n by scalef; below -126 it is 2^-126 (masked lanes are
-// zeroed by the caller)
+// 2^y, y <= SLACK, 16 lanes: y = n + f with |f| <= 1/2, 2^f by a degree-4 polynomial fitted to it over that range
+// (relative error under 1e-5: the probabilities are bf16, the sums float), times 2^n by scalef; below -126 it is
+// 2^-126 (masked lanes are zeroed by the caller)
 inline __m512 exp2_16(__m512 y) {
   y = _mm512_max_ps(y, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(9.25496e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.585603e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2403125f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931306f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999978f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -150,7 +149,8 @@ inline void online_softmax(const float* s, int64_t from, int64_t to, int64_t lo,
   const __m512 by = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-now);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t v = v0; v < v1; ++v) {
-    const __m512 e = _mm512_maskz_mov_ps(seen[v], exp2_16(_mm512_fmadd_ps(x[v], by, shift)));
+    const __m512 y = exp2_16(_mm512_fmadd_ps(x[v], by, shift));
+    const __m512 e = whole ? y : _mm512_maskz_mov_ps(seen[v], y);
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + v * 16), (__m256i)_mm512_cvtneps_pbh(e));
   }
