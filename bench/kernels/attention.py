@@ -153,8 +153,19 @@ def _flash_ready() -> bool:
     return cpu_kernels.load() and tiled.flash_ready()
 
 
-def measure(ns, shapes: dict, dtypes, rounds: int, flex: bool, sweep_at=(2048,), progress=None, by=clock.wall):
-    """Per shape, layer kind (sliding, full), dtype and n: each candidate's median ms by the clock `by`."""
+def measure(
+    ns,
+    shapes: dict,
+    dtypes,
+    rounds: int,
+    flex: bool,
+    sweep_at=(2048,),
+    progress=None,
+    by=clock.wall,
+    only: set[str] | None = None,
+):
+    """Per shape, layer kind (sliding, full), dtype and n: each candidate's median ms by the clock `by` (with
+    `only`, those candidates alone: none of the others' memory traffic between their calls)."""
     import torch
 
     rows = []
@@ -166,6 +177,7 @@ def measure(ns, shapes: dict, dtypes, rounds: int, flex: bool, sweep_at=(2048,),
                 for n in ns:
                     w = window if kind == "sliding" else 0
                     ways, compile_s = candidates(n, shape, dtype, w, flex, sweep=n in sweep_at)
+                    ways = {way: fn for way, fn in ways.items() if only is None or way in only}
                     times = {way: [] for way in ways}
                     with torch.inference_mode():
                         if n <= 2048:  # warm up (first-call allocations, kernel selection); long rows amortise it
@@ -254,8 +266,9 @@ NAMES = ["eager-whole", "eager-tiles", "sdpa-tiles", "sdpa-tiles-128", "sdpa-til
 
 
 def _line(r: dict) -> None:
-    base = r["ms"].get("sdpa-tiles") or r["ms"]["eager-tiles"]
-    cells = [f"{r['ms'][x]:.1f} ({r['ms'][x] / base:.2f}x)" if x in r["ms"] else "—" for x in NAMES]
+    base = r["ms"].get("sdpa-tiles") or r["ms"].get("eager-tiles")  # none with --ways: the times alone
+    ms = r["ms"]
+    cells = [(f"{ms[x]:.1f}" + (f" ({ms[x] / base:.2f}x)" if base else "")) if x in ms else "—" for x in NAMES]
     print(f"| {r['shape']} | {r['layer']} | {r['dtype']} | {r['n']} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -271,17 +284,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--flex", action="store_true", help="also FlexAttention (compiles once per shape: minutes)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, as the shard)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: the shard's setting)")
     ap.add_argument("--cpu-time", action="store_true", help="time by the process's CPU seconds, not the wall clock "
                     "(steadier on a shared machine; with N threads it counts all of them)")  # fmt: skip
     ap.add_argument("--model", help="instead: a model's attention shape, and its whole prefill on the shard's path")
     ap.add_argument("--chunk", type=int, help="with --model: the prompt in chunks of this many tokens; peak RSS")
+    ap.add_argument("--ways", help="only these candidates, comma-separated (e.g. `flash`, timed alone as "
+                    "bench/kernels/vllm_attention.py times vLLM's)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    machine.shard_threads(args.threads or None)  # the shard's threads and heap, so that figures match the shard's
     by = clock.cpu if args.cpu_time else clock.wall
     ns, dtypes = [int(x) for x in args.n.split(",")], args.dtype.split(",")
     if args.model and args.chunk:
@@ -298,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print(machine.line() + (f"; {args.model}" if args.model else ""))
         _header()
-    rows = measure(ns, shapes, dtypes, args.rounds, args.flex, progress=None if args.json else _line, by=by)
+    only = set(args.ways.split(",")) if args.ways else None
+    rows = measure(ns, shapes, dtypes, args.rounds, args.flex, progress=None if args.json else _line, by=by, only=only)
     if args.model:
         if not args.json:
             print("\n| dtype | n | the model's prefill on the shard's path ms |\n|---|---:|---:|")
