@@ -227,7 +227,6 @@ void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         const bf16* src = qp + (h * n_rep + r / queries) * q.stride(0) + (i0 + r % queries) * q.stride(1);
         std::memcpy(q_rows + r * D, src, D * sizeof(bf16));
       }
-      std::fill(acc, acc + rows * D, 0.f);
       std::fill(top.begin(), top.begin() + rows, neg_inf);
       std::fill(total.begin(), total.begin() + rows, 0.f);
       const int64_t first_pos = q_pos + i0, last_pos = first_pos + queries - 1;
@@ -253,7 +252,8 @@ void flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         }
         const bf16* vb = v_packed.data_ptr<bf16>() + packed * KEYS * D;
         for (int64_t c = 0; c < D; c += wide) {
-          at::native::cpublas::brgemm(rows, wide, to - from, KEYS, wide, D, true, probs + from,
+          // the first block sets the accumulator (a row that sees none of it gets zeros), later ones add to it
+          at::native::cpublas::brgemm(rows, wide, to - from, KEYS, wide, D, b > j_lo / KEYS, probs + from,
                                       vb + c * KEYS + from * wide, acc + c);
         }
       }
