@@ -1,8 +1,8 @@
 // Attention of one long prefill row in bf16 on AMX: flash attention (an online softmax over blocks of keys), both
 // products by oneDNN's brgemm ukernel (at::native::cpublas, the AMX tiles), the heads that share a KV head folded
 // into one block of queries so that each packed key block serves all of them. Every query block reads only the
-// key blocks its queries can see (causal, and a sliding window where given), so a windowed layer costs its window,
-// not its prefix. Scores, the softmax and the output's sums stay float32; the probabilities enter the second
+// key blocks its queries can see (causal, and a sliding window where given), and of those only the slices of
+// COLUMNS keys some query sees, so a windowed layer costs its window, not its prefix. Scores, the softmax and the output's sums stay float32; the probabilities enter the second
 // product in bf16, as PyTorch's flash kernel rounds them.
 //
 // flash_attention(q [heads, n_q, D], k [kv_heads, n_k, D], v, out [n_q, heads, D], q_pos, k_pos, window, scale):
@@ -35,7 +35,7 @@ using bf16 = c10::BFloat16;
 
 constexpr int64_t QUERIES = 64;  // queries of one head in a block; a block's rows are QUERIES x the heads of a KV head
 constexpr int64_t KEYS = 256;    // keys in a block: a multiple of COLUMNS; past 256 a row's scores leave the registers
-constexpr int64_t COLUMNS = 64;  // the widest B oneDNN's ukernel packs: a block's keys and V's columns go in slices
+constexpr int64_t COLUMNS = 64;  // the widest B of one brgemm call here (oneDNN's ukernel's packing limit): slices
 
 // V's columns per slice: COLUMNS, or 32 where D is an odd multiple of 32
 inline int64_t slice_width(int64_t D) { return D % COLUMNS == 0 ? COLUMNS : 32; }
