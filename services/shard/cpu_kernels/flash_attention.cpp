@@ -2,8 +2,9 @@
 // products by oneDNN's brgemm ukernel (at::native::cpublas, the AMX tiles), the heads that share a KV head folded
 // into one block of queries so that each packed key block serves all of them. Every query block reads only the
 // key blocks its queries can see (causal, and a sliding window where given), and of those only the slices of
-// COLUMNS keys some query sees, so a windowed layer costs its window, not its prefix. Scores, the softmax and the output's sums stay float32; the probabilities enter the second
-// product in bf16, as PyTorch's flash kernel rounds them.
+// COLUMNS keys some query sees, so a windowed layer costs its window, not its prefix. Scores, the softmax and the
+// output's sums stay float32; the probabilities enter the second product in bf16, as PyTorch's flash kernel rounds
+// them.
 //
 // flash_attention(q [heads, n_q, D], k [kv_heads, n_k, D], v, out [n_q, heads, D], q_pos, k_pos, window, scale):
 // query i sits at position q_pos + i and key j at k_pos + j; a query sees the keys at or before it, and with a
@@ -70,7 +71,8 @@ void pack_blocks(const at::Tensor& k, const at::Tensor& v, int64_t blocks, bf16*
       // Kᵀ: word w of key j goes to [w][j] of its slice
       uint32_t* kd = reinterpret_cast<uint32_t*>(k_packed + item * D * KEYS);
       for (int64_t j = 0; j < KEYS; j += 16) {
-        const __mmask16 real = static_cast<__mmask16>(keys - j >= 16 ? 0xffff : keys > j ? (1u << (keys - j)) - 1u : 0u);
+        const int64_t here = std::clamp<int64_t>(keys - j, 0, 16);  // real keys among these 16
+        const __mmask16 real = static_cast<__mmask16>((1u << here) - 1u);
         uint32_t* slice = kd + j / COLUMNS * words * COLUMNS + j % COLUMNS;
         const bf16* rows = kh + std::min(j, keys) * k_row;
         for (int64_t w = 0; w < words; ++w) {
@@ -169,13 +171,13 @@ inline void online_softmax(const float* s, int64_t from, int64_t to, int64_t lo,
 class Scratch {
  public:
   explicit Scratch(std::initializer_list<int64_t> bytes) {
-    int64_t at = 0;
+    int64_t offset = 0;
     for (const int64_t b : bytes) {
-      at = (at + 4095) / 4096 * 4096 + 64 * (1 + static_cast<int64_t>(starts_.size()));
-      starts_.push_back(at);
-      at += b;
+      offset = (offset + 4095) / 4096 * 4096 + 64 * (1 + static_cast<int64_t>(starts_.size()));
+      starts_.push_back(offset);
+      offset += b;
     }
-    memory_ = at::empty({at + 64}, at::kByte);
+    memory_ = at::empty({offset + 64}, at::kByte);
   }
   template <typename T>
   T* array(int i) const {

@@ -30,6 +30,15 @@ def test_the_table_rows(capsys):
     assert all(ms > 0 for ms in rows[0]["ms"].values())
 
 
+def test_only_the_chosen_candidates_are_timed(capsys):
+    """`--ways`: the named candidates alone, their times printed without a ratio (no baseline among them)."""
+    rows = attention.measure([64], {"llama-64": attention.SHAPES["llama-64"]}, ["float32"], 1, False, only={"sdpa-row"})
+    assert set(rows[0]["ms"]) == {"sdpa-row"}
+    attention._line(rows[0])
+    line = capsys.readouterr().out
+    assert "—" in line and "x)" not in line
+
+
 def test_a_models_shape_and_prefill(tiny_dirs):
     folder = str(tiny_dirs["gemma3"])
     heads, kv_heads, d, window, scaling, softcap = attention.model_shape(folder)
