@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +31,9 @@ ATTN_IMPLEMENTATION = "switchyard_paged"
 # A group's padded work (rows x queries x keys) may exceed its real work by this factor before a row starts a new
 # group: bounds the waste of padding while keeping the number of groups (batched matmuls per layer) small.
 PAD_SLACK = 2.0
+
+# K/V writes by way ("kernel": cpu_kernels' write_kv; "index_copy"): lets tests see which one ran
+WRITES: Counter = Counter()
 
 
 @dataclass
@@ -67,7 +71,8 @@ class PagedBatch:
     # per layer (K, V) as [kv_heads, slots, D] views (None: formed per call); the runner forms them once at load
     kv_flat: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     # "torch": the ops below (the reference); "triton": services/shard/attention/triton.py; "cpu": short rows
-    # (decodes, verified drafts) by services/shard/attention/cpu.py, the rest by the ops below
+    # (decodes, verified drafts) by services/shard/attention/cpu.py, the K/V write by cpu_kernels' write_kv, the rest
+    # by the ops below
     backend: str = "torch"
     # row -> [n, 2] positions [start, end) seen both ways in prefill (bidirectional.py); empty: causal everywhere
     spans: dict = field(default_factory=dict)
@@ -283,9 +288,14 @@ def write_kv(layer: int, key: torch.Tensor, value: torch.Tensor, paged: PagedBat
         k_flat, v_flat = (c.view(c.shape[0], -1, c.shape[3]) for c in (k_cache, v_cache))
     if key.dtype != k_cache.dtype:
         key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    if paged.backend == "cpu":  # the C++ kernels are loaded: one copy per token and head (cpu_kernels/kv_write.cpp)
+        torch.ops.switchyard_cpu.write_kv(k_flat, v_flat, paged.slot_mapping, key, value)
+        WRITES["kernel"] += 1
+        return
     # [kv_heads, T, D] into the flat slots
     k_flat.index_copy_(1, paged.slot_mapping, key.transpose(0, 1))
     v_flat.index_copy_(1, paged.slot_mapping, value.transpose(0, 1))
+    WRITES["index_copy"] += 1
 
 
 def attention_backend(choice: str, device: torch.device, cpu_kernels: bool = False) -> str:

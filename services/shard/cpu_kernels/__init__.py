@@ -7,9 +7,9 @@ pass and one parallel region: the attention of short rows reading the pages in p
 add with the RMSNorm after it (norm.cpp), Gemma-3's q/k norms with the rotary embedding (rotary.cpp), the gated
 activation (activation.cpp); after the forward, the token choice over the logits as they are (sampling.cpp). For
 prefill, long bf16 rows on a CPU with AMX take a flash attention of their own (flash_attention.cpp, called by the
-tiled path). The norm, rotary and SiLU kernels round where the torch ops round (bit-identical to them); the
-attentions keep their scores and sums in float32. The float32 exact mode never calls them (bit-identity
-with transformers is the torch path's).
+tiled path), and the step's K/V go into the pages by one copy per token and head (kv_write.cpp). The norm, rotary
+and SiLU kernels round where the torch ops round (bit-identical to them); the attentions keep their scores and sums
+in float32. The float32 exact mode never calls them (bit-identity with transformers is the torch path's).
 
 Built on first use by torch's extension builder (g++, FLAGS: `-march=native` with 512-bit vectors where the CPU has
 them, which change no result since nothing is reassociated) and cached in the model cache's
@@ -31,7 +31,9 @@ from libs.runtime import cpu, model_store
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("attention.cpp", "flash_attention.cpp", "norm.cpp", "rotary.cpp", "activation.cpp", "sampling.cpp")
+SOURCES = (
+    "attention.cpp", "flash_attention.cpp", "kv_write.cpp", "norm.cpp", "rotary.cpp", "activation.cpp", "sampling.cpp"
+)  # fmt: skip
 HEADERS = ("common.h",)
 # -fopenmp: at::parallel_for is OpenMP in the headers; the library binds to the libgomp torch has loaded
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno"]

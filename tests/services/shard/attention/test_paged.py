@@ -65,3 +65,26 @@ def test_a_step_of_decodes_alone_is_one_whole_group():
     batch, *_ = _batch([1, 1, 1], [10, 20, 12])
     groups, _ = batch.plan(0, torch.device("cpu"))
     assert len(groups) == 1 and groups[0].whole and groups[0].rows == 3
+
+
+def test_the_cpu_backend_writes_kv_by_the_kernel_as_index_copy_would():
+    """backend "cpu" (the runner loaded the C++ kernels): a prefill's K/V go in by cpu_kernels' write_kv, into the
+    same slots with the same values as the torch backend's index_copy_."""
+    from dataclasses import replace
+
+    from services.shard import cpu_kernels
+
+    assert cpu_kernels.load(), cpu_kernels.reason()
+    gen = torch.Generator().manual_seed(4)
+    bs, blocks, kv_heads, d, tokens = 4, 12, 2, 8, 37
+    pages = {way: [torch.zeros(kv_heads, blocks, bs, d, dtype=torch.bfloat16) for _ in range(2)] for way in "ab"}
+    slots = torch.randperm(blocks * bs, generator=gen)[:tokens]
+    key, value = (torch.randn(tokens, kv_heads, d, generator=gen).bfloat16() for _ in range(2))
+    before = paged.WRITES.copy()
+    for way, backend in (("a", "cpu"), ("b", "torch")):
+        batch = replace(host_batch(*pages[way], [tokens], [0], [list(range(blocks))]), slot_mapping=slots)
+        paged.write_kv(0, key, value, replace(batch, backend=backend))
+    assert paged.WRITES["kernel"] - before["kernel"] == 1
+    assert paged.WRITES["index_copy"] - before["index_copy"] == 1
+    assert torch.equal(pages["a"][0], pages["b"][0]) and torch.equal(pages["a"][1], pages["b"][1])
+    assert pages["a"][0].abs().sum() > 0  # something was written
