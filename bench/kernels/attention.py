@@ -10,6 +10,7 @@ shard's path (bench/engine.py); with `--chunk`, the prompt in chunks with each c
 
     python -m bench.kernels.attention [--n 512,2048,8192] [--dtype float32,bfloat16] [--flex] [--cpu-time]
     python -m bench.kernels.attention --model DIR --n 8192 [--chunk 2048] --dtype float32
+    python -m bench.kernels.attention --n 2048 --dtype bfloat16 --ways flash   # one candidate alone, warm
 """
 
 from __future__ import annotations

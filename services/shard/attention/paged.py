@@ -3,13 +3,13 @@
 The model runs on a packed batch (every row's new tokens in one [1, T] sequence, no padding); transformers calls
 `paged_attention` once per layer with all of it, and `attention_mask` is always None (masking_utils builds no mask
 for an implementation it does not know). The new K/V go into the head-major cache [kv_heads, blocks, block_size,
-D] by one `index_copy_`; each row attends over its own context, gathered from its blocks, by transformers' eager
-math, so float32 output matches `generate()` token for token. Rows are bucketed into groups of similar (query,
-key) lengths, one batched matmul each (padding masked; one-query rows apart), whose gather indices and masks are
-built once per step and window and shared by every layer; GQA folds the heads sharing a KV head into the query
-dimension. Long prefill rows run tiled (services/shard/attention/tiled.py). docs/attention.md tells why. This is the
-reference path; a PagedBatch whose `backend` is "triton" hands each layer to services/shard/attention/triton.py,
-and "cpu" its short rows to the C++ kernel of services/shard/attention/cpu.py.
+D] by one `index_copy_` (backend "cpu": cpu_kernels' `write_kv`); each row attends over its own context, gathered
+from its blocks, by transformers' eager math, so float32 output matches `generate()` token for token. Rows are
+bucketed into groups of similar (query, key) lengths, one batched matmul each (padding masked; one-query rows
+apart), whose gather indices and masks are built once per step and window and shared by every layer; GQA folds the
+heads sharing a KV head into the query dimension. Long prefill rows run tiled (services/shard/attention/tiled.py).
+docs/attention.md tells why. This is the reference path; a PagedBatch whose `backend` is "triton" hands each layer
+to services/shard/attention/triton.py, and "cpu" its short rows to the C++ kernel of services/shard/attention/cpu.py.
 """
 
 from __future__ import annotations

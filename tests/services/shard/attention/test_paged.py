@@ -1,10 +1,14 @@
-"""How a step's short rows are grouped for attention: decodes keep the one-query product beside verified drafts."""
+"""How a step's short rows are grouped for attention: decodes keep the one-query product beside verified drafts;
+the cpu backend writes the step's K/V by the kernel."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
 
+from services.shard import cpu_kernels
 from services.shard.attention import paged
 
 
@@ -70,10 +74,6 @@ def test_a_step_of_decodes_alone_is_one_whole_group():
 def test_the_cpu_backend_writes_kv_by_the_kernel_as_index_copy_would():
     """backend "cpu" (the runner loaded the C++ kernels): a prefill's K/V go in by cpu_kernels' write_kv, into the
     same slots with the same values as the torch backend's index_copy_."""
-    from dataclasses import replace
-
-    from services.shard import cpu_kernels
-
     assert cpu_kernels.load(), cpu_kernels.reason()
     gen = torch.Generator().manual_seed(4)
     bs, blocks, kv_heads, d, tokens = 4, 12, 2, 8, 37
