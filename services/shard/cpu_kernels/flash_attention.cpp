@@ -4,7 +4,7 @@
 // key blocks its queries can see (causal, and a sliding window where given), and of those only the slices of
 // COLUMNS keys some query sees, so a windowed layer costs its window, not its prefix. Scores, the softmax and the
 // output's sums stay float32; the probabilities enter the second product in bf16, as PyTorch's flash kernel rounds
-// them.
+// them, and a row's sum adds those same bf16 probabilities.
 //
 // flash_attention(q [heads, n_q, D], k [kv_heads, n_k, D], v, out [n_q, heads, D], q_pos, k_pos, window, scale):
 // query i sits at position q_pos + i and key j at k_pos + j; a query sees the keys at or before it, and with a
@@ -20,9 +20,9 @@
 #include <limits>
 #include <vector>
 
-// The kernel is built where the compiler targets AVX-512 with bf16 conversions (every CPU with AMX has them);
-// elsewhere the op says so and `flash_attention_ready` is false.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// The kernel is built where the compiler targets AVX-512 (BW, DQ) with bf16 conversions (every CPU with AMX has
+// them); elsewhere the op says so and `flash_attention_ready` is false.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512BF16__)
 #define SWITCHYARD_FLASH 1
 #include <immintrin.h>
 #else
@@ -100,19 +100,16 @@ void pack_blocks(const at::Tensor& k, const at::Tensor& v, int64_t blocks, bf16*
 // grow by more than that, not at every new maximum.
 constexpr float SLACK = 8.f;
 
-// 2^y, y <= SLACK, 16 lanes: y = n + f with |f| <= 1/2, 2^f by a degree-4 polynomial fitted to it over that range
-// (relative error under 1e-5: the probabilities are bf16, the sums float), times 2^n by scalef; below -126 it is
-// 2^-126 (masked lanes are zeroed by the caller)
+// 2^y, y <= SLACK, 16 lanes: y = n + f with n = floor(y) and f in [0, 1) (one vreduceps), 2^f by a cubic fitted
+// to it over that range (relative error 7.5e-5, against bf16's rounding of 3.9e-3: the probabilities are bf16),
+// times 2^n by scalef, which takes the floor of y itself. A far negative y gives 0.
 inline __m512 exp2_16(__m512 y) {
-  y = _mm512_max_ps(y, _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(9.25496e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.585603e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2403125f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931306f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999978f));
-  return _mm512_scalef_ps(p, n);
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(7.802419e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.22606722f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69583374f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999252f));
+  return _mm512_scalef_ps(p, y);
 }
 
 // One row of a block's scores through the online softmax, in base 2, over the block's computed columns [from, to)
@@ -130,6 +127,25 @@ inline void online_softmax(const float* s, int64_t from, int64_t to, int64_t lo,
   const int64_t v0 = from / 16, v1 = to / 16;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const bool whole = lo <= from && hi >= to;
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+  if (whole && top != neg_inf) {
+    // the common case, a block the row sees whole after its first: the exponentials against the reference maximum
+    // at once, the block's own maximum on the way; only a block that passes the reference by SLACK is redone below
+    const __m512 by = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-top);
+    __m512 most = _mm512_set1_ps(neg_inf), sum = _mm512_setzero_ps();
+    for (int64_t v = v0; v < v1; v += 2) {
+      const __m512 x0 = _mm512_loadu_ps(s + v * 16), x1 = _mm512_loadu_ps(s + v * 16 + 16);
+      most = _mm512_max_ps(most, _mm512_max_ps(x0, x1));
+      const __m512bh pair = _mm512_cvtne2ps_pbh(exp2_16(_mm512_fmadd_ps(x1, by, shift)),
+                                                exp2_16(_mm512_fmadd_ps(x0, by, shift)));
+      sum = _mm512_dpbf16_ps(sum, pair, ones);
+      _mm512_storeu_si512(p + v * 16, (__m512i)pair);
+    }
+    if (_mm512_reduce_max_ps(most) * scale <= top + SLACK) {
+      total += _mm512_reduce_add_ps(sum);
+      return;
+    }
+  }
   __m512 x[V];
   __mmask16 seen[V];
   __m512 most = _mm512_set1_ps(neg_inf);
@@ -149,12 +165,19 @@ inline void online_softmax(const float* s, int64_t from, int64_t to, int64_t lo,
   // before its first visible key a row's accumulator and sum are still zero: nothing to rescale
   const float rescale = top == neg_inf || top == now ? 1.f : std::exp2(top - now);
   const __m512 by = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-now);
+  // two vectors at a time: one conversion to 32 bf16, summed as they are (by a dot product with ones), so the sum
+  // is of the probabilities the second product reads
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t v = v0; v < v1; ++v) {
-    const __m512 y = exp2_16(_mm512_fmadd_ps(x[v], by, shift));
-    const __m512 e = whole ? y : _mm512_maskz_mov_ps(seen[v], y);
-    sum = _mm512_add_ps(sum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + v * 16), (__m256i)_mm512_cvtneps_pbh(e));
+  for (int64_t v = v0; v < v1; v += 2) {
+    __m512 e0 = exp2_16(_mm512_fmadd_ps(x[v], by, shift));
+    __m512 e1 = exp2_16(_mm512_fmadd_ps(x[v + 1], by, shift));
+    if (!whole) {
+      e0 = _mm512_maskz_mov_ps(seen[v], e0);
+      e1 = _mm512_maskz_mov_ps(seen[v + 1], e1);
+    }
+    const __m512bh pair = _mm512_cvtne2ps_pbh(e1, e0);
+    sum = _mm512_dpbf16_ps(sum, pair, ones);
+    _mm512_storeu_si512(p + v * 16, (__m512i)pair);
   }
   top = now;
   total = total * rescale + _mm512_reduce_add_ps(sum);
