@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <vector>
+
 namespace {
 
 using namespace switchyard_cpu;
@@ -33,16 +35,19 @@ void gate_rows(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
   T* op = out.data_ptr<T>();
   const int64_t g_row = gate.stride(0), u_row = up.stride(0);
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(n);
+    float* a = buffer.data();
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gp + r * g_row;
       const T* u = upp + r * u_row;
-      T* o = op + r * n;
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
         const float x = widen(g[i]);
-        const float a = GELU ? gelu_tanh(x) : silu(x);
-        store(o + i, round_to(a, T()) * widen(u[i]));
+        a[i] = GELU ? gelu_tanh(x) : silu(x);
       }
+      round_row<T>(a, n);
+      for (int64_t i = 0; i < n; ++i) a[i] *= widen(u[i]);
+      store_row(op + r * n, a, n);
     }
   });
 }

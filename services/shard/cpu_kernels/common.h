@@ -10,6 +10,11 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define SWITCHYARD_BF16_ROWS 1
+#include <immintrin.h>
+#endif
+
 namespace switchyard_cpu {
 
 // float from a stored value: a bfloat16 is the high half of a float (a shift the compiler vectorizes)
@@ -47,6 +52,40 @@ inline void store(float* p, float x) { *p = x; }
 inline void store(double* p, float x) { *p = x; }
 inline void store(c10::BFloat16* p, float x) { p->x = bf16_bits(x); }
 inline void store(c10::Half* p, float x) { *p = static_cast<c10::Half>(x); }
+
+// A row of floats rounded to a dtype in place (`round_row`), or stored into it (`store_row`), as round_to and
+// store round. Where the CPU converts to bf16 natively, a bf16 row takes one instruction per 16 values (the
+// integer rounding above is six); a NaN stays a NaN, its payload the instruction's.
+template <typename T>
+inline void round_row(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = round_to(x[i], T());
+}
+
+template <typename T>
+inline void store_row(T* dst, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) store(dst + i, x[i]);
+}
+
+#if SWITCHYARD_BF16_ROWS
+template <>
+inline void round_row<c10::BFloat16>(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i bits = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+    _mm512_storeu_ps(x + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+  }
+  for (; i < n; ++i) x[i] = round_to(x[i], c10::BFloat16());
+}
+
+template <>
+inline void store_row<c10::BFloat16>(c10::BFloat16* dst, const float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  }
+  for (; i < n; ++i) store(dst + i, x[i]);
+}
+#endif
 
 // e^x for x <= 0 (scores minus their maximum), within a few ulp of expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by
 // its Taylor polynomial to degree 7, 2^n into the exponent bits; below -87 it is e^-87 (~1e-38). Branch-free so

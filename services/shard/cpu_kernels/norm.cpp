@@ -51,7 +51,8 @@ void add_norm_rows(at::Tensor& h, const std::optional<at::Tensor>& y, const at::
         if (yw != nullptr) {  // y's own norm first, rounded as a tensor of its dtype
           for (int64_t i = 0; i < n; ++i) yn[i] = widen(yr[i]);
           const float ry = inv_rms(yn.data(), n, y_eps);
-          for (int64_t i = 0; i < n; ++i) yn[i] = round_to(yn[i] * ry * yw[i], T());
+          for (int64_t i = 0; i < n; ++i) yn[i] = yn[i] * ry * yw[i];
+          round_row<T>(yn.data(), n);
         } else {
           for (int64_t i = 0; i < n; ++i) yn[i] = widen(yr[i]);
         }

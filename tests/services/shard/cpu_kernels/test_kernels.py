@@ -35,7 +35,8 @@ def _gen(seed: int = 0) -> torch.Generator:
 @pytest.mark.parametrize(
     "gemma,add", [(False, "none"), (False, "plain"), (True, "none"), (True, "plain"), (True, "normed")]
 )  # only Gemma norms what it adds
-@pytest.mark.parametrize("N", [96, 640, 2304])  # the sum's order: a short row, one carry, several (ATen's cascade)
+# the sum's order: a short row, one with vectors and values left over, one carry, several (ATen's cascade)
+@pytest.mark.parametrize("N", [96, 124, 640, 2304])
 def test_add_rms_norm_equals_the_torch_ops(dtype, gemma, add, N):
     g = _gen()
     T = 64
