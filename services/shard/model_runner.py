@@ -60,7 +60,7 @@ class ModelRunner:
         grammar_fill: str = "ahead",  # where structured output's masks are filled: "ahead" or "inline" (Settings)
         device_sampling: bool | None = None,  # one counter-keyed draw for all rows (sampling/counter.py); None: on CUDA
         cuda_graphs: tuple[int, ...] = (),  # decode buckets replayed as CUDA graphs (graphs.py)
-        kv_prefault: bool = False,  # the KV cache touched at start, resident from the start (Settings.kv_prefault)
+        kv_prefault: bool = False,  # the KV cache made resident at start, on a thread (Settings.kv_prefault)
         attention: str = "auto",  # "torch", "triton", "cpu" or "auto" (attention_backend)
         cpu_kernels: bool = True,  # the C++ kernels on CPU in half precision where they build (cpu_kernels/)
         model: torch.nn.Module | None = None,  # built in memory (from_config); model_dir: its tokenizer, or None

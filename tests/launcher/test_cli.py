@@ -69,16 +69,17 @@ def test_switches_go_on_from_the_launchers_environment(monkeypatch, model_dir):
     """The fields with no flag (Settings.SWITCHES) reach every service as set where `switchyard serve` ran."""
     assert settings_from(parse(), model_dir).decoder_walk  # unset: the defaults
     assert settings_from(parse(), model_dir).cpu_kernels
+    assert settings_from(parse(), model_dir).kv_prefault
     for name, value in {
         "DECODER_WALK": "0",
         "GRAMMAR_FILL": "inline",
-        "KV_PREFAULT": "1",
+        "KV_PREFAULT": "0",
         "TORCH_THREADS": "3",
         "CPU_KERNELS": "0",
     }.items():
         monkeypatch.setenv(f"SWITCHYARD_{name}", value)
     s = settings_from(parse(), model_dir)
-    assert (s.decoder_walk, s.grammar_fill, s.kv_prefault, s.torch_threads) == (False, "inline", True, 3)
+    assert (s.decoder_walk, s.grammar_fill, s.kv_prefault, s.torch_threads) == (False, "inline", False, 3)
     assert s.cpu_kernels is False
     assert Settings.from_env(s.to_env()) == s
     monkeypatch.setenv("SWITCHYARD_TORCH_THREADS", "many")
