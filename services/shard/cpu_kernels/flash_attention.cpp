@@ -112,6 +112,12 @@ inline __m512 exp2_16(__m512 y) {
   return _mm512_scalef_ps(p, y);
 }
 
+// The lanes of the 16 columns from c that a row sees, its visible columns being [lo, hi)
+inline __mmask16 seen(int64_t c, int64_t lo, int64_t hi) {
+  const int64_t from = std::clamp<int64_t>(lo - c, 0, 16), to = std::clamp<int64_t>(hi - c, 0, 16);
+  return static_cast<__mmask16>(((1u << to) - 1u) & ~((1u << from) - 1u));
+}
+
 // One row of a block's scores through the online softmax, in base 2, over the block's computed columns [from, to)
 // (multiples of 16; the others are neither scored nor read): its visible columns [lo, hi) times `scale`
 // (the attention's scale times log2 e), the row's reference maximum `top` (in those units; it moves only past
@@ -128,16 +134,23 @@ inline void online_softmax(const float* s, int64_t from, int64_t to, int64_t lo,
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const bool whole = lo <= from && hi >= to;
   const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
-  if (whole && top != neg_inf) {
-    // the common case, a block the row sees whole after its first: the exponentials against the reference maximum
-    // at once, the block's own maximum on the way; only a block that passes the reference by SLACK is redone below
+  if (top != neg_inf) {
+    // every block after a row's first: the exponentials against the reference maximum at once, the block's own
+    // maximum on the way; only a block that passes the reference by SLACK is redone below
     const __m512 by = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-top);
     __m512 most = _mm512_set1_ps(neg_inf), sum = _mm512_setzero_ps();
     for (int64_t v = v0; v < v1; v += 2) {
       const __m512 x0 = _mm512_loadu_ps(s + v * 16), x1 = _mm512_loadu_ps(s + v * 16 + 16);
-      most = _mm512_max_ps(most, _mm512_max_ps(x0, x1));
-      const __m512bh pair = _mm512_cvtne2ps_pbh(exp2_16(_mm512_fmadd_ps(x1, by, shift)),
-                                                exp2_16(_mm512_fmadd_ps(x0, by, shift)));
+      __m512 e0 = exp2_16(_mm512_fmadd_ps(x0, by, shift)), e1 = exp2_16(_mm512_fmadd_ps(x1, by, shift));
+      if (whole) {
+        most = _mm512_max_ps(most, _mm512_max_ps(x0, x1));
+      } else {
+        const __mmask16 seen0 = seen(v * 16, lo, hi), seen1 = seen(v * 16 + 16, lo, hi);
+        most = _mm512_mask_max_ps(_mm512_mask_max_ps(most, seen0, most, x0), seen1, most, x1);
+        e0 = _mm512_maskz_mov_ps(seen0, e0);
+        e1 = _mm512_maskz_mov_ps(seen1, e1);
+      }
+      const __m512bh pair = _mm512_cvtne2ps_pbh(e1, e0);
       sum = _mm512_dpbf16_ps(sum, pair, ones);
       _mm512_storeu_si512(p + v * 16, (__m512i)pair);
     }
@@ -147,18 +160,13 @@ inline void online_softmax(const float* s, int64_t from, int64_t to, int64_t lo,
     }
   }
   __m512 x[V];
-  __mmask16 seen[V];
+  __mmask16 visible[V];
   __m512 most = _mm512_set1_ps(neg_inf);
   for (int64_t v = v0; v < v1; ++v) {
     const int64_t c = v * 16;
-    if (whole) {
-      seen[v] = 0xffff;
-    } else {
-      const int64_t from = std::clamp<int64_t>(lo - c, 0, 16), to = std::clamp<int64_t>(hi - c, 0, 16);
-      seen[v] = static_cast<__mmask16>(((1u << to) - 1u) & ~((1u << from) - 1u));
-    }
+    visible[v] = whole ? 0xffff : seen(c, lo, hi);
     x[v] = _mm512_loadu_ps(s + c);
-    most = _mm512_mask_max_ps(most, seen[v], most, x[v]);
+    most = _mm512_mask_max_ps(most, visible[v], most, x[v]);
   }
   const float block_top = _mm512_reduce_max_ps(most) * scale;
   const float now = block_top > top + SLACK ? block_top : top;  // top is -inf until the row's first visible key
@@ -172,8 +180,8 @@ inline void online_softmax(const float* s, int64_t from, int64_t to, int64_t lo,
     __m512 e0 = exp2_16(_mm512_fmadd_ps(x[v], by, shift));
     __m512 e1 = exp2_16(_mm512_fmadd_ps(x[v + 1], by, shift));
     if (!whole) {
-      e0 = _mm512_maskz_mov_ps(seen[v], e0);
-      e1 = _mm512_maskz_mov_ps(seen[v + 1], e1);
+      e0 = _mm512_maskz_mov_ps(visible[v], e0);
+      e1 = _mm512_maskz_mov_ps(visible[v + 1], e1);
     }
     const __m512bh pair = _mm512_cvtne2ps_pbh(e1, e0);
     sum = _mm512_dpbf16_ps(sum, pair, ones);
