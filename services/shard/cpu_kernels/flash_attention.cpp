@@ -146,7 +146,8 @@ inline void online_softmax(const float* s, int64_t from, int64_t to, int64_t lo,
         most = _mm512_max_ps(most, _mm512_max_ps(x0, x1));
       } else {
         const __mmask16 seen0 = seen(v * 16, lo, hi), seen1 = seen(v * 16 + 16, lo, hi);
-        most = _mm512_mask_max_ps(_mm512_mask_max_ps(most, seen0, most, x0), seen1, most, x1);
+        most = _mm512_mask_max_ps(most, seen0, most, x0);
+        most = _mm512_mask_max_ps(most, seen1, most, x1);
         e0 = _mm512_maskz_mov_ps(seen0, e0);
         e1 = _mm512_maskz_mov_ps(seen1, e1);
       }

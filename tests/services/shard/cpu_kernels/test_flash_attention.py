@@ -86,6 +86,24 @@ def test_scores_that_keep_rising_move_the_running_maximum(window):
     assert (out.float() - want).abs().max().item() <= 2 * rounding + 2e-3
 
 
+def test_a_jump_in_the_first_half_of_a_partly_seen_pair_moves_the_maximum():
+    """In the diagonal block (seen in part), keys 256-271 score far above everything before them and keys 272-287
+    do not: the block's maximum is in the first of the two vectors the softmax takes at a time, and must still move
+    the row's reference, or its probabilities overflow."""
+    heads, kv_heads, d, n = 1, 1, 64, 300
+    q, k, v = _row(heads, kv_heads, d, n, 0, seed=7)
+    q = torch.ones_like(q)  # every query the same direction
+    k = k.float() * 0.1
+    k[:, 256:272] = 20.0  # 231 in base 2 against ~1 before them: far past the slack, and past float's range
+    k = k.bfloat16()
+    out = torch.empty(n, heads, d, dtype=torch.bfloat16)
+    torch.ops.switchyard_cpu.flash_attention(q, k, v, out, 0, 0, 0, d**-0.5)
+    want = _reference(q, k, v, 0, 0, 0, d**-0.5)
+    rounding = (want.bfloat16().float() - want).abs().max().item()
+    assert torch.isfinite(out.float()).all()
+    assert (out.float() - want).abs().max().item() <= 2 * rounding + 2e-3
+
+
 def test_a_hidden_key_never_reaches_the_output():
     """Keys after a query and before its window hold huge values; the output is the float32 math all the same."""
     heads, kv_heads, d, n, ctx, window = 4, 2, 64, 200, 100, 50
