@@ -125,7 +125,6 @@ inline __mmask16 seen(int64_t c, int64_t lo, int64_t hi) {
 // `acc` (D floats) rescaled when `top` moves.
 inline void online_softmax(const float* s, int64_t from, int64_t to, int64_t lo, int64_t hi, float scale, float& top,
                            float& total, bf16* p, float* acc, int64_t D) {
-  constexpr int64_t V = KEYS / 16;
   if (hi <= lo) {  // nothing visible: no probability, the running state as it was
     std::memset(p + from, 0, (to - from) * sizeof(bf16));
     return;
@@ -134,11 +133,14 @@ inline void online_softmax(const float* s, int64_t from, int64_t to, int64_t lo,
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const bool whole = lo <= from && hi >= to;
   const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
-  if (top != neg_inf) {
-    // every block after a row's first: the exponentials against the reference maximum at once, the block's own
-    // maximum on the way; only a block that passes the reference by SLACK is redone below
-    const __m512 by = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-top);
-    __m512 most = _mm512_set1_ps(neg_inf), sum = _mm512_setzero_ps();
+  // One pass, two vectors at a time, against the reference `ref`: the exponentials, converted to 32 bf16 at once
+  // and summed as they are (by a dot product with ones, so the sum is of the probabilities the second product
+  // reads), and the block's own maximum on the way, returned in `scale`'s units
+  __m512 sum;
+  auto pass = [&](float ref) {
+    const __m512 by = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-ref);
+    __m512 most = _mm512_set1_ps(neg_inf);
+    sum = _mm512_setzero_ps();
     for (int64_t v = v0; v < v1; v += 2) {
       const __m512 x0 = _mm512_loadu_ps(s + v * 16), x1 = _mm512_loadu_ps(s + v * 16 + 16);
       __m512 e0 = exp2_16(_mm512_fmadd_ps(x0, by, shift)), e1 = exp2_16(_mm512_fmadd_ps(x1, by, shift));
@@ -155,39 +157,23 @@ inline void online_softmax(const float* s, int64_t from, int64_t to, int64_t lo,
       sum = _mm512_dpbf16_ps(sum, pair, ones);
       _mm512_storeu_si512(p + v * 16, (__m512i)pair);
     }
-    if (_mm512_reduce_max_ps(most) * scale <= top + SLACK) {
-      total += _mm512_reduce_add_ps(sum);
-      return;
+    return _mm512_reduce_max_ps(most) * scale;
+  };
+  float now = top;
+  if (now == neg_inf) {  // the row's first visible block: its own maximum first, the reference from then on
+    __m512 most = _mm512_set1_ps(neg_inf);
+    for (int64_t v = v0; v < v1; ++v) {
+      most = _mm512_mask_max_ps(most, whole ? 0xffff : seen(v * 16, lo, hi), most, _mm512_loadu_ps(s + v * 16));
     }
+    now = _mm512_reduce_max_ps(most) * scale;
   }
-  __m512 x[V];
-  __mmask16 visible[V];
-  __m512 most = _mm512_set1_ps(neg_inf);
-  for (int64_t v = v0; v < v1; ++v) {
-    const int64_t c = v * 16;
-    visible[v] = whole ? 0xffff : seen(c, lo, hi);
-    x[v] = _mm512_loadu_ps(s + c);
-    most = _mm512_mask_max_ps(most, visible[v], most, x[v]);
+  const float block_top = pass(now);
+  if (block_top > now + SLACK) {  // the scores passed the reference by more than the slack: it moves, and the pass
+    now = block_top;              // is redone against it
+    pass(now);
   }
-  const float block_top = _mm512_reduce_max_ps(most) * scale;
-  const float now = block_top > top + SLACK ? block_top : top;  // top is -inf until the row's first visible key
   // before its first visible key a row's accumulator and sum are still zero: nothing to rescale
   const float rescale = top == neg_inf || top == now ? 1.f : std::exp2(top - now);
-  const __m512 by = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-now);
-  // two vectors at a time: one conversion to 32 bf16, summed as they are (by a dot product with ones), so the sum
-  // is of the probabilities the second product reads
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t v = v0; v < v1; v += 2) {
-    __m512 e0 = exp2_16(_mm512_fmadd_ps(x[v], by, shift));
-    __m512 e1 = exp2_16(_mm512_fmadd_ps(x[v + 1], by, shift));
-    if (!whole) {
-      e0 = _mm512_maskz_mov_ps(visible[v], e0);
-      e1 = _mm512_maskz_mov_ps(visible[v + 1], e1);
-    }
-    const __m512bh pair = _mm512_cvtne2ps_pbh(e1, e0);
-    sum = _mm512_dpbf16_ps(sum, pair, ones);
-    _mm512_storeu_si512(p + v * 16, (__m512i)pair);
-  }
   top = now;
   total = total * rescale + _mm512_reduce_add_ps(sum);
   if (rescale != 1.f) {
