@@ -166,9 +166,9 @@ MADV_POPULATE_WRITE = 23
 def populate(tensors: list[torch.Tensor]) -> threading.Thread:
     """Make the pages of `tensors` (page-aligned CPU mappings, as `_zeros` gives) resident, on a thread of its own:
     a first touch costs a fault per 4 KiB page, paid once here instead of by every prefill that reaches new blocks
-    (docs/attention.md has what it cost). MADV_POPULATE_WRITE
-    leaves what is written untouched, so steps may write K/V meanwhile; the call releases the GIL (ctypes). Where
-    the kernel lacks it, pages stay on first touch (logged). Returns the thread."""
+    (docs/attention.md has what it cost). MADV_POPULATE_WRITE leaves what is written untouched, so steps may write
+    K/V meanwhile; the call releases the GIL (ctypes). Where the kernel lacks it, pages stay on first touch (logged).
+    Returns the thread."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
