@@ -21,7 +21,8 @@ from libs.protocol.step_messages import StepPlan, StepResult
 from libs.runtime import model_store
 from services.shard import cpu_kernels as kernels_module
 from services.shard import graphs as graphs_module
-from services.shard.attention.paged import ATTN_IMPLEMENTATION, PagedBatch, allocate_pages, attention_backend
+from services.shard.attention.kv_pages import allocate_pages
+from services.shard.attention.paged import ATTN_IMPLEMENTATION, PagedBatch, attention_backend
 from services.shard.grammar.runner import ShardGrammars
 from services.shard.lora.registry import LoraRegistry
 from services.shard.model import compiled as compiled_module

@@ -14,13 +14,6 @@ to services/shard/attention/triton.py, and "cpu" its short rows to the C++ kerne
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import math
-import mmap
-import os
-import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -30,8 +23,6 @@ from transformers import AttentionInterface
 
 from services.shard.attention import bidirectional, cpu
 from services.shard.attention.tiled import TiledRow, attend_tiled, build_tiled, long_rows
-
-log = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "switchyard_paged"
 
@@ -132,59 +123,6 @@ class PagedBatch:
             groups = _build_groups(self, short, window, device) if len(short) else []
             got = self._groups[window] = (groups, build_tiled(self, tiled, window, device))
         return got
-
-
-def allocate_pages(
-    layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, prefault: bool = False
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The paged KV cache: per layer (K, V), zeroed, each `shape` = [kv_heads, blocks, block_size, D] (head-major:
-    gathering a row's blocks gives each head's keys as one contiguous matrix), and the same as [kv_heads, slots, D]
-    views (where a step's new K/V go in), formed once. `prefault` (Settings.kv_prefault): on CPU, every page made
-    resident by a thread beside the shard's start (`populate`), so that no step pays for its blocks' first touch."""
-    pages = [tuple(_zeros(shape, dtype, torch.device(device)) for _ in "kv") for _ in range(layers)]
-    flat = [tuple(t.view(shape[0], -1, shape[3]) for t in kv) for kv in pages]
-    if prefault and torch.device(device).type == "cpu":
-        populate([t for kv in pages for t in kv])
-    return pages, flat
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on CPU in an anonymous mapping, whose pages the kernel hands out zeroed on first touch, so
-    a cache of gigabytes costs nothing until its blocks are used (torch.zeros writes every page at start:
-    docs/attention.md). Page-aligned; the mapping lives as long as the tensor."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    buf = mmap.mmap(-1, max(nbytes, 1))
-    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
-
-
-# madvise(2)'s MADV_POPULATE_WRITE (Linux 5.14): the range's pages faulted in writable, their contents untouched
-MADV_POPULATE_WRITE = 23
-
-
-def populate(tensors: list[torch.Tensor]) -> threading.Thread:
-    """Make the pages of `tensors` (page-aligned CPU mappings, as `_zeros` gives) resident, on a thread of its own:
-    a first touch costs a fault per 4 KiB page, paid once here instead of by every prefill that reaches new blocks
-    (docs/attention.md has what it cost). MADV_POPULATE_WRITE leaves what is written untouched, so steps may write
-    K/V meanwhile; the call releases the GIL (ctypes). Where the kernel lacks it, pages stay on first touch (logged).
-    Returns the thread."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-    def run() -> None:
-        started = time.perf_counter()
-        for t in tensors:
-            if libc.madvise(t.data_ptr(), t.numel() * t.element_size(), MADV_POPULATE_WRITE) != 0:
-                err = ctypes.get_errno()
-                log.warning("KV cache: pages on first touch (madvise POPULATE_WRITE: %s)", os.strerror(err))
-                return
-        mib = sum(t.numel() * t.element_size() for t in tensors) / 2**20
-        log.info("KV cache: %.0f MiB resident in %.1f s", mib, time.perf_counter() - started)
-
-    thread = threading.Thread(target=run, name="kv-populate", daemon=True)
-    thread.start()
-    return thread
 
 
 def _bucket(q_lens: np.ndarray, k_lens: np.ndarray) -> list[np.ndarray]:

@@ -88,37 +88,3 @@ def test_the_cpu_backend_writes_kv_by_the_kernel_as_index_copy_would():
     assert paged.WRITES["index_copy"] - before["index_copy"] == 1
     assert torch.equal(pages["a"][0], pages["b"][0]) and torch.equal(pages["a"][1], pages["b"][1])
     assert pages["a"][0].abs().sum() > 0  # something was written
-
-
-def _resident_pages(t: torch.Tensor) -> int:
-    """How many pages of `t`'s (page-aligned) memory are resident (mincore(2))."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    nbytes = t.numel() * t.element_size()
-    vec = ctypes.create_string_buffer(-(-nbytes // mmap.PAGESIZE))
-    assert libc.mincore(t.data_ptr(), nbytes, vec) == 0, ctypes.get_errno()
-    return sum(b & 1 for b in vec.raw)
-
-
-def test_the_kv_cache_is_made_resident_beside_the_start_and_keeps_what_steps_wrote():
-    import mmap
-    import time
-
-    shape = (2, 256, 16, 64)  # 1 MiB of bf16 each for K and V
-    pages = len(range(0, 2 * 256 * 16 * 64 * 2, mmap.PAGESIZE))
-    ((k, v),) = paged.allocate_pages(1, shape, torch.bfloat16, torch.device("cpu"))[0]
-    assert _resident_pages(k) == 0  # without prefault: pages on first touch
-    k[1, 7] = 1.5  # a step's write: populating keeps it
-    assert _resident_pages(k) == 1
-    paged.populate([k, v]).join()
-    assert _resident_pages(k) == _resident_pages(v) == pages
-    assert (k[1, 7] == 1.5).all() and k.float().abs().sum() == 1.5 * 16 * 64 and v.float().abs().sum() == 0
-
-    ((k, v),) = paged.allocate_pages(1, shape, torch.bfloat16, torch.device("cpu"), prefault=True)[0]
-    deadline = time.monotonic() + 30
-    while _resident_pages(v) < pages and time.monotonic() < deadline:  # the thread's work, polled
-        time.sleep(0.01)
-    assert _resident_pages(k) == _resident_pages(v) == pages
