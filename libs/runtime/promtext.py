@@ -8,6 +8,7 @@ text format 0.0.4 with HELP/TYPE. TGI's counters keep their bare names (no `_tot
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -102,10 +103,7 @@ def merge(texts: Iterable[str], definitions=None) -> str:
     from the buckets around them. `definitions` (a metrics.Metrics) adds HELP lines,
     the full bucket layouts and zeros for unlabelled metrics no process recorded."""
     defs = definitions
-    parsed = []
-    for text in texts:
-        if text:
-            parsed.append({fam.name: fam for fam in text_string_to_metric_families(text)})
+    parsed = [families(text) for text in texts if text]
     out: dict[str, Family] = {}
     helps: dict[str, str] = {}
     if defs is not None:  # every known family first, in definition order, zero where unlabelled
@@ -166,6 +164,13 @@ def merge(texts: Iterable[str], definitions=None) -> str:
             for suffix in ("_sum", "_count"):
                 f.samples[(name + suffix, key)] = rest.get((name + suffix, key), 0.0)
     return render(out, helps)
+
+
+@functools.lru_cache(maxsize=64)
+def families(text: str) -> dict:
+    """A text's metric families by name, parsed once: a process's last heartbeat text is merged again at every
+    scrape until its next heartbeat, and parsing is most of a merge's cost. The result is shared: read it only."""
+    return {fam.name: fam for fam in text_string_to_metric_families(text)}
 
 
 class _NoDefinitions:

@@ -145,6 +145,25 @@ def test_aggregator_restarts_and_staleness():
     assert 'switchyard_process_up{index="0",role="http"} 1.0' in lines(text)  # our own, read fresh
 
 
+def test_a_heartbeat_text_is_parsed_once_however_often_it_is_scraped():
+    """Parsing is most of a scrape's cost: a process's last text is parsed at its first merge, then reused."""
+    from libs.runtime import promtext
+
+    metrics.init("http", 0)
+    agg = Aggregator("http", 0)
+    for role in ("detokenizer", "tokenizer"):
+        other = Metrics(role, 0)
+        other.queue_size.set(3)
+        agg.observe(hb(role, 0, 100, other.exposition()))
+    first = agg.render()
+    before = promtext.families.cache_info()
+    second = agg.render()
+    assert "tgi_queue_size 6.0" in lines(first) and "tgi_queue_size 6.0" in lines(second)  # both texts, summed
+    after = promtext.families.cache_info()
+    assert after.hits - before.hits == 2  # both processes' texts; http's own is read fresh
+    assert after.misses - before.misses == 1
+
+
 def test_heartbeat_carries_metrics(tmp_path):
     m = metrics.init("tokenizer", 3)
     m.tokenized_tokens.inc(42)
