@@ -1,12 +1,12 @@
 """The paged KV cache's memory: per layer a (K, V) pair of head-major tensors [kv_heads, blocks, block_size, D], on
 CPU in anonymous mappings the kernel zeroes on first touch, and made resident beside the shard's start.
 
-A first touch costs a fault per 4 KiB page, ~12,000 of them for a 2k-token prompt's blocks; left to the steps, every
-prefill that reaches new blocks pays them until the whole cache has been used once. `populate` pays them once, on a
-thread of its own, at the lowest CPU priority (SCHED_IDLE): it takes only the time no step wants, so a server loaded
-from its first second serves at full speed while its cache fills, and populates in the order the scheduler's allocator
-hands blocks out (lowest index first), so the blocks the first requests take are resident first. docs/attention.md
-tells what each choice measured.
+A first touch costs a fault per 4 KiB page; left to the steps, every prefill that reaches new blocks pays them until
+the whole cache has been used once. `populate` pays them once, on a thread of its own, at the lowest CPU priority
+(SCHED_IDLE): it takes only the time no step wants, so a server loaded from its first second serves at full speed
+while its cache fills (its steps fault in the blocks the thread has not reached), and it goes in the order the
+scheduler's allocator hands blocks out (lowest index first), so the blocks the first requests take are resident
+first. docs/attention.md tells what each choice measured.
 """
 
 from __future__ import annotations
