@@ -74,22 +74,20 @@ def ranges(tensors: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> list[
     return out
 
 
-def populate(tensors: list[torch.Tensor], idle: bool = True) -> threading.Thread:
+def populate(tensors: list[torch.Tensor]) -> threading.Thread:
     """Make the pages of `tensors` (page-aligned CPU mappings of the cache's shape, as `_zeros` gives) resident, on
-    a thread of its own, in `ranges`' order; `idle`: the thread runs under SCHED_IDLE, on CPU time no other thread of
-    the machine wants. MADV_POPULATE_WRITE leaves what is written untouched, so steps may write K/V meanwhile; each
-    call releases the GIL (ctypes). Where the kernel lacks it, pages stay on first touch (logged). Returns the
-    thread."""
+    a thread of its own under SCHED_IDLE (on CPU time no other thread of the machine wants), in `ranges`' order.
+    MADV_POPULATE_WRITE leaves what is written untouched, so steps may write K/V meanwhile; each call releases the
+    GIL (ctypes). Where the kernel lacks it, pages stay on first touch (logged). Returns the thread."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     todo = ranges(tensors)
 
     def run() -> None:
-        if idle:
-            try:
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
-            except (AttributeError, OSError) as e:  # not Linux, or a sandbox that forbids it: normal priority
-                log.info("KV cache: populating at normal priority (%s)", e)
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+        except (AttributeError, OSError) as e:  # not Linux, or a sandbox that forbids it: normal priority
+            log.info("KV cache: populating at normal priority (%s)", e)
         started = time.perf_counter()
         for address, length in todo:
             if libc.madvise(address, length, MADV_POPULATE_WRITE) != 0:

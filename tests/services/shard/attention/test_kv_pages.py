@@ -30,7 +30,7 @@ def test_the_kv_cache_is_made_resident_beside_the_start_and_keeps_what_steps_wro
     assert _resident_pages(k) == 0  # without prefault: pages on first touch
     k[1, 7] = 1.5  # a step's write: populating keeps it
     assert _resident_pages(k) == 1
-    kv_pages.populate([k, v], idle=False).join()
+    kv_pages.populate([k, v]).join(timeout=60)  # idle priority: waits for a free core
     assert _resident_pages(k) == _resident_pages(v) == pages
     assert (k[1, 7] == 1.5).all() and k.float().abs().sum() == 1.5 * 16 * 64 and v.float().abs().sum() == 0
 
