@@ -171,8 +171,8 @@ class Settings:
     # where structured output's masks are filled: "ahead" on a worker beside the forward pass, or "inline" on the
     # step's path with every core (services/shard/grammar/matchers.py)
     grammar_fill: str = "ahead"
-    # a CPU shard makes its whole KV cache resident at start, on a thread beside the start, so that no step pays
-    # for its blocks' first touch (0: pages on first use; services/shard/attention/paged.py)
+    # a CPU shard makes its whole KV cache resident on a thread at idle priority beside the start, so that no step
+    # pays for its blocks' first touch (0: pages on first use; services/shard/attention/kv_pages.py)
     kv_prefault: bool = True
     # a CPU shard in half precision runs the decode step's glue and short rows' attention through the C++ kernels
     # (services/shard/cpu_kernels/) where they build (0: torch's ops, to compare)
